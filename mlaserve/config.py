@@ -1,0 +1,375 @@
+"""Typed, validated configuration: the model's hyper-parameters and the engine's knobs.
+
+`ModelConfig` is parsed from a checkpoint's `config.json` and keeps the DeepSeek paper's names
+(`kv_lora_rank`, `qk_rope_head_dim`, ...). `EngineConfig` holds what an operator chooses. Both are
+frozen dataclasses validated when built; a bad value raises `ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ConfigError",
+    "EngineConfig",
+    "ModelConfig",
+    "default_model_path",
+    "resolve_torch_dtype",
+]
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8")
+MODEL_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+def default_model_path() -> Path:
+    """The small DeepSeek-V3-architecture model shipped inside the package."""
+    return Path(__file__).parent / "assets" / "default-model"
+
+
+def resolve_torch_dtype(name: str) -> torch.dtype:
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    if name not in table:
+        raise ConfigError(f"dtype: unknown dtype {name!r}; expected one of {sorted(table)}")
+    return table[name]
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN parameters (DeepSeek's `rope_scaling` / transformers' `rope_parameters`)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """DeepSeek-V2/V3 hyper-parameters with the paper's names."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    # Multi-head latent attention.
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # Mixture of experts. `n_routed_experts=None` means every layer is dense.
+    n_routed_experts: int | None = None
+    n_shared_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    routed_scaling_factor: float = 1.0
+    scoring_func: str = "softmax"  # "softmax" (V2) | "sigmoid" (V3)
+    topk_method: str = "greedy"  # "greedy" | "group_limited_greedy" (V2) | "noaux_tc" (V3)
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    # Everything else.
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rope_interleave: bool = True
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0
+    torch_dtype: str = "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"model_type: {self.model_type!r} is not supported; "
+                f"expected one of {SUPPORTED_MODEL_TYPES}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim: must be even, got {self.qk_rope_head_dim}")
+        if self.scoring_func not in ("softmax", "sigmoid"):
+            raise ConfigError(f"scoring_func: unsupported {self.scoring_func!r}")
+        if self.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise ConfigError(f"topk_method: unsupported {self.topk_method!r}")
+        if self.n_routed_experts:
+            if self.n_routed_experts % max(self.n_group, 1):
+                raise ConfigError(
+                    f"n_group: {self.n_group} does not divide n_routed_experts "
+                    f"{self.n_routed_experts}"
+                )
+            if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
+                raise ConfigError(f"num_experts_per_tok: {self.num_experts_per_tok} out of range")
+
+    # ----- derived -----
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Values stored per token per layer: the latent plus the shared rope key (512 + 64)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """1/sqrt(qk_head_dim), times YaRN's mscale(factor, mscale_all_dim)^2 (DeepSeek's correction)."""
+        scale = self.qk_head_dim**-0.5
+        if self.rope_scaling is not None and self.rope_scaling.mscale_all_dim:
+            m = _yarn_mscale(self.rope_scaling.factor, self.rope_scaling.mscale_all_dim)
+            scale *= m * m
+        return scale
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return (
+            self.n_routed_experts is not None
+            and layer_id >= self.first_k_dense_replace
+            and layer_id % self.moe_layer_freq == 0
+        )
+
+    # ----- parsing -----
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise ConfigError(f"model: no config.json in {str(path)!r}")
+        with open(config_file) as f:
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"model_type: {model_type!r} is not supported; expected one of "
+                f"{SUPPORTED_MODEL_TYPES}"
+            )
+        quant = d.get("quantization_config")
+        if quant:
+            raise ConfigError(
+                f"quantization_config: quantized checkpoints ({quant.get('quant_method', quant)!r}) "
+                "are not supported yet; use a bf16/fp16/fp32 checkpoint (for DeepSeek-V3's FP8 "
+                "weights, cast them to bf16 first)"
+            )
+        missing = [
+            k
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "kv_lora_rank",
+            )
+            if k not in d
+        ]
+        if missing:
+            raise ConfigError(f"config.json: missing required keys {missing}")
+        is_v3 = model_type == "deepseek_v3"
+        rope_theta, rope_scaling = _parse_rope(d)
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        n_routed = d.get("n_routed_experts")
+        return cls(
+            model_type=model_type,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d.get("intermediate_size", 4 * d["hidden_size"])),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=int(d["num_attention_heads"]),
+            q_lora_rank=d.get("q_lora_rank"),
+            kv_lora_rank=int(d["kv_lora_rank"]),
+            qk_nope_head_dim=int(d.get("qk_nope_head_dim", 128)),
+            qk_rope_head_dim=int(d.get("qk_rope_head_dim", 64)),
+            v_head_dim=int(d.get("v_head_dim", 128)),
+            n_routed_experts=int(n_routed) if n_routed else None,
+            n_shared_experts=int(d.get("n_shared_experts") or 0),
+            num_experts_per_tok=int(d.get("num_experts_per_tok") or 1),
+            moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
+            first_k_dense_replace=int(d.get("first_k_dense_replace") or 0),
+            moe_layer_freq=int(d.get("moe_layer_freq") or 1),
+            routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+            scoring_func=d.get("scoring_func") or ("sigmoid" if is_v3 else "softmax"),
+            topk_method=d.get("topk_method") or ("noaux_tc" if is_v3 else "greedy"),
+            n_group=int(d.get("n_group") or 1),
+            topk_group=int(d.get("topk_group") or 1),
+            norm_topk_prob=bool(d.get("norm_topk_prob", is_v3)),
+            hidden_act=d.get("hidden_act", "silu"),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rope_interleave=bool(d.get("rope_interleave", True)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            num_nextn_predict_layers=int(
+                d.get("num_nextn_predict_layers", d.get("num_mtp_layers", 0)) or 0
+            ),
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _parse_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """Read rope settings from the published `rope_theta`/`rope_scaling` keys or from the
+    `rope_parameters` key that newer transformers writes."""
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    src = params if params.get("rope_type", "default") != "default" else scaling
+    kind = src.get("rope_type", src.get("type")) if src else None
+    if not kind or kind == "default":
+        return theta, None
+    if kind not in ("yarn", "deepseek_yarn"):
+        raise ConfigError(f"rope_scaling: only YaRN scaling is supported, got {kind!r}")
+    try:
+        return theta, RopeScaling(
+            factor=float(src["factor"]),
+            original_max_position_embeddings=int(src["original_max_position_embeddings"]),
+            beta_fast=float(src.get("beta_fast", 32.0)),
+            beta_slow=float(src.get("beta_slow", 1.0)),
+            mscale=float(src.get("mscale", 1.0)),
+            mscale_all_dim=float(src.get("mscale_all_dim", 0.0)),
+        )
+    except KeyError as e:
+        raise ConfigError(f"rope_scaling: YaRN needs key {e.args[0]!r}") from None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the operator chooses. Every field can also come from the CLI / `MLASERVE_*` env."""
+
+    model: str | None = None  # checkpoint folder; None = the default model shipped in the package
+    tokenizer: str | None = None  # defaults to `model`
+    device: str = "auto"  # "auto" = cuda if available else cpu
+    dtype: str = "auto"  # "auto" = the checkpoint's dtype on cuda, float32 on cpu
+    kv_cache_dtype: str | None = None  # None = fp8_e4m3 on cuda, "auto" (= dtype) on cpu
+    page_size: int = 64
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None = min(model max_position_embeddings, 8192)
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory_fraction: float = 0.85  # of free GPU memory after the weights are loaded
+    num_pages: int | None = None  # explicit KV pool size; overrides the fraction
+    attention_backend: str = "auto"
+    seed: int = 0
+    served_model_name: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device: expected 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ConfigError(f"dtype: expected one of {MODEL_DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ConfigError(f"page_size: must be a power of two >= 1, got {self.page_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len: must be >= 2, got {self.max_model_len}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ConfigError(
+                f"kv_cache_memory_fraction: must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ConfigError(f"num_pages: must be >= 2 (page 0 is reserved), got {self.num_pages}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+
+    # ----- resolution against the machine and the model -----
+    @property
+    def model_path(self) -> Path:
+        return Path(self.model) if self.model else default_model_path()
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return Path(self.tokenizer) if self.tokenizer else self.model_path
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device: 'cuda' was asked for but no CUDA device is available")
+        return dev
+
+    def resolved_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        if self.dtype != "auto":
+            return resolve_torch_dtype(self.dtype)
+        if self.resolved_device().type == "cpu":
+            return torch.float32
+        dtype = resolve_torch_dtype(model_config.torch_dtype)
+        return torch.bfloat16 if dtype == torch.float32 else dtype
+
+    def resolved_kv_cache_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        kind = self.kv_cache_dtype
+        if kind is None:
+            kind = "fp8_e4m3" if self.resolved_device().type == "cuda" else "auto"
+        if kind in ("fp8", "fp8_e4m3"):
+            return torch.float8_e4m3fn
+        if kind in ("bf16", "bfloat16"):
+            return torch.bfloat16
+        return self.resolved_dtype(model_config)
+
+    def resolved_max_model_len(self, model_config: ModelConfig) -> int:
+        limit = model_config.max_position_embeddings
+        if self.max_model_len is None:
+            return min(limit, 8192)
+        if self.max_model_len > limit and model_config.rope_scaling is None:
+            raise ConfigError(
+                f"max_model_len: {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {limit}"
+            )
+        return self.max_model_len
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)

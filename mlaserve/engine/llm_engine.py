@@ -1,0 +1,277 @@
+"""The engine: requests in, tokens out, one `step()` at a time.
+
+    step():  schedule -> run (forward + sample) -> postprocess (append, detokenize, stop)
+
+Not thread-safe: one thread owns an engine (the HTTP service runs it in its own thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+from mlaserve.config import EngineConfig, ModelConfig
+from mlaserve.engine.model_runner import ModelRunner, StepResult
+from mlaserve.engine.request import FinishReason, Request
+from mlaserve.engine.scheduler import Scheduler, SchedulerOutput
+from mlaserve.kv_cache import PageAllocator
+from mlaserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from mlaserve.sampling_params import SamplingParams
+from mlaserve.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_holdback
+
+__all__ = ["EngineStats", "InvalidRequestError", "LLMEngine"]
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot serve; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_pages: int
+    num_total_pages: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_pages / max(self.num_total_pages, 1)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model_path)
+        self.max_model_len = config.resolved_max_model_len(self.model_config)
+        self.model_name = config.served_model_name or config.model or "mlaserve-default"
+        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer_path)
+        self.runner = ModelRunner(config, self.model_config)
+        self.allocator = PageAllocator(self.runner.num_pages)
+        self.scheduler = Scheduler(
+            self.allocator,
+            page_size=config.page_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.requests: dict[str, Request] = {}
+        self._seed_rng = random.Random(config.seed)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(eos)
+
+    # ----- requests -----
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        self._validate(token_ids, params)
+        max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
+        request = Request(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(63),
+            max_tokens=max_tokens,
+            arrival_time=arrival_time or time.time(),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens
+            ),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        request.metrics = RequestMetrics(
+            arrival_time=request.arrival_time, num_prompt_tokens=len(token_ids)
+        )
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        n = len(token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt: must contain at least one token", "prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", "prompt"
+            )
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt: {n} tokens leave no room to generate within max_model_len "
+                f"{self.max_model_len}",
+                "prompt",
+            )
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"max_tokens: {params.max_tokens} + {n} prompt tokens exceeds max_model_len "
+                f"{self.max_model_len}",
+                "max_tokens",
+            )
+        total = n + (params.max_tokens or self.max_model_len - n)
+        if self.scheduler.num_pages_for(total) > self.allocator.num_usable_pages:
+            raise InvalidRequestError(
+                f"prompt: {total} tokens need more KV pages than the cache holds "
+                f"({self.allocator.num_usable_pages} pages of {self.config.page_size})",
+                "prompt",
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None and not request.is_finished:
+            request.finish_reason = FinishReason.ABORT
+            self.scheduler.finish(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_pages=self.allocator.num_free_pages,
+            num_total_pages=self.allocator.num_usable_pages,
+        )
+
+    # ----- the loop -----
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        result = self.runner.run(scheduled.scheduled, self.eos_token_ids)
+        self.scheduler.after_step(scheduled)
+        return self._postprocess(scheduled, result)
+
+    def warmup(self) -> None:
+        """Run a throwaway request so first-use costs (allocator, kernels) happen before serving."""
+        prompt = list(range(min(16, self.model_config.vocab_size)))[: self.max_model_len - 2]
+        self.add_request("__warmup__", prompt, SamplingParams(max_tokens=2, temperature=0.0))
+        while self.requests.get("__warmup__") is not None:
+            self.step()
+
+    def _postprocess(self, scheduled: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        now = time.time()
+        outputs = []
+        sampling = [s.request for s in scheduled.scheduled if s.samples]
+        for i, request in enumerate(sampling):
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            new_text = self._append_token(request, i, result, now)
+            outputs.append(self._make_output(request, new_text, now))
+            if request.is_finished:
+                self.requests.pop(request.request_id, None)
+        for s in scheduled.scheduled:
+            if not s.samples and s.request.metrics.first_scheduled_time is None:
+                s.request.metrics.first_scheduled_time = now
+        return outputs
+
+    def _append_token(self, request: Request, i: int, result: StepResult, now: float) -> str:
+        token = result.token_ids[i]
+        request.output_token_ids.append(token)
+        params = request.params
+        if request.logprobs is not None:
+            request.logprobs.append(self._logprob_entry(token, i, result))
+            request.cumulative_logprob += result.logprobs[i]
+        text_before = len(request.output_text)
+        request.output_text += request.detokenizer.step([token])
+
+        n_out = request.num_output_tokens
+        if n_out >= params.min_tokens:
+            if (not params.ignore_eos and token in self.eos_token_ids) or (
+                params.stop_token_ids and token in params.stop_token_ids
+            ):
+                self._finish(request, FinishReason.STOP, token)
+            elif params.stop:
+                hit = find_stop(
+                    request.output_text,
+                    len(request.output_text) - text_before,
+                    params.stop,
+                    params.include_stop_str_in_output,
+                )
+                if hit is not None:
+                    request.output_text = request.output_text[: hit[0]]
+                    self._finish(request, FinishReason.STOP, hit[1])
+        if not request.is_finished and (
+            n_out >= request.max_tokens or request.num_tokens >= self.max_model_len
+        ):
+            self._finish(request, FinishReason.LENGTH, None)
+        if request.is_finished and not isinstance(request.stop_reason, str):
+            request.output_text += request.detokenizer.flush()
+        return self._release_text(request)
+
+    def _release_text(self, request: Request) -> str:
+        """Text safe to stream: hold back what could still turn into a stop string."""
+        held = 0
+        if not request.is_finished and request.params.stop:
+            held = stop_holdback(request.params.stop, request.params.include_stop_str_in_output)
+        released = request.num_released_chars
+        upto = max(released, len(request.output_text) - held)
+        request.num_released_chars = upto
+        return request.output_text[released:upto]
+
+    def _finish(
+        self, request: Request, reason: FinishReason, stop_reason: int | str | None
+    ) -> None:
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        self.scheduler.finish(request)
+
+    def _logprob_entry(self, token: int, i: int, result: StepResult) -> dict[int, Logprob]:
+        piece = self.tokenizer.id_to_piece
+        entry = {token: Logprob(result.logprobs[i], result.ranks[i], piece(token))}
+        if result.top_ids is not None:
+            for rank, (t, lp) in enumerate(zip(result.top_ids[i], result.top_logprobs[i]), 1):
+                entry.setdefault(t, Logprob(lp, rank, piece(t)))
+        return entry
+
+    def _make_output(self, request: Request, new_text: str, now: float) -> RequestOutput:
+        m = request.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        m.num_generation_tokens = request.num_output_tokens
+        if request.is_finished:
+            m.finished_time = now
+        reason = request.finish_reason
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=0,
+                    text=request.output_text,
+                    token_ids=list(request.output_token_ids),
+                    cumulative_logprob=(
+                        request.cumulative_logprob if request.logprobs is not None else None
+                    ),
+                    logprobs=list(request.logprobs) if request.logprobs is not None else None,
+                    finish_reason=reason.value if reason is not None else None,
+                    stop_reason=request.stop_reason,
+                )
+            ],
+            finished=request.is_finished,
+            metrics=m,
+            num_new_tokens=1,
+            new_text=new_text,
+        )
+
+    def __repr__(self) -> str:
+        return f"LLMEngine(model={self.config.model_path}, requests={len(self.requests)})"

@@ -1,0 +1,172 @@
+"""Owns the model, the KV pool, the attention backend and the input buffers; runs one forward.
+
+`run(scheduled)` turns the scheduler's decision into a `ForwardBatch` (host lists -> the
+preallocated buffers), runs the model, and samples the next token of every request whose chunk
+reached its last known token. The only device->host transfer per step is the sampled tokens
+(and their logprobs when asked for), which the engine needs to detokenize and stop.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from mlaserve.config import EngineConfig, ModelConfig
+from mlaserve.engine.forward_batch import ForwardBatch
+from mlaserve.engine.input_buffers import HostBatch, InputBuffers
+from mlaserve.engine.scheduler import ScheduledRequest
+from mlaserve.kernels_adapter import get_backend_class, resolve_backend_name
+from mlaserve.kv_cache import MLAKVPool
+from mlaserve.model import load_model
+from mlaserve.sampling import Sampler, SamplingBatch
+
+__all__ = ["ModelRunner", "StepResult"]
+
+logger = logging.getLogger(__name__)
+
+# Without an explicit size, a CPU KV pool takes at most this much host memory.
+CPU_KV_CACHE_BYTES = 2 << 30
+
+
+@dataclass
+class StepResult:
+    """Per sampled request (in scheduling order): its new token and optional logprob info."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    ranks: list[int] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype(model_config)
+        self.kv_cache_dtype = config.resolved_kv_cache_dtype(model_config)
+        self.max_model_len = config.resolved_max_model_len(model_config)
+        self.page_size = config.page_size
+        self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
+
+        backend_name = resolve_backend_name(config.attention_backend, self.device.type)
+        backend_cls = get_backend_class(backend_name)
+        backend_cls.check_supported(model_config, self.page_size, self.kv_cache_dtype, self.device)
+
+        logger.info(
+            "loading weights from %s (%s on %s)", config.model_path, self.dtype, self.device
+        )
+        self.model = load_model(
+            model_config, config.model_path, dtype=self.dtype, device=self.device
+        )
+
+        self.num_pages = self._decide_num_pages()
+        self.kv_pool = MLAKVPool(
+            num_layers=model_config.num_hidden_layers,
+            num_pages=self.num_pages,
+            page_size=self.page_size,
+            kv_lora_rank=model_config.kv_lora_rank,
+            qk_rope_head_dim=model_config.qk_rope_head_dim,
+            dtype=self.kv_cache_dtype,
+            device=self.device,
+        )
+        self.attn_backend = backend_cls(
+            model_config,
+            page_size=self.page_size,
+            kv_cache_dtype=self.kv_cache_dtype,
+            device=self.device,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
+        self.buffers = InputBuffers(
+            max_num_seqs=config.max_num_seqs,
+            max_num_tokens=config.max_num_batched_tokens,
+            max_pages_per_seq=self.max_pages_per_seq,
+            device=self.device,
+        )
+        self.sampler = Sampler()
+        logger.info(
+            "KV cache: %d pages x %d tokens, %s, backend=%s",
+            self.num_pages,
+            self.page_size,
+            self.kv_cache_dtype,
+            backend_name,
+        )
+
+    def _decide_num_pages(self) -> int:
+        cfg, mc = self.config, self.model_config
+        if cfg.num_pages is not None:
+            return cfg.num_pages
+        # More pages than every sequence slot at full length could ever use are wasted.
+        useful = cfg.max_num_seqs * self.max_pages_per_seq + 1
+        per_page = MLAKVPool.bytes_per_page(
+            mc.num_hidden_layers, self.page_size, mc.kv_cache_dim, self.kv_cache_dtype
+        )
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cfg.kv_cache_memory_fraction)
+        else:
+            budget = CPU_KV_CACHE_BYTES
+        return max(2, min(useful, budget // per_page))
+
+    # ----- one step -----
+    def build_host_batch(self, scheduled: list[ScheduledRequest]) -> HostBatch:
+        ps = self.page_size
+        host = HostBatch([], [], [], [], [], [], [])
+        for s in scheduled:
+            r, start = s.request, s.request.num_computed_tokens
+            end = start + s.num_new_tokens
+            host.input_ids.extend(r.tokens(start, end))
+            host.positions.extend(range(start, end))
+            host.slot_mapping.extend(r.pages[p // ps] * ps + p % ps for p in range(start, end))
+            host.seq_lens.append(end)
+            host.q_lens.append(s.num_new_tokens)
+            host.block_tables.append(r.pages)
+            if s.samples:
+                host.logits_indices.append(len(host.input_ids) - 1)
+        return host
+
+    def make_batch(self, host: HostBatch) -> ForwardBatch:
+        return self.buffers.fill(
+            host,
+            max_seq_len=max(host.seq_lens),
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states -> logits of the rows in batch.logits_indices. [num_logits, vocab] fp32."""
+        self.attn_backend.prepare(batch)
+        hidden = self.model(batch)
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledRequest], eos_token_ids: list[int]) -> StepResult:
+        host = self.build_host_batch(scheduled)
+        logits = self.forward(self.make_batch(host))
+        sampling = [s.request for s in scheduled if s.samples]
+        if not sampling:
+            return StepResult(token_ids=[])
+        sb = SamplingBatch.build(
+            params=[r.params for r in sampling],
+            seeds=[r.seed for r in sampling],
+            steps=[r.num_output_tokens for r in sampling],
+            prompt_ids=[r.prompt_token_ids for r in sampling],
+            output_ids=[r.output_token_ids for r in sampling],
+            vocab_size=self.model_config.vocab_size,
+            device=self.device,
+            eos_token_ids=eos_token_ids,
+        )
+        out = self.sampler(logits, sb)
+        result = StepResult(token_ids=out.token_ids.tolist())  # the step's one host sync
+        if any(r.params.logprobs is not None for r in sampling):
+            result.logprobs = out.logprobs.tolist()
+            result.ranks = out.ranks.tolist()
+            if out.top_ids is not None:
+                result.top_ids = out.top_ids.tolist()
+                result.top_logprobs = out.top_logprobs.tolist()
+        return result

@@ -1,0 +1,80 @@
+"""Host-side state of one request: its tokens, its KV pages and how far its KV is computed."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from mlaserve.outputs import RequestMetrics
+
+if TYPE_CHECKING:
+    from mlaserve.sampling_params import SamplingParams
+    from mlaserve.tokenizer import IncrementalDetokenizer
+
+__all__ = ["FinishReason", "Request", "RequestStatus"]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # drives this request's sampling noise; fixed at admission (reproducible)
+    max_tokens: int  # resolved: params.max_tokens, clipped to the context left
+    arrival_time: float = field(default_factory=time.time)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    # Tokens whose KV is in the cache. A token is "computed" once a forward wrote its KV.
+    num_computed_tokens: int = 0
+    pages: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    output_text: str = ""
+    num_released_chars: int = 0  # prefix of output_text already handed to callers
+    logprobs: list[dict] | None = None
+    cumulative_logprob: float = 0.0
+    metrics: RequestMetrics | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]

@@ -1,0 +1,147 @@
+"""Continuous batching: which requests run this step, and how many of their tokens.
+
+Each step spends a token budget (`max_num_batched_tokens`): running requests first (a decode
+costs one token, an unfinished prefill continues with its next chunk), then waiting requests are
+admitted in arrival order while pages and sequence slots last, their prompts chunked to fit the
+budget. When a running request needs a page and none is free, the newest running request is
+preempted: its pages are freed and it goes back to the front of the queue, to be recomputed
+from its prompt and the tokens it already generated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from mlaserve.engine.request import Request, RequestStatus
+from mlaserve.kv_cache import PageAllocator
+
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # query tokens this step: [num_computed, num_computed + num_new_tokens)
+    # Whether this step ends at the request's last known token, so it samples the next one.
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        r = self.request
+        self.samples = r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        page_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # ----- queue management -----
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request) -> None:
+        """Release a finished or aborted request's pages and forget it."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._free_pages(request)
+        request.status = RequestStatus.FINISHED
+
+    # ----- scheduling -----
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        # 1) Running requests, oldest first; preempt the newest when pages run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self._reserve(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted; nothing newer is left running
+
+        # 2) Admit waiting requests while budget, slots and pages last (none were preempted).
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if out.preempted:
+                break
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve(request, num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return out
+
+    def after_step(self, out: SchedulerOutput) -> None:
+        """The forward wrote KV for every scheduled token."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+
+    # ----- pages -----
+    def num_pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _reserve(self, request: Request, num_new: int) -> bool:
+        """Make sure pages exist for the request's KV up to num_computed + num_new tokens."""
+        needed = self.num_pages_for(request.num_computed_tokens + num_new) - len(request.pages)
+        if needed <= 0:
+            return True
+        if not self.allocator.can_allocate(needed):
+            return False
+        request.pages.extend(self.allocator.allocate(needed))
+        return True
+
+    def _free_pages(self, request: Request) -> None:
+        if request.pages:
+            self.allocator.free(request.pages)
+            request.pages = []
+
+    def _preempt(self, request: Request) -> None:
+        self._free_pages(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        if request.metrics is not None:
+            request.metrics.num_preemptions += 1
+        self.waiting.appendleft(request)

@@ -1,0 +1,94 @@
+"""The narrow interface every MLA attention kernel is adapted to.
+
+Contract
+--------
+The model computes, per layer, the *weight-absorbed* query and the new tokens' latent KV, and
+hands them to `forward`. The backend stores the new KV in the paged pool (at
+`batch.slot_mapping`) and returns attention over each sequence's cached prefix plus its new
+tokens, causal among the new tokens:
+
+    q_nope  [T, H, kv_lora_rank]    q_nope @ W_UK, i.e. already in the 512-wide latent space
+    q_pe    [T, H, qk_rope_head_dim] RoPE applied
+    kv_c    [T, kv_lora_rank]        normalized latent of the new tokens
+    k_pe    [T, qk_rope_head_dim]    RoPE applied, shared by all heads
+    returns [T, H, kv_lora_rank]     softmax(q.k * softmax_scale) @ c_kv, in the model dtype
+
+Query row i of a sequence with `q_len` new tokens and KV length `L` (= seq_lens[b]) sees keys
+`0 .. L - q_len + i` inclusive.
+
+`prepare(batch)` builds whatever per-forward metadata the kernel needs from the batch's device
+buffers. It must not read device values on the host: the CUDA graph runner calls it inside the
+captured region (or before replay), and the host-side ints it may use (`bs`, `q_len`,
+`max_seq_len`) are fixed per captured graph.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from mlaserve.config import ModelConfig
+    from mlaserve.engine.forward_batch import ForwardBatch
+
+__all__ = ["AttentionBackend", "BackendUnsupportedError"]
+
+
+class BackendUnsupportedError(ValueError):
+    """The chosen backend cannot run this configuration (device, dtype, page size, shape)."""
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[str]
+    #: whether `prepare` + `forward` in DECODE mode may be captured into a CUDA graph
+    supports_cuda_graph: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        page_size: int,
+        kv_cache_dtype: torch.dtype,
+        device: torch.device,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
+        self.model_config = model_config
+        self.page_size = page_size
+        self.kv_cache_dtype = kv_cache_dtype
+        self.device = device
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.num_heads = model_config.num_attention_heads
+        self.kv_lora_rank = model_config.kv_lora_rank
+        self.qk_rope_head_dim = model_config.qk_rope_head_dim
+        self.softmax_scale = model_config.softmax_scale
+
+    @classmethod
+    def check_supported(
+        cls,
+        model_config: ModelConfig,
+        page_size: int,
+        kv_cache_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """Raise `BackendUnsupportedError` with a clear message if this backend cannot run.
+        The default accepts everything (the reference backend runs anywhere)."""
+        return None
+
+    @abstractmethod
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Build per-forward metadata into `batch.attn_metadata`. Device ops only."""
+
+    @abstractmethod
+    def forward(
+        self,
+        layer_id: int,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Write the new KV of `layer_id`, then attend. Shapes in the module docstring."""

@@ -1,0 +1,101 @@
+"""Paged MLA KV cache: one pool per layer, written at slot ids, read by page tables.
+
+Byte layout (the contract with every attention kernel)
+------------------------------------------------------
+Per layer, one tensor `kv[num_pages, page_size, D]` with `D = kv_lora_rank + qk_rope_head_dim`
+(512 + 64 = 576 for DeepSeek). Token `t` of a sequence lives in page `block_table[t // page_size]`
+at row `t % page_size`; its global slot id is `page * page_size + row`. Each row is
+
+    [ c_kv (kv_lora_rank values) | k_pe (qk_rope_head_dim values, RoPE already applied) ]
+
+stored contiguously in one dtype:
+  * fp8_e4m3 (`torch.float8_e4m3fn`, 1 byte/value, 576 B/token/layer): value = stored * k_scale,
+    one per-tensor scale for the whole cache (1.0 unless the checkpoint gives one). Writes divide
+    by the scale and saturate to +-448 (e4m3's largest finite value) so nothing becomes NaN.
+    This is FlashMLA's / trtllm-gen's / tokenspeed_mla's plain 576-byte FP8 MLA layout (no inline
+    scales).
+  * bf16 / fp16 / fp32: the values themselves (scale 1).
+Page 0 is never handed out: padded rows of a batch point their page table and slots at it, so
+their writes land somewhere harmless.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FP8_E4M3_MAX", "MLAKVPool"]
+
+FP8_E4M3_MAX = 448.0
+
+
+class MLAKVPool:
+    """All layers' latent KV pages. `kv_buffers[layer]` has shape [num_pages, page_size, D]."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        k_scale: float = 1.0,
+    ) -> None:
+        if num_pages < 2:
+            raise ValueError(
+                f"num_pages: need at least 2 pages (page 0 is reserved), got {num_pages}"
+            )
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.dim = kv_lora_rank + qk_rope_head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.is_fp8 = dtype == torch.float8_e4m3fn
+        self.k_scale = float(k_scale) if self.is_fp8 else 1.0
+        # Kernels that take scales as device tensors (FlashMLA's descale_k) read this one.
+        self.k_scale_tensor = torch.full(
+            (1,), self.k_scale, dtype=torch.float32, device=self.device
+        )
+        self.kv_buffers = [
+            torch.zeros(num_pages, page_size, self.dim, dtype=dtype, device=self.device)
+            for _ in range(num_layers)
+        ]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes across all layers."""
+        return self.num_layers * self.dim * self.kv_buffers[0].element_size()
+
+    @staticmethod
+    def bytes_per_page(
+        num_layers: int, page_size: int, kv_cache_dim: int, dtype: torch.dtype
+    ) -> int:
+        return num_layers * page_size * kv_cache_dim * torch.empty((), dtype=dtype).element_size()
+
+    def quantize(self, kv: torch.Tensor) -> torch.Tensor:
+        """[T, D] model-dtype values -> [T, D] cache-dtype values."""
+        if self.is_fp8:
+            kv = (kv.float() / self.k_scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        return kv.to(self.dtype)
+
+    def write(
+        self, layer_id: int, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
+    ) -> None:
+        """Store new tokens. slot_mapping [T] int64; kv_c [T, kv_lora_rank]; k_pe [T, rope_dim]."""
+        rows = self.quantize(torch.cat([kv_c, k_pe], dim=-1))
+        flat = self.kv_buffers[layer_id].view(-1, self.dim)
+        if self.is_fp8:
+            # index_copy_ has no float8 kernel on every device; bytes are bytes.
+            flat.view(torch.uint8).index_copy_(0, slot_mapping, rows.view(torch.uint8))
+        else:
+            flat.index_copy_(0, slot_mapping, rows)
+
+    def gather(self, layer_id: int, block_tables: torch.Tensor) -> torch.Tensor:
+        """Dequantized fp32 KV of whole pages: block_tables [bs, P] -> [bs, P*page_size, D]."""
+        pages = self.kv_buffers[layer_id][block_tables.long()]  # [bs, P, page, D]
+        kv = pages.float().flatten(1, 2)
+        return kv * self.k_scale if self.is_fp8 else kv

@@ -1,0 +1,136 @@
+"""DeepSeek-V2 / V3 causal LM over a paged MLA cache.
+
+    hidden = embed(input_ids)
+    for each layer:  hidden += MLA(norm(hidden));  hidden += FFN(norm(hidden))
+    return norm(hidden)                 # `model(batch)`;  logits = lm_head(hidden)
+
+FFN is the dense SwiGLU MLP for the first `first_k_dense_replace` layers (and off the
+`moe_layer_freq` grid), the MoE elsewhere. Module and parameter names follow the HF
+checkpoints, except the fused `gate_up_proj` / stacked experts (see `loader.py`).
+
+The forward reads only `batch.input_ids`, `batch.positions` and hands `batch` to the attention
+backend; it never reads device values on the host (on CUDA), so DECODE batches can be captured
+in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from mlaserve.config import ModelConfig
+from mlaserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from mlaserve.model.layers.linear import NO_TP, TensorParallel
+from mlaserve.model.layers.mla import MLAAttention
+from mlaserve.model.layers.mlp import DeepseekMLP
+from mlaserve.model.layers.moe import DeepseekMoE
+from mlaserve.model.layers.norm import RMSNorm
+from mlaserve.model.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from mlaserve.engine.forward_batch import ForwardBatch
+    from mlaserve.model.mtp import DeepseekMTP
+
+__all__ = ["DeepseekDecoderLayer", "DeepseekForCausalLM", "DeepseekModel"]
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        *,
+        params_dtype: torch.dtype = torch.float32,
+        tp: TensorParallel = NO_TP,
+    ) -> None:
+        super().__init__()
+        kw = {"params_dtype": params_dtype, "tp": tp}
+        self.self_attn = MLAAttention(config, layer_id, **kw)
+        self.mlp: DeepseekMoE | DeepseekMLP
+        if config.is_moe_layer(layer_id):
+            self.mlp = DeepseekMoE(config, **kw)
+        else:
+            self.mlp = DeepseekMLP(
+                config.hidden_size, config.intermediate_size, hidden_act=config.hidden_act, **kw
+            )
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, params_dtype=params_dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, params_dtype=params_dtype)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]"""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        params_dtype: torch.dtype = torch.float32,
+        tp: TensorParallel = NO_TP,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, params_dtype=params_dtype, tp=tp
+        )
+        self.rotary_emb = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(config, i, params_dtype=params_dtype, tp=tp)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=params_dtype)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """-> [T, hidden] final-normed hidden states"""
+        x = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary_emb(batch.positions)  # shared by all layers
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch)
+        return self.norm(x)
+
+
+class DeepseekForCausalLM(nn.Module):
+    """The served model. Build it with `mlaserve.model.load_model`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        params_dtype: torch.dtype = torch.float32,
+        tp: TensorParallel = NO_TP,
+        with_mtp: bool = False,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DeepseekModel(config, params_dtype=params_dtype, tp=tp)
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, params_dtype=params_dtype, tp=tp
+        )
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp: DeepseekMTP | None = None
+        if with_mtp:
+            from mlaserve.model.mtp import DeepseekMTP
+
+            self.mtp = DeepseekMTP(config, params_dtype=params_dtype, tp=tp)
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """ForwardBatch -> [T, hidden] final-normed hidden states (attention backend prepared)."""
+        return self.model(batch)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab_size] float32"""
+        return self.lm_head(hidden)
+
+    def process_weights_after_loading(self) -> None:
+        for module in self.modules():
+            if isinstance(module, MLAAttention):
+                module.process_weights_after_loading()

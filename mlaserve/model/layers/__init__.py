@@ -1,0 +1,1 @@
+"""Building blocks of the DeepSeek model, one concept per file."""

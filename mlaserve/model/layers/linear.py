@@ -1,0 +1,194 @@
+"""Linear layers that know how they would be split for tensor parallelism (TP).
+
+Every layer takes a `TensorParallel(rank, size)` (today always rank 0 of 1) and gives its
+parameters a `weight_loader(param, loaded, ...)` that receives the *full* checkpoint tensor and
+copies this rank's shard into the parameter:
+
+    ReplicatedLinear            every rank holds the whole [out, in] weight
+    ColumnParallelLinear        output dim split: rank r holds rows   [r*out/tp, (r+1)*out/tp)
+    MergedColumnParallelLinear  several column-parallel outputs stored side by side (gate|up)
+    RowParallelLinear           input dim split: rank r holds columns [r*in/tp, (r+1)*in/tp);
+                                the partial outputs are summed across ranks (all-reduce)
+
+The collective ops are not wired yet: a forward with `tp.size > 1` raises NotImplementedError.
+A weight whose full shape is wrong raises `ValueError` naming expected and got shapes; the
+weight loader turns that into a `WeightLoadError` naming the checkpoint key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "NO_TP",
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "ReplicatedLinear",
+    "RowParallelLinear",
+    "TensorParallel",
+    "all_reduce",
+    "check_shape",
+    "default_weight_loader",
+]
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in the tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor parallel: need 0 <= rank < size, got {self.rank}/{self.size}")
+
+    def split(self, n: int, what: str) -> int:
+        """Per-rank share of `n` (which must divide evenly)."""
+        if n % self.size:
+            raise ValueError(f"{what}: {n} is not divisible by tensor-parallel size {self.size}")
+        return n // self.size
+
+
+NO_TP = TensorParallel()  # a single rank: the default everywhere until TP lands
+
+
+def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Sum partial results over the TP group (identity on one rank)."""
+    if tp.size > 1:
+        raise NotImplementedError("tensor parallelism: the all-reduce is not wired yet")
+    return x
+
+
+def check_shape(loaded: torch.Tensor, expected: tuple[int, ...] | torch.Size) -> None:
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"shape mismatch: expected {list(expected)}, got {list(loaded.shape)}")
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Replicated parameter: copy the whole tensor (cast to the parameter's dtype/device)."""
+    check_shape(loaded, param.shape)
+    param.data.copy_(loaded)
+
+
+def _shard(loaded: torch.Tensor, dim: int, tp: TensorParallel) -> torch.Tensor:
+    size = loaded.shape[dim] // tp.size
+    return loaded.narrow(dim, tp.rank * size, size)
+
+
+class _Linear(nn.Module):
+    """y = x @ W.T (+ b), W [out_local, in_local] in `params_dtype` on the current device.
+
+    `split_dim` is the weight dimension divided over TP ranks (None: replicated)."""
+
+    split_dim: ClassVar[int | None] = None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        tp: TensorParallel = NO_TP,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.tp = in_features, out_features, tp
+        out_local = tp.split(out_features, "out_features") if self.split_dim == 0 else out_features
+        in_local = tp.split(in_features, "in_features") if self.split_dim == 1 else in_features
+        self.weight = nn.Parameter(
+            torch.empty(out_local, in_local, dtype=params_dtype), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(out_local, dtype=params_dtype), requires_grad=False
+            )
+            self.bias.weight_loader = self.weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """`loaded` is the full checkpoint tensor; keep this rank's slice of it."""
+        is_bias = param.dim() == 1
+        check_shape(
+            loaded, (self.out_features,) if is_bias else (self.out_features, self.in_features)
+        )
+        dim = self.split_dim if not is_bias else (0 if self.split_dim == 0 else None)
+        param.data.copy_(loaded if dim is None else _shard(loaded, dim, self.tp))
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, tp={self.tp.rank}/{self.tp.size}"
+
+
+class ReplicatedLinear(_Linear):
+    """Every rank holds the whole weight."""
+
+
+class ColumnParallelLinear(_Linear):
+    """Output features split over ranks; each rank's output is its slice (no gather)."""
+
+    split_dim = 0
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Column-parallel outputs of several checkpoint tensors stored one after another, e.g.
+    `gate_up_proj` = [gate_proj; up_proj], so one GEMM computes both. The loader is called once
+    per checkpoint tensor with its `shard_id` (index into `output_sizes`)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        *,
+        params_dtype: torch.dtype = torch.float32,
+        tp: TensorParallel = NO_TP,
+    ) -> None:
+        for size in output_sizes:
+            tp.split(size, "MergedColumnParallelLinear output size")
+        self.output_sizes = list(output_sizes)
+        super().__init__(in_features, sum(output_sizes), params_dtype=params_dtype, tp=tp)
+
+    def weight_loader(  # type: ignore[override]
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int
+    ) -> None:
+        check_shape(loaded, (self.output_sizes[shard_id], self.in_features))
+        local = [size // self.tp.size for size in self.output_sizes]
+        rows = param.data.narrow(0, sum(local[:shard_id]), local[shard_id])
+        rows.copy_(_shard(loaded, 0, self.tp))
+
+
+class RowParallelLinear(_Linear):
+    """Input features split over ranks; partial outputs are summed across ranks.
+
+    `reduce_output=False` leaves the sum to the caller (the MoE block reduces routed and shared
+    experts together, once)."""
+
+    split_dim = 1
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        tp: TensorParallel = NO_TP,
+        reduce_output: bool = True,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, params_dtype=params_dtype, tp=tp)
+        self.reduce_output = reduce_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce_output:
+            y = all_reduce(y, self.tp)
+        # NOTE: the bias is added once, after the sum over ranks.
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,128 @@
+"""Multi-head latent attention (DeepSeek-V2 section 2.1), always in the weight-absorbed form.
+
+Per token, with H heads, r = kv_lora_rank, d_n = qk_nope_head_dim, d_r = qk_rope_head_dim,
+d_v = v_head_dim:
+
+    q        = q_b_proj(q_a_layernorm(q_a_proj(x)))  or  q_proj(x)        [H, d_n + d_r]
+    c_kv|k_pe = kv_a_proj_with_mqa(x);  c_kv = kv_a_layernorm(c_kv)        [r], [d_r]
+    kv_b_proj = [W_UK; W_UV] per head: k_nope_h = W_UK_h c_kv, v_h = W_UV_h c_kv
+
+Absorbing W_UK into the query (q_nope_h . W_UK_h c = (W_UK_h^T q_nope_h) . c) means keys and
+values never leave the latent space: the cache stores only c_kv | k_pe (r + d_r values per
+token, 576 for DeepSeek) and the attention kernel sees one shared "head" of width r + d_r. The
+latent output o_h = sum_s p_hs c_s goes through W_UV_h, then o_proj.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from mlaserve.config import ModelConfig
+from mlaserve.model.layers.linear import (
+    NO_TP,
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    TensorParallel,
+)
+from mlaserve.model.layers.norm import RMSNorm
+from mlaserve.model.layers.rotary import apply_rope
+
+if TYPE_CHECKING:
+    from mlaserve.engine.forward_batch import ForwardBatch
+
+__all__ = ["MLAAttention"]
+
+# transformers/DeepSeek build q_a_layernorm and kv_a_layernorm with the RMSNorm default eps,
+# not config.rms_norm_eps.
+_LATENT_NORM_EPS = 1e-6
+
+
+class MLAAttention(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        *,
+        params_dtype: torch.dtype = torch.float32,
+        tp: TensorParallel = NO_TP,
+    ) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = tp.split(config.num_attention_heads, "num_attention_heads")  # local
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.rope_interleaved = config.model_type == "deepseek_v2" or config.rope_interleave
+        h, hidden = config.num_attention_heads, config.hidden_size
+        bias = config.attention_bias
+        kw = {"params_dtype": params_dtype, "tp": tp}
+
+        if self.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, h * config.qk_head_dim, **kw)
+        else:
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias, **kw)
+            self.q_a_layernorm = RMSNorm(
+                self.q_lora_rank, _LATENT_NORM_EPS, params_dtype=params_dtype
+            )
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, h * config.qk_head_dim, **kw)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias, **kw
+        )
+        self.kv_a_layernorm = RMSNorm(
+            self.kv_lora_rank, _LATENT_NORM_EPS, params_dtype=params_dtype
+        )
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, h * (self.qk_nope_head_dim + self.v_head_dim), **kw
+        )
+        self.o_proj = RowParallelLinear(h * self.v_head_dim, hidden, bias=bias, **kw)
+        self.w_uk: torch.Tensor | None = None
+        self.w_uv: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Split kv_b_proj into the absorbed projections. Views, no copies: each head's matrix
+        is contiguous, only the batch stride differs, which batched GEMMs take as is."""
+        w = self.kv_b_proj.weight.view(
+            self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
+        )  # [H, d_n + d_v, r]
+        self.w_uk = w[:, : self.qk_nope_head_dim, :]  # [H, d_n, r]: q_nope -> latent
+        self.w_uv = w[:, self.qk_nope_head_dim :, :].transpose(1, 2)  # [H, r, d_v]: latent -> v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """x [T, hidden]; cos/sin [T, d_r / 2] -> [T, hidden]"""
+        if self.w_uk is None:
+            raise RuntimeError("MLAAttention: call process_weights_after_loading() after loading")
+        num_tokens = x.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(num_tokens, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+
+        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split(
+            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+        )  # [T, r], [T, d_r]
+        kv_c = self.kv_a_layernorm(kv_c)
+        q_pe = apply_rope(q_pe, cos, sin, self.rope_interleaved)  # [T, H, d_r]
+        k_pe = apply_rope(k_pe, cos, sin, self.rope_interleaved)  # [T, d_r]
+
+        # Absorb W_UK: [H, T, d_n] @ [H, d_n, r] -> [H, T, r]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, r]
+        o_latent = batch.attn_backend.forward(
+            self.layer_id, q_latent, q_pe, kv_c, k_pe, batch
+        )  # [T, H, r]
+        # Up-project with W_UV: [H, T, r] @ [H, r, d_v] -> [H, T, d_v]
+        o = torch.bmm(o_latent.transpose(0, 1), self.w_uv).transpose(0, 1)  # [T, H, d_v]
+        return self.o_proj(o.reshape(num_tokens, self.num_heads * self.v_head_dim))

@@ -1,0 +1,55 @@
+"""The SwiGLU feed-forward block: dense layers and the MoE's shared experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlaserve.config import ConfigError
+from mlaserve.model.layers.linear import (
+    NO_TP,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+)
+
+__all__ = ["DeepseekMLP", "silu_and_mul"]
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] = [gate | up] -> [..., I] = silu(gate) * up"""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class DeepseekMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate and up run as one GEMM (`gate_up_proj`)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        hidden_act: str = "silu",
+        params_dtype: torch.dtype = torch.float32,
+        tp: TensorParallel = NO_TP,
+        reduce_output: bool = True,
+    ) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ConfigError(f"hidden_act: only 'silu' is supported, got {hidden_act!r}")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, params_dtype=params_dtype, tp=tp
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size,
+            hidden_size,
+            params_dtype=params_dtype,
+            tp=tp,
+            reduce_output=reduce_output,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]"""
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

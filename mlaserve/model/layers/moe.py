@@ -1,0 +1,294 @@
+"""DeepSeek mixture of experts: a top-k router, routed experts run batched, shared experts.
+
+Routing (`select_experts`, pure function, fp32):
+    V2  softmax scores; `greedy` top-k, or `group_limited_greedy` (keep the `topk_group` groups
+        with the highest max score, then top-k inside them);
+    V3  sigmoid scores; `noaux_tc`: choose with scores + e_score_correction_bias, groups ranked
+        by the sum of their two best biased scores, weights are the *unbiased* scores.
+    Then optional renormalisation (`norm_topk_prob`) and `routed_scaling_factor`.
+
+Routed experts (`FusedExperts`) keep all experts' weights stacked, [E, 2I, H] (gate | up) and
+[E, H, I], and run one of:
+    grouped_mm  sort (token, expert) pairs by expert, device-side offsets, two
+                `torch._grouped_mm` calls. No host sync on CUDA SM90+ in bf16 (CUDA-graph
+                safe); also runs on CPU (tests).
+    loop        the same sorted layout, one GEMM per expert with tokens; reads the per-expert
+                counts on the host, so CPU only (the default there).
+    dense       every expert over every token, weighted by a [T, E] routing matrix that is zero
+                off the top-k. No sync, any dtype/device, E times the FLOPs: the CUDA fallback
+                when grouped_mm cannot run.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlaserve.config import ModelConfig
+from mlaserve.model.layers.linear import NO_TP, TensorParallel, all_reduce, check_shape
+from mlaserve.model.layers.mlp import DeepseekMLP, silu_and_mul
+
+__all__ = ["DeepseekMoE", "ExpertsImpl", "FusedExperts", "TopKRouter", "select_experts"]
+
+ExpertsImpl = Literal["auto", "grouped_mm", "loop", "dense"]
+
+
+def select_experts(
+    router_logits: torch.Tensor,
+    *,
+    top_k: int,
+    scoring_func: str,
+    topk_method: str,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+    correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] fp32 -> (weights [T, K] fp32, expert ids [T, K] int64)."""
+    num_tokens, num_experts = router_logits.shape
+    if scoring_func == "softmax":
+        scores = router_logits.softmax(dim=-1)
+    else:
+        scores = router_logits.sigmoid()
+    per_group = num_experts // n_group
+
+    if topk_method == "noaux_tc":
+        choice = scores if correction_bias is None else scores + correction_bias
+        group_scores = (
+            choice.view(num_tokens, n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
+        )  # [T, G]
+        choice = choice.masked_fill(
+            ~_group_mask(group_scores, topk_group, per_group), float("-inf")
+        )
+        topk_ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+        topk_weights = scores.gather(1, topk_ids)
+    elif topk_method == "group_limited_greedy":
+        group_scores = scores.view(num_tokens, n_group, per_group).max(dim=-1).values  # [T, G]
+        masked = scores.masked_fill(~_group_mask(group_scores, topk_group, per_group), 0.0)
+        topk_weights, topk_ids = masked.topk(top_k, dim=-1, sorted=False)
+    else:  # greedy
+        topk_weights, topk_ids = scores.topk(top_k, dim=-1, sorted=False)
+
+    if norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights * routed_scaling_factor, topk_ids
+
+
+def _group_mask(group_scores: torch.Tensor, topk_group: int, per_group: int) -> torch.Tensor:
+    """[T, G] group scores -> [T, G * per_group] bool, True for experts in the best groups."""
+    group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    return mask.repeat_interleave(per_group, dim=1)
+
+
+@functools.cache
+def _has_sync_free_grouped_mm(device: torch.device) -> bool:
+    """torch's bf16 `_grouped_mm` runs a CUTLASS kernel with device-side offsets on SM90+;
+    below that it falls back to a loop that copies the offsets to the host (a sync)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+class TopKRouter(nn.Module):
+    """The gate. Weight and correction bias are kept in fp32 (routing is precision-sensitive;
+    transformers also routes in fp32)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        assert config.n_routed_experts is not None  # internal: only built for MoE layers
+        self.config = config
+        num_experts = config.n_routed_experts
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, config.hidden_size, dtype=torch.float32), requires_grad=False
+        )
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if config.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(num_experts, dtype=torch.float32), requires_grad=False
+            )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, K] fp32, ids [T, K] int64)"""
+        c = self.config
+        return select_experts(
+            F.linear(x.float(), self.weight),
+            top_k=c.num_experts_per_tok,
+            scoring_func=c.scoring_func,
+            topk_method=c.topk_method,
+            n_group=c.n_group,
+            topk_group=c.topk_group,
+            norm_topk_prob=c.norm_topk_prob,
+            routed_scaling_factor=c.routed_scaling_factor,
+            correction_bias=self.e_score_correction_bias,
+        )
+
+
+class FusedExperts(nn.Module):
+    """All routed experts of a layer, weights stacked. Tensor parallel splits each expert's
+    intermediate dim (rank r keeps gate/up rows and down columns [r*I/tp, (r+1)*I/tp))."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        params_dtype: torch.dtype = torch.float32,
+        tp: TensorParallel = NO_TP,
+        impl: ExpertsImpl = "auto",
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_size, self.tp = num_experts, hidden_size, tp
+        self.intermediate_size = intermediate_size
+        local = tp.split(intermediate_size, "moe_intermediate_size")
+        self.impl: ExpertsImpl = impl
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * local, hidden_size, dtype=params_dtype),
+            requires_grad=False,
+        )  # [E, 2I, H]: rows [0, I) gate, [I, 2I) up
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, local, dtype=params_dtype), requires_grad=False
+        )  # [E, H, I]
+        self.gate_up_proj.weight_loader = self.weight_loader
+        self.down_proj.weight_loader = self.weight_loader
+
+    def weight_loader(
+        self,
+        param: nn.Parameter,
+        loaded: torch.Tensor,
+        expert_id: int | None = None,
+        shard_id: int | None = None,
+    ) -> None:
+        """Either a whole stacked tensor (transformers' fused `experts.gate_up_proj` [E, 2I, H] /
+        `experts.down_proj` [E, H, I]) or one expert's `gate_proj`/`up_proj` [I, H]
+        (shard_id 0/1) or `down_proj` [H, I]."""
+        num_e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        local = i // self.tp.size
+        start = self.tp.rank * local
+        if param is self.down_proj:
+            if expert_id is None:
+                check_shape(loaded, (num_e, h, i))
+                param.data.copy_(loaded.narrow(2, start, local))
+            else:
+                check_shape(loaded, (h, i))
+                param.data[expert_id].copy_(loaded.narrow(1, start, local))
+            return
+        if expert_id is None:
+            check_shape(loaded, (num_e, 2 * i, h))
+            for s in (0, 1):  # gate, up
+                param.data[:, s * local : (s + 1) * local].copy_(
+                    loaded.narrow(1, s * i + start, local)
+                )
+        else:
+            assert shard_id in (0, 1)  # internal: the loader passes 0 (gate) or 1 (up)
+            check_shape(loaded, (i, h))
+            param.data[expert_id, shard_id * local : (shard_id + 1) * local].copy_(
+                loaded.narrow(0, start, local)
+            )
+
+    def resolved_impl(self, x: torch.Tensor) -> ExpertsImpl:
+        if self.impl != "auto":
+            return self.impl
+        if x.device.type == "cpu":
+            return "loop"
+        if x.dtype == torch.bfloat16 and _has_sync_free_grouped_mm(x.device):
+            return "grouped_mm"
+        return "dense"
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, H]; topk_weights [T, K] fp32; topk_ids [T, K] -> [T, H] (partial under TP)"""
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)
+        impl = self.resolved_impl(x)
+        if impl == "dense":
+            return self._forward_dense(x, topk_weights, topk_ids)
+        return self._forward_sorted(x, topk_weights, topk_ids, use_grouped_mm=impl == "grouped_mm")
+
+    def _forward_sorted(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        use_grouped_mm: bool,
+    ) -> torch.Tensor:
+        num_tokens, top_k = topk_ids.shape
+        flat_ids = topk_ids.reshape(-1)  # [T*K], pair p = (token p // K, slot p % K)
+        order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+        xs = x[order // top_k]  # [T*K, H], rows of expert e are contiguous
+        if use_grouped_mm:
+            offs = counts.cumsum(0, dtype=torch.int32)  # [E] end row of each expert
+            h = silu_and_mul(torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs))
+            out = torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)  # [T*K, H]
+        else:
+            out = torch.empty_like(xs)
+            start = 0
+            for e, n in enumerate(counts.tolist()):  # host sync: CPU path only
+                if n:
+                    rows = xs[start : start + n]
+                    h = silu_and_mul(F.linear(rows, self.gate_up_proj[e]))
+                    out[start : start + n] = F.linear(h, self.down_proj[e])
+                    start += n
+        unsorted = torch.empty_like(out).index_copy_(0, order, out)  # back to pair order
+        y = (unsorted.view(num_tokens, top_k, -1).float() * topk_weights[..., None]).sum(1)
+        return y.to(x.dtype)
+
+    def _forward_dense(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        routing = torch.zeros(
+            x.shape[0], self.num_experts, dtype=torch.float32, device=x.device
+        ).scatter_(1, topk_ids, topk_weights)  # [T, E], zero off the top-k
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in range(self.num_experts):
+            h = silu_and_mul(F.linear(x, self.gate_up_proj[e]))
+            y += routing[:, e : e + 1] * F.linear(h, self.down_proj[e]).float()
+        return y.to(x.dtype)
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        params_dtype: torch.dtype = torch.float32,
+        tp: TensorParallel = NO_TP,
+    ) -> None:
+        super().__init__()
+        assert config.n_routed_experts is not None  # internal: only built for MoE layers
+        self.tp = tp
+        self.gate = TopKRouter(config)
+        self.experts = FusedExperts(
+            config.n_routed_experts,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            params_dtype=params_dtype,
+            tp=tp,
+        )
+        self.shared_experts: DeepseekMLP | None = None
+        if config.n_shared_experts:
+            self.shared_experts = DeepseekMLP(
+                config.hidden_size,
+                config.moe_intermediate_size * config.n_shared_experts,
+                hidden_act=config.hidden_act,
+                params_dtype=params_dtype,
+                tp=tp,
+                reduce_output=False,
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]"""
+        topk_weights, topk_ids = self.gate(x)
+        y = self.experts(x, topk_weights, topk_ids)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return all_reduce(y, self.tp)  # one reduction for routed + shared partial sums

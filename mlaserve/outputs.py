@@ -1,0 +1,60 @@
+"""What the engine hands back to its callers (the offline `LLM` API and the HTTP service)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"]
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token under the model's raw distribution."""
+
+    logprob: float
+    rank: int  # 1 = most likely
+    decoded_token: str
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str  # cumulative generated text (stop strings removed unless asked to keep them)
+    token_ids: list[int]  # cumulative generated token ids
+    cumulative_logprob: float | None = None
+    # One dict per generated token: {token_id: Logprob} holding the chosen token and the top-N.
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.time()) of one request's life, for latency metrics."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    metrics: RequestMetrics | None = None
+    # Tokens this step added to outputs[0] (for streaming deltas and inter-token latency).
+    num_new_tokens: int = 0
+    new_text: str = ""
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,13 @@
+"""The HTTP service: an OpenAI-compatible API over the engine, with Prometheus metrics.
+
+cli.py           `mlaserve serve`: options, uvicorn, signals and exit codes
+settings.py      options from CLI > MLASERVE_* env > YAML/JSON file > defaults
+app.py           FastAPI routes, middleware, lifespan
+async_engine.py  the engine thread and its asyncio bridge (commands in, outputs out)
+serving.py       fan-out of a request into engine requests, submission, disconnects
+completions.py   /v1/completions        chat.py   /v1/chat/completions
+protocol.py      pydantic request/response bodies     logprobs.py  logprob shapes
+metrics.py       Prometheus metrics (vLLM names, `mlaserve:` prefix)
+auth.py          bearer API key        body_limit.py  413 for oversized bodies
+errors.py        OpenAI-style error bodies and handlers
+"""

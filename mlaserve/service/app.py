@@ -1,0 +1,189 @@
+"""The FastAPI application: routes, middleware and the engine's start/stop around the server.
+
+    POST /v1/completions, /v1/chat/completions   OpenAI-compatible generation (SSE with stream)
+    GET  /v1/models, /version                     what is served
+    POST /tokenize, /detokenize                   the model's tokenizer and chat template
+    GET  /health                                  200 while the engine thread lives, else 503
+    GET  /ready                                   200 once loaded and warmed up, else 503
+    GET  /metrics                                 Prometheus text format
+
+With an API key, every route but /health, /ready and /metrics needs `Authorization: Bearer`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import mlaserve
+from mlaserve.service.async_engine import AsyncEngine
+from mlaserve.service.auth import UNAUTHENTICATED_PATHS, APIKeyMiddleware
+from mlaserve.service.body_limit import BodySizeLimitMiddleware
+from mlaserve.service.chat import Chat, render_chat
+from mlaserve.service.completions import Completions
+from mlaserve.service.errors import BadRequestError, install_error_handlers
+from mlaserve.service.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from mlaserve.service.serving import Serving
+
+__all__ = ["build_app", "server_version"]
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text}
+    for code, text in (
+        (400, "Invalid request"),
+        (401, "Missing or wrong API key"),
+        (404, "Unknown model"),
+        (413, "Request body too large"),
+        (503, "Not ready, overloaded (Retry-After) or shutting down"),
+    )
+}
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
+def server_version() -> str:
+    try:
+        return importlib.metadata.version("mlaserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return mlaserve.__version__
+
+
+def build_app(
+    engine: AsyncEngine,
+    *,
+    api_key: str | None = None,
+    max_request_bytes: int = 8 * 1024 * 1024,
+    shutdown_timeout: float = 30.0,
+) -> FastAPI:
+    """The app that serves `engine`; the engine thread starts with the app's lifespan."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await engine.shutdown(timeout=shutdown_timeout)
+
+    app = FastAPI(title="mlaserve", version=server_version(), lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_request_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # outermost: before any body
+    serving = Serving(engine)
+    completions, chat = Completions(serving), Chat(serving)
+    created = int(time.time())
+
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={**_ERRORS, 200: {"content": _SSE}},
+    )
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await completions.create(body, request)
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={**_ERRORS, 200: {"content": _SSE}},
+    )
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await chat.create(body, request)
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def list_models() -> ModelList:
+        serving.require_ready()
+        card = ModelCard(
+            id=engine.model_name,
+            created=created,
+            root=str(engine.config.model_path),
+            max_model_len=engine.max_model_len,
+        )
+        return ModelList(data=[card])
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": server_version()}
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        serving.require_ready()
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise BadRequestError("give exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            tokens = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt)
+        else:
+            tokens = list(engine.tokenizer.encode(body.prompt, body.add_special_tokens))
+        return TokenizeResponse(
+            count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens
+        )
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        serving.require_ready()
+        serving.check_model(body.model)
+        size = engine.tokenizer_vocab_size
+        bad = next((t for t in body.tokens if t >= size), None)
+        if bad is not None:
+            raise BadRequestError(
+                f"tokens: token id {bad} is outside the tokenizer's vocabulary (size {size})",
+                param="tokens",
+                code="invalid_value",
+            )
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if engine.is_alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "dead", "error": repr(engine.error)}, status_code=503)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        status = 200 if engine.is_ready else 503
+        return JSONResponse({"status": engine.state.value}, status_code=status)
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    if api_key:
+        _document_bearer_auth(app)
+    return app
+
+
+def _document_bearer_auth(app: FastAPI) -> None:
+    """Declare the bearer scheme in the OpenAPI schema (the middleware enforces it)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schema.setdefault("components", {})["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer"}
+            }
+            for path, operations in schema["paths"].items():
+                if path not in UNAUTHENTICATED_PATHS:
+                    for operation in operations.values():
+                        operation["security"] = [{"bearer": []}]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

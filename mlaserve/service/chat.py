@@ -1,0 +1,156 @@
+"""POST /v1/chat/completions: messages through the model's chat template, a reply out.
+
+Streaming follows OpenAI: each choice first gets a chunk with `delta.role = "assistant"`, then
+content deltas; the last one carries `finish_reason`. Usage, when asked for with
+`stream_options.include_usage`, comes in one more chunk with no choices, before `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from mlaserve.outputs import RequestOutput
+from mlaserve.service.async_engine import EngineDeadError, RequestStream
+from mlaserve.service.errors import BadRequestError
+from mlaserve.service.logprobs import chat_logprobs
+from mlaserve.service.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessage,
+    ChatResponseMessage,
+)
+from mlaserve.service.serving import ClientDisconnected, Fanout, Serving, sse_frame
+
+__all__ = ["Chat", "render_chat"]
+
+
+def render_chat(tokenizer: object, messages: list[ChatMessage], add_generation_prompt: bool = True
+                ) -> list[int]:  # fmt: skip
+    """Token ids of `messages` through the chat template; a template error is the client's."""
+    plain = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for m in messages
+    ]
+    try:
+        return list(
+            tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)  # type: ignore[attr-defined]
+        )
+    except ValueError as e:  # ChatTemplateError: no template, or the template raised
+        raise BadRequestError(str(e), param="messages", code="invalid_value") from None
+
+
+class Chat:
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        arrival_time = time.time()
+        s = self.serving
+        s.require_ready()
+        model = s.check_model(req.model)
+        s.reject_unsupported("tools", bool(req.tools))
+        s.reject_unsupported("tool_choice", req.tool_choice not in (None, "none"))
+        s.reject_unsupported("logit_bias", bool(req.logit_bias))
+        fmt = (req.response_format or {}).get("type", "text")
+        s.reject_unsupported("response_format", fmt != "text", "only supports type 'text'")
+        s.reject_unsupported("top_logprobs", req.top_logprobs is not None and not req.logprobs,
+                             "requires logprobs=true")  # fmt: skip
+        s.reject_unsupported("stream_options", req.stream_options is not None and not req.stream,
+                             "requires stream=true")  # fmt: skip
+        prompt = render_chat(s.engine.tokenizer, req.messages)
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        limit = req.max_completion_tokens or req.max_tokens
+        max_model_len = s.engine.max_model_len
+
+        def max_tokens(prompt: list[int]) -> int:
+            return limit if limit is not None else max(1, max_model_len - len(prompt))
+
+        fanout = s.fan_out("chatcmpl", req, [prompt], max_tokens, num_logprobs)
+        stream = await s.submit(fanout, arrival_time)
+        if req.stream:
+            frames = self._frames(req, model, fanout, stream, num_logprobs)
+            return s.streaming_response(stream, frames)
+        try:
+            finals = await s.collect(stream, raw)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        choices = [self._choice(fanout.index_of(r), o, num_logprobs) for r, o in finals.items()]
+        response = ChatCompletionResponse(
+            id=fanout.request_id,
+            created=fanout.created,
+            model=model,
+            choices=sorted(choices, key=lambda c: c.index),
+            usage=fanout.usage(finals),
+        )
+        return JSONResponse(response.model_dump(mode="json"))
+
+    @staticmethod
+    def _choice(index: int, out: RequestOutput, num_logprobs: int | None) -> ChatChoice:
+        c = out.outputs[0]
+        logprobs = None
+        if num_logprobs is not None and c.logprobs is not None:
+            logprobs = chat_logprobs(c.token_ids, c.logprobs, num_logprobs)
+        return ChatChoice(
+            index=index,
+            message=ChatResponseMessage(content=c.text),
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+        )
+
+    async def _frames(
+        self,
+        req: ChatCompletionRequest,
+        model: str,
+        fanout: Fanout,
+        stream: RequestStream,
+        num_logprobs: int | None,
+    ) -> AsyncIterator[str]:
+        sent_chars: dict[str, int] = defaultdict(int)
+        sent_tokens: dict[str, int] = defaultdict(int)
+        finals: dict[str, RequestOutput] = {}
+        want_logprobs = num_logprobs is not None
+
+        def chunk(choices: list[ChatChunkChoice], **extra: object) -> str:
+            body = ChatCompletionChunk(
+                id=fanout.request_id, created=fanout.created, model=model, choices=choices, **extra
+            )
+            return sse_frame(body.model_dump_json())
+
+        try:
+            for sub in fanout.subrequests:
+                index = fanout.index_of(sub.request_id)
+                role = ChatDelta(role="assistant", content="")
+                yield chunk([ChatChunkChoice(index=index, delta=role)])
+            async for out in stream:
+                rid, c = out.request_id, out.outputs[0]
+                finals[rid] = out
+                text = out.new_text  # c.text may still end in a partial stop string
+                new_ids = c.token_ids[sent_tokens[rid] :]
+                if not (text or out.finished or (want_logprobs and new_ids)):
+                    continue  # e.g. a token that ends inside a multi-byte character
+                logprobs = None
+                if num_logprobs is not None and c.logprobs is not None:
+                    logprobs = chat_logprobs(new_ids, c.logprobs[sent_tokens[rid] :], num_logprobs)
+                sent_chars[rid] += len(text)
+                sent_tokens[rid] = len(c.token_ids)
+                choice = ChatChunkChoice(
+                    index=fanout.index_of(rid),
+                    delta=ChatDelta(content=text),
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason if out.finished else None,
+                )
+                yield chunk([choice])
+            if req.include_usage_in_stream:
+                yield chunk([], usage=fanout.usage(finals))
+        except EngineDeadError as e:
+            yield self.serving.error_frame(e)
+        yield sse_frame("[DONE]")

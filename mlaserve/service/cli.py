@@ -1,0 +1,148 @@
+"""`mlaserve serve`: resolve the options, start uvicorn and the engine thread, stop cleanly.
+
+The HTTP server comes up first (so /health and /ready answer while the weights load); the
+engine thread loads and warms up the model, then /ready turns 200. SIGTERM or SIGINT stops
+admitting requests, lets in-flight ones finish for up to `--shutdown-timeout` seconds, aborts
+the rest and exits 0. A model that fails to load exits 1; a bad option exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from types import FrameType
+
+import uvicorn
+
+from mlaserve.config import ConfigError
+from mlaserve.service.app import build_app, server_version
+from mlaserve.service.async_engine import AsyncEngine
+from mlaserve.service.settings import CONFIG_ENV, ServerConfig, Settings, load_settings, options
+
+__all__ = ["build_parser", "main", "serve"]
+
+logger = logging.getLogger("mlaserve.service")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlaserve", description="OpenAI-compatible server for DeepSeek-V2/V3 (MLA) models."
+    )
+    parser.add_argument("--version", action="version", version=f"mlaserve {server_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve_parser = commands.add_parser(
+        "serve",
+        help="serve a model over HTTP",
+        description="Serve a model over HTTP. Every option can also be set by an environment "
+        "variable (shown with each option) or in a YAML/JSON file given with --config; the "
+        "command line wins over the environment, which wins over the file.",
+    )
+    serve_parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help=f"YAML or JSON file of options, keys as the option names (env {CONFIG_ENV})",
+    )
+    server_group = serve_parser.add_argument_group("server options")
+    engine_group = serve_parser.add_argument_group("engine options")
+    for opt in options():
+        group = server_group if opt.target is ServerConfig else engine_group
+        shown = "***" if opt.name == "api_key" and opt.default else opt.default
+        text = f"{opt.help} (default: {shown}; env {opt.env})".replace("%", "%%")
+        if opt.base_type is bool:
+            group.add_argument(
+                opt.flag, dest=opt.name, action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS, help=text,
+            )  # fmt: skip
+        else:
+            metavar = getattr(opt.base_type, "__name__", "VALUE").upper()
+            group.add_argument(
+                opt.flag, dest=opt.name, metavar=metavar, default=argparse.SUPPRESS, help=text
+            )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    args.pop("command")
+    config_file = args.pop("config", None)
+    try:
+        settings = load_settings(args, os.environ, config_file)
+    except ConfigError as e:
+        print(f"mlaserve: error: {e}", file=sys.stderr)
+        return 2
+    return serve(settings)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the engine to stop admitting as soon as a signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)
+
+
+def serve(settings: Settings) -> int:
+    """Run the server until a signal stops it; returns the process exit code."""
+    server_cfg = settings.server
+    logging.basicConfig(
+        level=server_cfg.log_level.upper() if server_cfg.log_level != "trace" else "DEBUG",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logger.info("mlaserve %s, effective configuration:", server_version())
+    for line in settings.describe():
+        logger.info("  %s", line)
+    for warning in settings.warnings:
+        logger.warning(warning)
+
+    exit_code = 0
+    server: _Server | None = None
+
+    def on_load_error(_: BaseException) -> None:  # engine thread
+        nonlocal exit_code
+        exit_code = 1
+        if server is not None:
+            server.should_exit = True  # uvicorn's main loop polls it
+
+    engine = AsyncEngine(
+        settings.engine, max_queue=server_cfg.max_queue, on_load_error=on_load_error
+    )
+    app = build_app(
+        engine,
+        api_key=server_cfg.api_key,
+        max_request_bytes=server_cfg.max_request_bytes,
+        shutdown_timeout=server_cfg.shutdown_timeout,
+    )
+    config = uvicorn.Config(
+        app,
+        host=server_cfg.host,
+        port=server_cfg.port,
+        log_level=server_cfg.log_level,
+        timeout_graceful_shutdown=server_cfg.shutdown_timeout,
+        lifespan="on",
+    )
+    server = _Server(config, on_exit=engine.begin_drain)
+    # NOTE: after a graceful shutdown uvicorn re-raises the signal it caught, restoring the
+    # previous handler first; a no-op handler there turns SIGTERM into a clean exit 0.
+    previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if exit_code == 0 and not server.started:
+        exit_code = 1  # e.g. the port was taken
+    logger.info("mlaserve stopped (exit code %d)", exit_code)
+    return exit_code
+
+
+def _ignore(sig: int, frame: FrameType | None) -> None:
+    pass

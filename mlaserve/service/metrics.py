@@ -1,0 +1,250 @@
+"""Prometheus metrics named after vLLM's (`vllm:*` -> `mlaserve:*`), so dashboards carry over.
+
+Everything here is fed from the engine thread after each step (prometheus-client is
+thread-safe; the per-request bookkeeping is only touched by that thread):
+
+- latency histograms from the timestamps in `RequestOutput.metrics`: time to first token,
+  inter-token latency (a step that delivers k tokens after an interval counts as k samples of
+  interval / k, as SGLang does, so speculative decoding is not penalised), per-request mean time
+  per output token, end-to-end latency and queue time;
+- token and finished-request counters;
+- gauges from `LLMEngine.get_stats()`;
+- the speculative-decoding family, fed through `on_spec_decode` once the engine reports it.
+
+Every series carries a `model_name` label, bound once the engine has loaded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+if TYPE_CHECKING:
+    from mlaserve.engine.llm_engine import EngineStats
+    from mlaserve.outputs import RequestOutput
+
+__all__ = ["PREFIX", "REQUEST_LATENCY_BUCKETS", "TOKEN_LATENCY_BUCKETS", "Metrics"]
+
+PREFIX = "mlaserve:"
+# Per-token latencies: sub-millisecond (small batches on a GPU) to seconds (a stalled step).
+TOKEN_LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+    0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+# Per-request latencies: a millisecond (a cached one-token prompt) to ten minutes.
+REQUEST_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
+)  # fmt: skip
+ACCEPT_LENGTH_BUCKETS = tuple(float(i) for i in range(1, 17))
+FINISH_REASONS = ("stop", "length", "abort")
+
+# NOTE: `*_created` timestamp series double the exposition and no dashboard reads them.
+disable_created_metrics()
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """What one in-flight request has shown so far."""
+
+    num_generation_tokens: int = 0
+    last_token_time: float | None = None
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._model_name: str | None = None
+        self._tracked: dict[str, _Tracked] = {}
+        r, labels = self.registry, ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, registry=r, buckets=buckets)
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time to first token (TTFT).", REQUEST_LATENCY_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds",
+            "Inter-token latency (TPOT); k tokens in one step count as k samples of interval/k.",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Per-request mean time per output token after the first.",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "End-to-end request latency.", REQUEST_LATENCY_BUCKETS
+        )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds",
+            "Time from arrival to first scheduling.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.num_requests_running = Gauge(
+            PREFIX + "num_requests_running", "Requests in the running batch.", labels, registry=r
+        )
+        self.num_requests_waiting = Gauge(
+            PREFIX + "num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=r
+        )
+        self.kv_cache_usage_perc = Gauge(
+            PREFIX + "kv_cache_usage_perc", "KV-cache page usage, 0 to 1.", labels, registry=r
+        )
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prefilled prompt tokens.", labels, registry=r
+        )
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Generated tokens.", labels, registry=r
+        )
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            [*labels, "finished_reason"],
+            registry=r,
+        )
+        # Speculative decoding (vLLM's names; fed once the engine drafts tokens).
+        self.spec_decode_num_drafts = Counter(
+            PREFIX + "spec_decode_num_drafts", "Verification steps.", labels, registry=r
+        )
+        self.spec_decode_num_draft_tokens = Counter(
+            PREFIX + "spec_decode_num_draft_tokens", "Draft tokens proposed.", labels, registry=r
+        )
+        self.spec_decode_num_accepted_tokens = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels, registry=r
+        )
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position.",
+            [*labels, "position"],
+            registry=r,
+        )
+        self.spec_decode_accept_length = histogram(
+            "spec_decode_accept_length",
+            "Tokens emitted per verification step (accepted drafts + the bonus token).",
+            ACCEPT_LENGTH_BUCKETS,
+        )
+
+    # ----- lifecycle -----
+    def bind_model(self, model_name: str) -> None:
+        """Create the labelled series, so they read 0 rather than being absent."""
+        self._model_name = model_name
+        for family in (
+            self.time_to_first_token, self.inter_token_latency, self.request_time_per_output_token,
+            self.e2e_request_latency, self.request_queue_time, self.num_requests_running,
+            self.num_requests_waiting, self.kv_cache_usage_perc, self.prompt_tokens,
+            self.generation_tokens, self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
+            self.spec_decode_num_accepted_tokens, self.spec_decode_accept_length,
+        ):  # fmt: skip
+            family.labels(model_name)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model_name, reason)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+    # ----- fed by the engine thread -----
+    def on_added(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._tracked[request_id] = _Tracked()
+
+    def on_aborted(self, request_ids: Iterable[str]) -> None:
+        """Count requests that were still in flight when aborted (e.g. their client left)."""
+        for request_id in request_ids:
+            if self._tracked.pop(request_id, None) is not None and self._model_name is not None:
+                self.request_success.labels(self._model_name, "abort").inc()
+
+    def on_outputs(self, outputs: Iterable[RequestOutput], now: float | None = None) -> None:
+        model = self._model_name
+        if model is None:
+            return
+        now = time.time() if now is None else now
+        for out in outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            m = out.metrics
+            num_new = out.num_new_tokens
+            token_time = (m.last_token_time if m is not None else None) or now
+            if num_new > 0:
+                if tracked.num_generation_tokens == 0:
+                    self.prompt_tokens.labels(model).inc(len(out.prompt_token_ids))
+                    if m is not None:
+                        first = m.first_token_time or token_time
+                        self.time_to_first_token.labels(model).observe(first - m.arrival_time)
+                        if m.first_scheduled_time is not None:
+                            queued = m.first_scheduled_time - m.arrival_time
+                            self.request_queue_time.labels(model).observe(max(queued, 0.0))
+                elif tracked.last_token_time is not None:
+                    per_token = max(token_time - tracked.last_token_time, 0.0) / num_new
+                    itl = self.inter_token_latency.labels(model)
+                    for _ in range(num_new):
+                        itl.observe(per_token)
+                self.generation_tokens.labels(model).inc(num_new)
+                tracked.num_generation_tokens += num_new
+                tracked.last_token_time = token_time
+            if out.finished:
+                self._on_finished(out, tracked, now)
+
+    def _on_finished(self, out: RequestOutput, tracked: _Tracked, now: float) -> None:
+        model = self._model_name
+        assert model is not None
+        del self._tracked[out.request_id]
+        reason = out.outputs[0].finish_reason if out.outputs else None
+        self.request_success.labels(model, reason or "stop").inc()
+        m = out.metrics
+        if m is None:
+            return
+        finished = m.finished_time or now
+        self.e2e_request_latency.labels(model).observe(max(finished - m.arrival_time, 0.0))
+        num_tokens = tracked.num_generation_tokens
+        if num_tokens > 1 and m.first_token_time is not None:
+            last = m.last_token_time or finished
+            tpot = max(last - m.first_token_time, 0.0) / (num_tokens - 1)
+            self.request_time_per_output_token.labels(model).observe(tpot)
+
+    def on_stats(self, stats: EngineStats) -> None:
+        model = self._model_name
+        if model is None:
+            return
+        self.num_requests_running.labels(model).set(stats.num_running)
+        self.num_requests_waiting.labels(model).set(stats.num_waiting)
+        self.kv_cache_usage_perc.labels(model).set(stats.kv_cache_usage)
+
+    def on_spec_decode(
+        self,
+        num_drafts: int,
+        num_draft_tokens: int,
+        num_accepted_tokens_per_pos: Sequence[int],
+        accept_lengths: Iterable[int] = (),
+    ) -> None:
+        """Record verification steps since the last call.
+
+        Args:
+            num_drafts: verification steps (one per request per step).
+            num_draft_tokens: draft tokens proposed in those steps.
+            num_accepted_tokens_per_pos: accepted drafts at draft position 0, 1, ...
+            accept_lengths: tokens emitted by each verification step, bonus token included.
+        """
+        model = self._model_name
+        if model is None:
+            return
+        self.spec_decode_num_drafts.labels(model).inc(num_drafts)
+        self.spec_decode_num_draft_tokens.labels(model).inc(num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.labels(model).inc(sum(num_accepted_tokens_per_pos))
+        for pos, accepted in enumerate(num_accepted_tokens_per_pos):
+            self.spec_decode_num_accepted_tokens_per_pos.labels(model, str(pos)).inc(accepted)
+        for length in accept_lengths:
+            self.spec_decode_accept_length.labels(model).observe(length)

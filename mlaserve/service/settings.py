@@ -1,0 +1,245 @@
+"""Options of `mlaserve serve`, from four sources: CLI > `MLASERVE_*` env > config file > defaults.
+
+Every `EngineConfig` field (via `EngineConfig.field_names()`, so fields added there show up
+here) and every `ServerConfig` field is one option, spelled `--max-num-seqs` on the command
+line, `MLASERVE_MAX_NUM_SEQS` in the environment and `max_num_seqs` (or `max-num-seqs`) in a
+YAML or JSON config file. Values are parsed from the field's type; an optional field takes
+`none`/`null` for None. A bad value raises `ConfigError` naming the option and its source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mlaserve.config import ConfigError, EngineConfig
+
+__all__ = ["ENV_PREFIX", "Option", "ServerConfig", "Settings", "load_settings", "options"]
+
+ENV_PREFIX = "MLASERVE_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP side: where to listen, who may call, how much to admit, how to stop."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # require `Authorization: Bearer <key>` (not on probes/metrics)
+    max_queue: int = 256  # requests that may wait beyond max_num_seqs running; then 503
+    max_request_bytes: int = 8 * 1024 * 1024  # larger bodies get 413
+    shutdown_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests, then aborts
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port: must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("api_key: must not be empty")
+        for name in ("max_queue", "max_request_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.shutdown_timeout < 0:
+            raise ConfigError(f"shutdown_timeout: must be >= 0, got {self.shutdown_timeout}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level: expected one of {LOG_LEVELS}, got {self.log_level!r}")
+
+
+_HELP = {
+    "model": "checkpoint folder (config.json, *.safetensors, tokenizer); "
+    "default: the small model shipped in the package",
+    "tokenizer": "tokenizer folder; default: the model folder",
+    "device": "'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'",
+    "dtype": "weights/activations dtype; 'auto' = the checkpoint's on cuda, float32 on cpu",
+    "kv_cache_dtype": "KV-cache dtype; default fp8_e4m3 on cuda, the model dtype on cpu",
+    "page_size": "tokens per KV-cache page (a power of two)",
+    "max_num_seqs": "most requests running in one batch",
+    "max_model_len": "context length (prompt + output); default min(model limit, 8192)",
+    "max_num_batched_tokens": "token budget of one engine step (prefill chunks + decodes)",
+    "kv_cache_memory_fraction": "share of free GPU memory given to the KV cache",
+    "num_pages": "explicit KV-cache size in pages; overrides the memory fraction",
+    "attention_backend": "MLA kernel backend ('auto' picks the best for the GPU)",
+    "seed": "engine seed for requests that give none",
+    "served_model_name": "model name in the API; default: derived from the model folder",
+    "host": "address to listen on",
+    "port": "port to listen on",
+    "api_key": "require 'Authorization: Bearer KEY' (not on /health, /ready, /metrics)",
+    "max_queue": "requests that may wait beyond max_num_seqs; more get 503 + Retry-After",
+    "max_request_bytes": "largest accepted request body; larger ones get 413",
+    "shutdown_timeout": "seconds SIGTERM lets in-flight requests finish before aborting them",
+    "log_level": f"one of {', '.join(LOG_LEVELS)}",
+}
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    target: type  # EngineConfig or ServerConfig
+    type: Any  # the field's resolved type hint
+    default: Any
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def base_type(self) -> Any:
+        args = [a for a in typing.get_args(self.type) if a is not type(None)]
+        is_union = typing.get_origin(self.type) in (typing.Union, types.UnionType)
+        return args[0] if is_union and len(args) == 1 else self.type
+
+    @property
+    def optional(self) -> bool:
+        return type(None) in typing.get_args(self.type)
+
+    def parse(self, raw: Any, source: str) -> Any:
+        """Convert a raw value (a string from the CLI or env, anything from a file)."""
+        if raw is None or (
+            self.optional and isinstance(raw, str) and raw.strip().lower() in ("none", "null")
+        ):
+            if self.optional:
+                return None
+            raise ConfigError(f"{self.name}: a value is required ({source})")
+        kind = self.base_type
+        try:
+            if kind is bool:
+                return _parse_bool(raw)
+            if kind in (int, float):
+                if isinstance(raw, bool):
+                    raise ValueError("not a number")
+                value = kind(raw)
+                if kind is int and isinstance(raw, float) and raw != value:
+                    raise ValueError("not an integer")
+                return value
+            if kind is str:
+                if isinstance(raw, (dict, list)):
+                    raise ValueError("expected a string")
+                return str(raw)
+            return json.loads(raw) if isinstance(raw, str) else raw
+        except (TypeError, ValueError) as e:
+            type_name = getattr(kind, "__name__", str(kind))
+            message = f"{self.name}: cannot read {raw!r} as {type_name} ({source}): {e}"
+            raise ConfigError(message) from None
+
+
+def _parse_bool(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true/false")
+
+
+def _options_of(cls: type, names: list[str]) -> list[Option]:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    result = []
+    for name in names:
+        f = fields[name]
+        default = f.default if f.default is not dataclasses.MISSING else None
+        text = f.metadata.get("help") or _HELP.get(name) or f"{cls.__name__}.{name}"
+        result.append(Option(name, cls, hints[name], default, text))
+    return result
+
+
+def options() -> list[Option]:
+    """Every option: the server's, then the engine's."""
+    server = _options_of(ServerConfig, [f.name for f in dataclasses.fields(ServerConfig)])
+    return server + _options_of(EngineConfig, EngineConfig.field_names())
+
+
+@dataclass(frozen=True)
+class Settings:
+    engine: EngineConfig
+    server: ServerConfig
+    sources: dict[str, str]  # option -> "cli" | "env MLASERVE_X" | "file PATH" | "default"
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    def describe(self) -> list[str]:
+        """One `name = value  (source)` line per option, the API key masked."""
+        lines = []
+        for opt in options():
+            value = getattr(self.server if opt.target is ServerConfig else self.engine, opt.name)
+            if opt.name == "api_key" and value is not None:
+                value = "***"
+            lines.append(f"{opt.name} = {value!r}  ({self.sources[opt.name]})")
+        return lines
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}  # YAML is a superset of JSON
+    except OSError as e:
+        raise ConfigError(f"config: cannot read {str(path)!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config: {str(path)!r} is not valid YAML/JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {str(path)!r} must hold a mapping of option names to values")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def load_settings(
+    cli: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: str | Path | None = None,
+) -> Settings:
+    """Resolve every option. `cli` holds only the options given on the command line; the
+    config file defaults to `$MLASERVE_CONFIG`."""
+    cli = dict(cli or {})
+    env = dict(env or {})
+    config_file = config_file or env.get(CONFIG_ENV) or None
+    file_values = load_config_file(config_file) if config_file else {}
+    opts = options()
+    known = {o.name for o in opts}
+    unknown = sorted(set(file_values) - known)
+    if unknown:
+        raise ConfigError(f"config: unknown options {unknown} in {str(config_file)!r}")
+    # Other tools may use the prefix too: unknown variables are reported, not refused.
+    warnings = [
+        f"ignoring {k}: not an mlaserve option"
+        for k in sorted(env)
+        if k.startswith(ENV_PREFIX)
+        and k != CONFIG_ENV
+        and k[len(ENV_PREFIX) :].lower() not in known
+    ]
+
+    values: dict[type, dict[str, Any]] = {EngineConfig: {}, ServerConfig: {}}
+    sources: dict[str, str] = {}
+    for opt in opts:
+        if opt.name in cli:
+            raw, source = cli[opt.name], "cli"
+        elif opt.env in env:
+            raw, source = env[opt.env], f"env {opt.env}"
+        elif opt.name in file_values:
+            raw, source = file_values[opt.name], f"file {config_file}"
+        else:
+            sources[opt.name] = "default"
+            continue
+        values[opt.target][opt.name] = opt.parse(raw, source)
+        sources[opt.name] = source
+    try:
+        engine = EngineConfig(**values[EngineConfig])
+        server = ServerConfig(**values[ServerConfig])
+    except ConfigError as e:  # name where the bad value came from
+        source = sources.get(str(e).split(":", 1)[0], "default")
+        raise ConfigError(f"{e} ({source})") from None
+    return Settings(engine=engine, server=server, sources=sources, warnings=warnings)

@@ -1,0 +1,154 @@
+"""A thin, typed wrapper over a Hugging Face tokenizer loaded from local files.
+
+The wrapper pins down the choices the server depends on: no network, no remote code, no
+"clean up tokenization spaces" (so incremental and full decodes agree), and chat templates are
+rendered to text first and then encoded without extra special tokens (the template writes BOS
+itself), as vLLM does.
+
+NOTE: HF fast tokenizers are not safe to call from several threads at once (the Rust side
+raises "Already borrowed"); keep one Tokenizer per thread or serialise calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+__all__ = ["ChatTemplateError", "Tokenizer"]
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered: no chat template, or the template rejected them."""
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase, name: str = "") -> None:
+        self.hf = hf_tokenizer
+        self.name = name or getattr(hf_tokenizer, "name_or_path", "")
+        self._piece_cache: dict[int, str] = {}
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Load tokenizer.json + tokenizer_config.json from a local directory."""
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"tokenizer path {path} is not a directory")
+        kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}
+        if _is_mislabelled_byte_level(path):
+            # DeepSeek V2/V3 declare "LlamaTokenizerFast" but ship a ByteLevel tokenizer.json.
+            # Several transformers 5.x releases rebuild such tokenizers with Llama's Metaspace
+            # pre-tokenizer, which silently drops every space (transformers#45488). The generic
+            # fast class takes tokenizer.json exactly as written, on v4 and v5 alike.
+            hf = PreTrainedTokenizerFast.from_pretrained(str(path), **kwargs)
+        else:
+            hf = AutoTokenizer.from_pretrained(str(path), **kwargs)
+        return cls(hf, name=str(path))
+
+    # ---- ids <-> text ----
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(
+            list(ids),
+            skip_special_tokens=skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """Raw vocabulary pieces (byte-level BPE shows a space as "Ġ")."""
+        return list(self.hf.convert_ids_to_tokens(list(ids)))
+
+    def id_to_piece(self, token_id: int) -> str:
+        """Decoded text of one token, for logprob display. A token holding part of a multi-byte
+        character decodes to U+FFFD, as in vLLM."""
+        piece = self._piece_cache.get(token_id)
+        if piece is None:
+            piece = self.decode([token_id], skip_special_tokens=False)
+            self._piece_cache[token_id] = piece
+        return piece
+
+    # ---- chat ----
+
+    def render_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """The prompt text the tokenizer's own chat template makes of `messages`. Extra keyword
+        arguments reach the template (e.g. `tools=...`, or `thinking=True` for DeepSeek-V3.1)."""
+        if not self.hf.chat_template:
+            raise ChatTemplateError(
+                f"the tokenizer at {self.name!r} has no chat template; use the completions API "
+                "or add a chat_template to its tokenizer_config.json"
+            )
+        _check_messages(messages)
+        try:
+            text = self.hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        except jinja2.TemplateError as e:  # the template's own raise_exception(...) lands here
+            raise ChatTemplateError(f"chat template rejected the messages: {e}") from e
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}")
+        return text
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        text = self.render_chat_template(messages, add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+    # ---- special tokens ----
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf.bos_token_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.hf.pad_token_id
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return list(self.hf.all_special_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, added tokens included (the model's logits
+        may be wider: checkpoints pad the embedding)."""
+        return len(self.hf)
+
+
+def _is_mislabelled_byte_level(path: Path) -> bool:
+    config = _read_json(path / "tokenizer_config.json")
+    declared = str(config.get("tokenizer_class") or "")
+    if declared.removesuffix("Fast") != "LlamaTokenizer":
+        return False
+    spec = _read_json(path / "tokenizer.json")
+    return '"ByteLevel"' in json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")])
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _check_messages(messages: object) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ChatTemplateError("messages: must be a non-empty list of {role, content} objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ChatTemplateError(f"messages[{i}]: must be an object with a string 'role'")

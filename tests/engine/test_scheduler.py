@@ -1,0 +1,95 @@
+"""Scheduler policy on the host alone: budgets, chunking, admission by pages, preemption."""
+
+from __future__ import annotations
+
+from mlaserve.engine.request import Request, RequestStatus
+from mlaserve.engine.scheduler import Scheduler
+from mlaserve.kv_cache import PageAllocator
+from mlaserve.sampling_params import SamplingParams
+
+
+def make(rid: str, prompt_len: int) -> Request:
+    return Request(
+        request_id=rid,
+        prompt=None,
+        prompt_token_ids=list(range(prompt_len)),
+        params=SamplingParams(max_tokens=100),
+        seed=0,
+        max_tokens=100,
+    )
+
+
+def run_step(sched: Scheduler):
+    """Schedule, pretend the forward ran, and sample a token where the scheduler said so."""
+    out = sched.schedule()
+    samplers = [s.request for s in out.scheduled if s.samples]
+    sched.after_step(out)
+    for r in samplers:
+        r.output_token_ids.append(7)
+    return out
+
+
+def test_chunked_prefill_respects_budget_and_decodes_go_first() -> None:
+    sched = Scheduler(PageAllocator(100), page_size=4, max_num_seqs=8, max_num_batched_tokens=10)
+    a = make("a", 3)
+    sched.add(a)
+    out = run_step(sched)
+    assert [(s.request.request_id, s.num_new_tokens, s.samples) for s in out.scheduled] == [
+        ("a", 3, True)
+    ]
+    b = make("b", 25)
+    sched.add(b)
+    out = run_step(sched)  # a decodes (1), b gets the remaining 9 tokens of the budget
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 9)]
+    assert not out.scheduled[1].samples
+    out = run_step(sched)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 9)]
+    out = run_step(sched)
+    assert [(s.request.request_id, s.num_new_tokens, s.samples) for s in out.scheduled] == [
+        ("a", 1, True),
+        ("b", 7, True),
+    ]
+    assert b.num_computed_tokens == 25 and b.num_output_tokens == 1
+    assert len(b.pages) == 7  # ceil(25 / 4)
+
+
+def test_admission_waits_for_pages_and_seq_slots() -> None:
+    alloc = PageAllocator(4)  # 3 usable pages of 4 tokens
+    sched = Scheduler(alloc, page_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    for rid, n in (("a", 8), ("b", 4), ("c", 1)):
+        sched.add(make(rid, n))
+    out = run_step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["a", "b"]  # c: no seq slot
+    assert [r.request_id for r in sched.waiting] == ["c"]
+
+
+def test_preempts_newest_and_recomputes() -> None:
+    alloc = PageAllocator(4)  # 3 usable pages of 2 tokens
+    sched = Scheduler(alloc, page_size=2, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = make("a", 2), make("b", 2)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)  # a, b each hold 1 page and sampled a token (3 tokens each now)
+    out = run_step(sched)  # a needs a 2nd page (ok: 1 free), b needs one too: none left
+    assert [s.request.request_id for s in out.scheduled] == ["a"]
+    assert out.preempted == [b]
+    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0 and not b.pages
+    assert sched.waiting[0] is b and b.num_output_tokens == 1
+    sched.finish(a)
+    out = run_step(sched)  # b comes back: prompt + its generated token are recomputed
+    assert [(s.request.request_id, s.num_new_tokens, s.samples) for s in out.scheduled] == [
+        ("b", 3, True)
+    ]
+    sched.finish(b)
+    assert alloc.num_free_pages == alloc.num_usable_pages
+
+
+def test_oldest_request_preempts_itself_when_alone_cannot_grow() -> None:
+    alloc = PageAllocator(2)  # one usable page of 2 tokens
+    sched = Scheduler(alloc, page_size=2, max_num_seqs=4, max_num_batched_tokens=64)
+    a = make("a", 2)
+    sched.add(a)
+    run_step(sched)
+    out = run_step(sched)
+    assert out.scheduled == [] and out.preempted == [a]
+    assert alloc.num_free_pages == 1

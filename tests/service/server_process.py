@@ -1,0 +1,121 @@
+"""Start, probe and stop a real `python -m mlaserve serve` subprocess on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(
+        self, proc: subprocess.Popen, port: int, log_path: Path, api_key: str | None
+    ) -> None:
+        self.proc = proc
+        self.port = port
+        self.log_path = log_path
+        self.api_key = api_key
+        self.url = f"http://127.0.0.1:{port}"
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=60.0)
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def get(self, path: str, **kwargs) -> httpx.Response:
+        return self.http.get(path, **kwargs)
+
+    def post(self, path: str, **kwargs) -> httpx.Response:
+        return self.http.post(path, **kwargs)
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> list[tuple[int, int]]:
+        """Poll until /ready is 200; returns the (/health, /ready) statuses seen on the way."""
+        seen: list[tuple[int, int]] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                health = httpx.get(f"{self.url}/health", timeout=2.0).status_code
+                ready = httpx.get(f"{self.url}/ready", timeout=2.0).status_code
+                seen.append((health, ready))
+                if ready == 200:
+                    return seen
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.logs()}")
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample from /metrics (0.0 when absent), matched on the labels given."""
+        total = None
+        for line in self.get("/metrics").text.splitlines():
+            m = re.match(r"^([a-zA-Z_:][\w:]*)(\{([^}]*)\})? (\S+)$", line)
+            if not m or m.group(1) != name:
+                continue
+            found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
+            if all(found.get(k) == v for k, v in labels.items()):
+                total = (total or 0.0) + float(m.group(4))
+        return total or 0.0
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_server(
+    model_dir: Path | None,
+    log_path: Path,
+    *args: str,
+    api_key: str | None = None,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+) -> ServerProcess:
+    """Launch the server; returns at once (call `wait_ready`). Output goes to `log_path`."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "mlaserve", "serve", "--port", str(port), "--device", "cpu"]
+    if model_dir is not None:
+        cmd += ["--model", str(model_dir)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    cmd += list(args)
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MLASERVE_")}
+    full_env.update(env or {})
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")])
+    )
+    full_env.setdefault("OMP_NUM_THREADS", "2")
+    log = open(log_path, "wb")  # noqa: SIM115 - the child writes to it for its whole life
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO_ROOT,
+        env=full_env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
+    log.close()
+    return ServerProcess(proc, port, log_path, api_key)

@@ -1,0 +1,189 @@
+"""Request lifecycle against real servers: probes, API key, disconnects, back-pressure, SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from contextlib import AsyncExitStack
+
+import httpx
+import openai
+import pytest
+
+from tests.service.server_process import ServerProcess, start_server
+
+API_KEY = "test-key-3f9a"
+LONG = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+
+
+def _wait_until(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def _idle(server: ServerProcess) -> bool:
+    return (
+        server.metric("mlaserve:num_requests_running") == 0
+        and server.metric("mlaserve:num_requests_waiting") == 0
+        and server.metric("mlaserve:kv_cache_usage_perc") == 0
+    )
+
+
+# ----- disconnects (shared server) -----
+def test_client_dropping_a_stream_aborts_it_and_frees_its_pages(server) -> None:
+    aborted = server.metric("mlaserve:request_success_total", finished_reason="abort")
+    lengths = server.metric("mlaserve:request_success_total", finished_reason="length")
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            frames = []
+            for line in lines:
+                if line.startswith("data: "):
+                    frames.append(line)
+                if len(frames) == 3:
+                    break
+            assert server.metric("mlaserve:num_requests_running") == 1
+            assert server.metric("mlaserve:kv_cache_usage_perc") > 0
+        # Leaving the block closes the connection mid-stream.
+    assert _wait_until(lambda: _idle(server), timeout=5.0), server.get("/metrics").text
+    assert server.metric("mlaserve:request_success_total", finished_reason="abort") == aborted + 1
+    assert server.metric("mlaserve:request_success_total", finished_reason="length") == lengths
+
+
+def test_client_timing_out_a_plain_request_aborts_it(server) -> None:
+    aborted = server.metric("mlaserve:request_success_total", finished_reason="abort")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=httpx.Timeout(30, read=1.0))
+    assert _wait_until(lambda: _idle(server), timeout=5.0), server.get("/metrics").text
+    assert server.metric("mlaserve:request_success_total", finished_reason="abort") == aborted + 1
+
+
+# ----- a small server with an API key: 2 running + 1 waiting at most -----
+@pytest.fixture(scope="module")
+def small_server(model_dir, tmp_path_factory):
+    proc = start_server(
+        model_dir,
+        tmp_path_factory.mktemp("small-server") / "server.log",
+        "--max-num-seqs", "2", "--max-queue", "1", "--shutdown-timeout", "30",
+        api_key=API_KEY,
+    )  # fmt: skip
+    try:
+        proc.startup = proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_health_is_200_and_ready_503_until_warm(small_server) -> None:
+    seen = small_server.startup
+    assert all(health == 200 for health, _ in seen), seen
+    assert seen[-1] == (200, 200)
+    assert (200, 503) in seen, "expected /ready to answer 503 while the model loads"
+    log = small_server.logs()
+    for step in ("effective configuration", "loading weights", "warm-up done", "ready: serving"):
+        assert step in log
+    assert "api_key = '***'" in log and API_KEY not in log
+
+
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [
+        ({}, 401),
+        ({"Authorization": "Bearer wrong"}, 401),
+        ({"Authorization": f"Bearer {API_KEY}x"}, 401),
+        ({"Authorization": f"Basic {API_KEY}"}, 401),
+        ({"Authorization": API_KEY}, 401),
+        ({"Authorization": f"Bearer {API_KEY}"}, 200),
+        ({"Authorization": f"bearer {API_KEY}"}, 200),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/models", "/version", "/openapi.json"])
+def test_api_key(small_server, path, headers, status) -> None:
+    response = httpx.get(f"{small_server.url}{path}", headers=headers)
+    assert response.status_code == status
+    if status == 401:
+        assert response.json()["error"]["type"] == "authentication_error"
+        assert response.headers["www-authenticate"] == "Bearer"
+
+
+def test_api_key_on_generation_and_exempt_routes(small_server) -> None:
+    for path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(f"{small_server.url}{path}").status_code == 200
+    bad = openai.OpenAI(base_url=f"{small_server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="x", prompt="hi", max_tokens=1)
+    # Refused before the body is even read: a malformed one is still a 401.
+    response = httpx.post(f"{small_server.url}/v1/completions", content=b"{oops")
+    assert response.status_code == 401
+    good = openai.OpenAI(base_url=f"{small_server.url}/v1", api_key=API_KEY, max_retries=0)
+    model = good.models.list().data[0].id
+    assert good.completions.create(model=model, prompt="hi", max_tokens=2).usage.total_tokens > 0
+
+
+def test_full_queue_answers_503_with_retry_after(small_server) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    async def scenario() -> httpx.Response:
+        async with AsyncExitStack() as stack:
+            client = await stack.enter_async_context(
+                httpx.AsyncClient(base_url=small_server.url, headers=headers, timeout=60)
+            )
+            for _ in range(3):  # 2 running + 1 waiting: the server is full
+                response = await stack.enter_async_context(
+                    client.stream("POST", "/v1/completions", json={**LONG, "stream": True})
+                )
+                assert response.status_code == 200
+            return await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+
+    response = asyncio.run(scenario())
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "1"
+    assert response.json()["error"]["code"] == "queue_full"
+    assert _wait_until(lambda: _idle(small_server), timeout=5.0)
+    ok = small_server.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=headers
+    )
+    assert ok.status_code == 200
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(small_server) -> None:
+    """Runs last in this module: it stops the server."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {**LONG, "max_tokens": 40, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=small_server.url, headers=headers, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            small_server.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+    frames = [first, *rest]
+    assert frames[-1] == "data: [DONE]"
+    assert '"completion_tokens":40' in frames[-2]  # the request ran to the end
+    assert small_server.proc.wait(30) == 0
+    assert "exit code 0" in small_server.logs()
+
+
+def test_sigterm_aborts_what_outlives_the_shutdown_timeout(model_dir, tmp_path) -> None:
+    proc = start_server(model_dir, tmp_path / "server.log", "--shutdown-timeout", "1")
+    try:
+        proc.wait_ready()
+        with httpx.Client(base_url=proc.url, timeout=60) as client:
+            with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+                lines = r.iter_lines()
+                next(line for line in lines if line.startswith("data: "))
+                t0 = time.monotonic()
+                proc.proc.send_signal(signal.SIGTERM)
+                frames = []
+                with pytest.raises(httpx.RemoteProtocolError):  # cut off mid-stream
+                    frames.extend(lines)
+        assert proc.proc.wait(30) == 0
+        assert time.monotonic() - t0 < 10
+        assert "data: [DONE]" not in frames
+    finally:
+        proc.stop()

@@ -1,0 +1,451 @@
+"""Trains mlaserve's embedded default model: a tiny DeepSeek-V3 with one MTP module, trained on
+the Python standard library of the interpreter that runs this script.
+
+Everything is derived from `--seed` and the stdlib tree: the held-out split (a hash of each
+file's path), the BPE tokenizer, the initial weights and the batch order. Run on one GPU:
+
+    python tools/train_default_model.py --out mlaserve/assets/default-model \
+        --heldout-out tools/data/default_model_heldout.jsonl.gz
+
+With no `--steps`, the step count is the smaller of `--max-epochs` over the training tokens and
+what fits in `--train-seconds` at the step time measured on a throwaway copy of the model; the
+log prints it, and `--steps N` replays that run. The output folder is written before any
+post-training evaluation, so a failure there loses nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import tokenizers
+import torch
+import torch.nn.functional as F
+import transformers
+from default_model_common import (
+    BOS_TOKEN,
+    CHAT_TEMPLATE,
+    EOS_TOKEN,
+    PAD_TOKEN,
+    SAMPLE_PROMPTS,
+    SPECIAL_TOKENS,
+    DeepseekV3MTPLayer,
+    Document,
+    evaluate,
+    forward_main_and_mtp,
+    load_mtp_layer,
+    make_config,
+    pack_documents,
+    read_corpus,
+    save_checkpoint,
+    split_windows,
+    stdlib_root,
+    subsample,
+    write_documents,
+)
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from torch import nn
+from transformers import (
+    AutoTokenizer,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    GenerationConfig,
+)
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+_T0 = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {message}", flush=True)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("mlaserve/assets/default-model"))
+    p.add_argument(
+        "--heldout-out", type=Path, default=Path("tools/data/default_model_heldout.jsonl.gz")
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--max-position-embeddings", type=int, default=4096)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--mtp-weight", type=float, default=0.3)
+    p.add_argument(
+        "--bias-update-speed",
+        type=float,
+        default=1e-2,
+        help="DeepSeek-V3's auxiliary-loss-free balancing step for e_score_correction_bias "
+        "(V3 used 1e-3 over far more steps)",
+    )
+    p.add_argument("--steps", type=int, default=None, help="fixed step count (skips timing)")
+    p.add_argument("--max-epochs", type=float, default=10.0)
+    p.add_argument("--train-seconds", type=float, default=330.0)
+    p.add_argument(
+        "--eval-windows", type=int, default=32, help="held-out windows per progress eval"
+    )
+    p.add_argument("--evals", type=int, default=8, help="progress evals during training")
+    p.add_argument("--device", default=None)
+    p.add_argument("--max-files", type=int, default=None, help="corpus cap, for dry runs only")
+    return p.parse_args()
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------------
+
+
+def train_tokenizer(docs: list[Document], vocab_size: int) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    # Byte-level: every byte sequence round-trips, and runs of indentation become single tokens.
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator((d.text for d in docs), trainer=trainer, length=len(docs))
+    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    # Prompts get <bos> like DeepSeek's tokenizer gives them (and like training documents start).
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A",
+        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B:1",
+        special_tokens=[(BOS_TOKEN, bos_id)],
+    )
+    return tokenizer
+
+
+def save_tokenizer(tokenizer: Tokenizer, folder: Path, max_length: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def encode(tokenizer: Tokenizer, docs: list[Document]) -> torch.Tensor:
+    encodings = tokenizer.encode_batch([d.text for d in docs], add_special_tokens=False)
+    return pack_documents(
+        [e.ids for e in encodings],
+        tokenizer.token_to_id(BOS_TOKEN),
+        tokenizer.token_to_id(EOS_TOKEN),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Model and training
+# ----------------------------------------------------------------------------------------------
+
+
+def build_model(
+    config: DeepseekV3Config, device: torch.device
+) -> tuple[DeepseekV3ForCausalLM, DeepseekV3MTPLayer]:
+    """Main model plus an MTP module sharing its embedding and lm head, all in fp32 (bf16 only
+    under autocast) and initialised the way transformers initialises DeepSeek-V3."""
+    model = DeepseekV3ForCausalLM(config)
+    mtp = DeepseekV3MTPLayer(model.config, model.model.embed_tokens, model.lm_head)
+    shared = {id(model.model.embed_tokens), id(model.lm_head)}
+    for module in mtp.modules():
+        if id(module) not in shared:
+            model._init_weights(module)
+    return model.to(device).train(), mtp.to(device).train()
+
+
+def param_groups(modules: list[nn.Module], weight_decay: float) -> list[dict]:
+    """Decay matrices (embeddings, projections, expert stacks), not norm gains; shared
+    parameters (the MTP's embedding and head) are listed once."""
+    seen: set[int] = set()
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for module in modules:
+        for param in module.parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                (decay if param.ndim >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+class ExpertLoadBalancer:
+    """DeepSeek-V3's auxiliary-loss-free load balancing: after each step, every router's
+    `e_score_correction_bias` moves by `speed` towards under-loaded experts (up) and away from
+    over-loaded ones (down). The bias only affects which experts are chosen, not their weights."""
+
+    def __init__(self, modules: list[nn.Module], speed: float) -> None:
+        self.speed = speed
+        self.routers = [
+            m for mod in modules for m in mod.modules() if isinstance(m, DeepseekV3TopkRouter)
+        ]
+        self.counts = [torch.zeros(r.num_experts, device=r.weight.device) for r in self.routers]
+        for router, counts in zip(self.routers, self.counts, strict=True):
+            router.register_forward_hook(self._hook(counts))
+
+    @staticmethod
+    def _hook(counts: torch.Tensor) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, output: tuple[torch.Tensor, ...]) -> None:
+            if module.training:
+                topk_indices = output[2]
+                counts.add_(torch.bincount(topk_indices.flatten(), minlength=counts.numel()))
+
+        return hook
+
+    @torch.no_grad()
+    def step(self) -> torch.Tensor:
+        """Updates the biases; returns each router's max load over mean load for the step."""
+        imbalance = []
+        for router, counts in zip(self.routers, self.counts, strict=True):
+            mean = counts.mean()
+            router.e_score_correction_bias.add_(self.speed * torch.sign(mean - counts))
+            imbalance.append(counts.max() / mean.clamp(min=1))
+            counts.zero_()
+        return torch.stack(imbalance)
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float) -> float:
+    """Linear warm-up, then cosine decay to `min_ratio * peak` at the last step."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup - 1)
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: DeepseekV3Config,
+        device: torch.device,
+        args: argparse.Namespace,
+        stream: torch.Tensor,
+    ) -> None:
+        self.args = args
+        self.device = device
+        self.model, self.mtp = build_model(config, device)
+        modules: list[nn.Module] = [self.model, self.mtp]
+        self.optimizer = torch.optim.AdamW(
+            param_groups(modules, args.weight_decay),
+            lr=args.lr,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            fused=device.type == "cuda",
+        )
+        self.balancer = ExpertLoadBalancer(modules, args.bias_update_speed)
+        self.stream = stream.to(device)
+        self.offsets = torch.arange(args.seq_len + 1, device=device)
+        self.generator = torch.Generator().manual_seed(args.seed + 1)
+
+    def batch(self) -> torch.Tensor:
+        """Random windows of seq_len + 1 tokens (the batch order depends only on the seed)."""
+        high = self.stream.numel() - self.args.seq_len - 1
+        starts = torch.randint(0, high, (self.args.batch_size,), generator=self.generator)
+        return self.stream[starts.to(self.device)[:, None] + self.offsets[None, :]]
+
+    def step(self, lr: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns (loss, mtp_loss, expert imbalance) as device tensors so
+        that nothing waits for the GPU unless the caller logs them."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        window = self.batch()
+        autocast = torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"
+        )
+        with autocast:
+            logits, mtp_logits = forward_main_and_mtp(self.model, self.mtp, window[:, :-1])
+        vocab = logits.shape[-1]
+        loss = F.cross_entropy(logits.float().view(-1, vocab), window[:, 1:].reshape(-1))
+        mtp_loss = F.cross_entropy(mtp_logits.float().view(-1, vocab), window[:, 2:].reshape(-1))
+        # The MTP loss also flows into the main model through h_i, as in DeepSeek-V3.
+        (loss + self.args.mtp_weight * mtp_loss).backward()
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_norm_(params, self.args.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach(), mtp_loss.detach(), self.balancer.step()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_step_seconds(
+    config: DeepseekV3Config,
+    device: torch.device,
+    args: argparse.Namespace,
+    stream: torch.Tensor,
+) -> float:
+    """Times training steps on a throwaway model so the real run's RNG streams are untouched."""
+    trainer = Trainer(config, device, args, stream)
+    for _ in range(3):  # warm-up: kernel selection, allocator growth
+        trainer.step(args.lr * 0.01)
+    synchronize(device)
+    start = time.perf_counter()
+    timed = 8
+    for _ in range(timed):
+        trainer.step(args.lr * 0.01)
+    synchronize(device)
+    seconds = (time.perf_counter() - start) / timed
+    del trainer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return seconds
+
+
+def plan_steps(
+    config: DeepseekV3Config, device: torch.device, args: argparse.Namespace, stream: torch.Tensor
+) -> int:
+    tokens_per_step = args.batch_size * args.seq_len
+    by_epochs = math.ceil(args.max_epochs * stream.numel() / tokens_per_step)
+    step_seconds = measure_step_seconds(config, device, args, stream)
+    # 10% of the budget is left for the progress evals and logging.
+    by_time = int(0.9 * args.train_seconds / step_seconds)
+    steps = max(1, min(by_epochs, by_time))
+    log(
+        f"step time {step_seconds * 1e3:.1f} ms ({tokens_per_step / step_seconds:,.0f} tok/s); "
+        f"steps by epochs {by_epochs}, by time {by_time} -> {steps} "
+        f"(reproduce with --steps {steps})"
+    )
+    return steps
+
+
+def train(trainer: Trainer, steps: int, heldout: torch.Tensor) -> None:
+    args = trainer.args
+    warmup = min(args.warmup_steps, max(1, steps // 10))
+    eval_at = {round(steps * (k + 1) / args.evals) - 1 for k in range(args.evals)}
+    log_every = max(1, steps // 40)
+    tokens_per_step = args.batch_size * args.seq_len
+    synchronize(trainer.device)
+    start = time.perf_counter()
+    for step in range(steps):
+        lr = lr_at(step, steps, args.lr, warmup, args.min_lr_ratio)
+        loss, mtp_loss, imbalance = trainer.step(lr)
+        elapsed = time.perf_counter() - start
+        if step % log_every == 0 or step == steps - 1:
+            if not math.isfinite(loss.item()):
+                raise RuntimeError(f"loss is {loss.item()} at step {step + 1}")
+            epochs = (step + 1) * tokens_per_step / trainer.stream.numel()
+            log(
+                f"step {step + 1}/{steps} lr {lr:.2e} loss {loss.item():.4f} "
+                f"mtp_loss {mtp_loss.item():.4f} epoch {epochs:.2f} max/mean expert load "
+                f"{' '.join(f'{x:.2f}' for x in imbalance.tolist())} "
+                f"{(step + 1) * tokens_per_step / elapsed:,.0f} tok/s"
+            )
+        if step in eval_at:
+            trainer.model.eval()
+            trainer.mtp.eval()
+            autocast = torch.bfloat16 if trainer.device.type == "cuda" else None
+            metrics = evaluate(trainer.model, trainer.mtp, heldout, args.batch_size, autocast)
+            trainer.model.train()
+            trainer.mtp.train()
+            log(f"held-out @ step {step + 1}: " + json.dumps(metrics))
+        # A guard, not a schedule: a run this far over budget stops and is saved as it is.
+        if elapsed > 1.25 * args.train_seconds and step < steps - 1:
+            log(f"time guard: stopping after step {step + 1} of {steps}")
+            break
+    synchronize(trainer.device)
+    log(f"training took {time.perf_counter() - start:.1f}s")
+
+
+def generate_samples(folder: Path, model: DeepseekV3ForCausalLM, max_new_tokens: int) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    for prompt in SAMPLE_PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        log(f"greedy sample for {prompt!r}:\n{tokenizer.decode(out[0], skip_special_tokens=True)}")
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    log(
+        f"python {platform.python_version()} ({sys.executable}), torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, tokenizers {tokenizers.__version__}, "
+        f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else device}"
+    )
+    log(f"args: {json.dumps({k: str(v) for k, v in vars(args).items()})}")
+
+    root = stdlib_root()
+    train_docs, heldout_docs, skipped = read_corpus(root)
+    if args.max_files is not None:
+        train_docs = train_docs[: args.max_files]
+        heldout_docs = heldout_docs[: max(1, args.max_files // 20)]
+    train_bytes = sum(len(d.text.encode()) for d in train_docs)
+    heldout_bytes = sum(len(d.text.encode()) for d in heldout_docs)
+    log(
+        f"corpus {root}: {len(train_docs)} train files ({train_bytes:,} bytes), "
+        f"{len(heldout_docs)} held-out files ({heldout_bytes:,} bytes), "
+        f"{len(skipped)} skipped as not UTF-8: {skipped}"
+    )
+    write_documents(args.heldout_out, heldout_docs)
+
+    tokenizer = train_tokenizer(train_docs, args.vocab_size)
+    save_tokenizer(tokenizer, args.out, args.max_position_embeddings)
+    train_stream = encode(tokenizer, train_docs)
+    heldout_stream = encode(tokenizer, heldout_docs)
+    log(
+        f"tokenizer: vocab {tokenizer.get_vocab_size()}; train {train_stream.numel():,} tokens "
+        f"({train_bytes / train_stream.numel():.2f} bytes/token), held-out "
+        f"{heldout_stream.numel():,} tokens"
+    )
+    heldout = split_windows(heldout_stream, args.seq_len)
+    progress_heldout = subsample(heldout, args.eval_windows)
+
+    config = make_config(tokenizer.get_vocab_size(), args.max_position_embeddings)
+    steps = args.steps or plan_steps(config, device, args, train_stream)
+    torch.manual_seed(args.seed)
+    trainer = Trainer(config, device, args, train_stream)
+    total = sum(p.numel() for g in trainer.optimizer.param_groups for p in g["params"])
+    log(f"trainable parameters (embedding and head counted once): {total:,}")
+    train(trainer, steps, progress_heldout)
+
+    save_checkpoint(args.out, trainer.model, trainer.mtp)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        do_sample=False,
+    ).save_pretrained(args.out)
+    size = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file())
+    log(f"saved {args.out}: {sorted(f.name for f in args.out.iterdir())}, {size:,} bytes")
+
+    # From here on only checks: reload what was written, as a user of the folder would.
+    del trainer
+    model = DeepseekV3ForCausalLM.from_pretrained(
+        args.out, dtype=torch.float32, experts_implementation="eager"
+    ).to(device)
+    mtp = load_mtp_layer(args.out, model)
+    metrics = evaluate(model, mtp, heldout, args.batch_size)
+    log(
+        f"held-out, reloaded checkpoint, fp32, all {heldout.shape[0]} windows: {json.dumps(metrics)}"
+    )
+    generate_samples(args.out, model, max_new_tokens=64)
+    log("done")
+
+
+if __name__ == "__main__":
+    main()
