@@ -64,8 +64,10 @@ class RopeScaling:
     original_max_position_embeddings: int
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    mscale: float = 1.0
+    mscale: float | None = None  # None: absent (transformers then uses mscale(factor))
     mscale_all_dim: float = 0.0
+    attention_factor: float | None = None  # explicit cos/sin scale; overrides the mscales
+    truncate: bool = True  # floor/ceil the correction range, as DeepSeek does
 
 
 @dataclass(frozen=True)
@@ -265,17 +267,25 @@ def _parse_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         return theta, None
     if kind not in ("yarn", "deepseek_yarn"):
         raise ConfigError(f"rope_scaling: only YaRN scaling is supported, got {kind!r}")
-    try:
-        return theta, RopeScaling(
-            factor=float(src["factor"]),
-            original_max_position_embeddings=int(src["original_max_position_embeddings"]),
-            beta_fast=float(src.get("beta_fast", 32.0)),
-            beta_slow=float(src.get("beta_slow", 1.0)),
-            mscale=float(src.get("mscale", 1.0)),
-            mscale_all_dim=float(src.get("mscale_all_dim", 0.0)),
-        )
-    except KeyError as e:
-        raise ConfigError(f"rope_scaling: YaRN needs key {e.args[0]!r}") from None
+    if "original_max_position_embeddings" not in src:
+        raise ConfigError("rope_scaling: YaRN needs key 'original_max_position_embeddings'")
+    original = int(src["original_max_position_embeddings"])
+    factor = src.get("factor")
+    if factor is None:  # transformers' fallback: the context extension ratio
+        factor = int(d.get("max_position_embeddings", original)) / original
+    optional = {k: src.get(k) for k in ("mscale", "attention_factor")}
+    return theta, RopeScaling(
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        beta_fast=float(src.get("beta_fast") or 32.0),
+        beta_slow=float(src.get("beta_slow") or 1.0),
+        mscale=None if optional["mscale"] is None else float(optional["mscale"]),
+        mscale_all_dim=float(src.get("mscale_all_dim") or 0.0),
+        attention_factor=(
+            None if optional["attention_factor"] is None else float(optional["attention_factor"])
+        ),
+        truncate=bool(src.get("truncate", True)),
+    )
 
 
 @dataclass(frozen=True)

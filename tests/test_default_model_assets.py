@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -64,6 +65,7 @@ def common_module() -> ModuleType:
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being created
     spec.loader.exec_module(module)
     return module
 
@@ -148,10 +150,12 @@ def test_checkpoint_uses_deepseek_names_and_dtypes(tensors: dict, config: dict) 
 def test_mtp_embedding_and_head_are_copies_of_the_main_ones(config: dict) -> None:
     mtp = f"model.layers.{config['num_hidden_layers']}."
     with safe_open(str(FOLDER / "model.safetensors"), framework="pt") as f:
-        assert torch.equal(f.get_tensor(mtp + "embed_tokens.weight"),
-                           f.get_tensor("model.embed_tokens.weight"))
-        assert torch.equal(f.get_tensor(mtp + "shared_head.head.weight"),
-                           f.get_tensor("lm_head.weight"))
+        assert torch.equal(
+            f.get_tensor(mtp + "embed_tokens.weight"), f.get_tensor("model.embed_tokens.weight")
+        )
+        assert torch.equal(
+            f.get_tensor(mtp + "shared_head.head.weight"), f.get_tensor("lm_head.weight")
+        )
 
 
 def test_tokenizer(tokenizer: PreTrainedTokenizerBase, config: dict) -> None:

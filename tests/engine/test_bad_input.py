@@ -10,12 +10,11 @@ from mlaserve import LLM, SamplingParams
 from mlaserve.config import ConfigError, EngineConfig
 from mlaserve.engine.llm_engine import InvalidRequestError
 from mlaserve.sampling_params import SamplingParamsError
-from tests.checkpoints import VARIANTS, make_checkpoint
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("bad") / "m", next(iter(VARIANTS)))
+def ckpt(checkpoint):
+    return checkpoint("v3_moe")
 
 
 @pytest.fixture(scope="module")

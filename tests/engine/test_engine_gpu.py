@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mlaserve import LLM, SamplingParams
-from tests.checkpoints import VARIANTS, make_checkpoint, make_reference_model
+from tests.checkpoints import VARIANTS, make_reference_model
 from tests.engine.test_engine_parity import GREEDY, NEW_TOKENS, hf_greedy, prompts_for, token_ids
 
 pytestmark = [
@@ -19,15 +19,9 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu-ckpt")
-    return {v: make_checkpoint(root / v, v) for v in VARIANTS}
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_cuda_fp32_greedy_matches_transformers(checkpoints, variant: str) -> None:
-    path = checkpoints[variant]
+def test_cuda_fp32_greedy_matches_transformers(checkpoint, variant: str) -> None:
+    path = checkpoint(variant)
     reference = make_reference_model(path)
     prompts = prompts_for(reference.config.vocab_size)
     expected = [hf_greedy(reference, p, NEW_TOKENS) for p in prompts]
@@ -36,8 +30,8 @@ def test_cuda_fp32_greedy_matches_transformers(checkpoints, variant: str) -> Non
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8_e4m3"])
-def test_cuda_bf16_default_path_runs_and_frees_pages(checkpoints, kv_cache_dtype: str) -> None:
-    path = checkpoints[next(iter(VARIANTS))]
+def test_cuda_bf16_default_path_runs_and_frees_pages(checkpoint, kv_cache_dtype: str) -> None:
+    path = checkpoint("v3_moe")
     llm = LLM(str(path), device="cuda", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
     prompts = prompts_for(llm.engine.model_config.vocab_size)
     results = llm.generate(prompts, GREEDY)
@@ -46,10 +40,10 @@ def test_cuda_bf16_default_path_runs_and_frees_pages(checkpoints, kv_cache_dtype
     assert stats.num_free_pages == stats.num_total_pages
 
 
-def test_decode_forward_never_syncs_with_host(checkpoints) -> None:
+def test_decode_forward_never_syncs_with_host(checkpoint) -> None:
     """A DECODE forward (the CUDA-graph shape) must not read device memory on the host."""
     llm = LLM(
-        str(checkpoints[next(iter(VARIANTS))]),
+        str(checkpoint("v3_moe")),
         device="cuda",
         dtype="bfloat16",
         kv_cache_dtype="fp8_e4m3",

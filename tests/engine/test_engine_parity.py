@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mlaserve import LLM, SamplingParams
-from tests.checkpoints import VARIANTS, make_checkpoint, make_reference_model
+from tests.checkpoints import VARIANTS, make_reference_model
 
 NEW_TOKENS = 32
 PROMPT_LENS = [1, 3, 7, 12, 20, 33, 5, 48]
@@ -41,15 +41,9 @@ def token_ids(results) -> list[list[int]]:
     return [r.outputs[0].token_ids for r in results]
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, object]:
-    root = tmp_path_factory.mktemp("ckpt")
-    return {v: make_checkpoint(root / v, v) for v in VARIANTS}
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_greedy_matches_transformers(checkpoints, variant: str) -> None:
-    path = checkpoints[variant]
+def test_greedy_matches_transformers(checkpoint, variant: str) -> None:
+    path = checkpoint(variant)
     reference = make_reference_model(path)
     prompts = prompts_for(reference.config.vocab_size)
     expected = [hf_greedy(reference, p, NEW_TOKENS) for p in prompts]
@@ -63,8 +57,8 @@ def test_greedy_matches_transformers(checkpoints, variant: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def moe_checkpoint(checkpoints):
-    return checkpoints[next(iter(VARIANTS))]
+def moe_checkpoint(checkpoint):
+    return checkpoint("v3_moe")
 
 
 def make_llm(path, **kw) -> LLM:

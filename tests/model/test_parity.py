@@ -28,12 +28,15 @@ from .paged import PagedCache
 PROMPT_LENS = [1, 40, 7, 23, 3, 16, 31, 9]  # 8 prompts, ragged
 NUM_CONTINUATION = 8  # teacher-forced tokens after each prompt, for the decode tests
 FP32_MAX_REL = 1e-4
-# fp8_e4m3 KV cache (per-tensor scale 1.0), fp32 weights, CPU reference backend.
-# Measured 2026-11-22: median token_rel <= 0.052 over all variants, dense max token_rel 0.075.
+# fp8_e4m3 KV cache (per-tensor scale 1.0), fp32 weights, CPU reference backend, prefill + 8
+# decode steps. Measured 2026-11-22: median token_rel 0.032-0.039 per variant, v3_dense max
+# token_rel 0.078. Bounds: median 0.07, dense max 0.12. Never loosen them: a rise means the
+# cache or its (de)quantisation got worse.
 FP8_MEDIAN_BOUND = 0.07
 FP8_DENSE_MAX_BOUND = 0.12
-# bf16 weights + bf16 KV cache. Measured 2026-11-22 on CPU (bf16 end to end): median token_rel
-# <= 0.018, dense max 0.034. GPU GEMMs round differently; bounds leave ~2x room.
+# bf16 weights + bf16 KV cache, same scenario. Measured 2026-11-22 on CPU (bf16 end to end):
+# median token_rel 0.011-0.015, v3_dense max 0.025. GPU GEMMs round differently; the bounds
+# leave ~3x room.
 BF16_MEDIAN_BOUND = 0.04
 BF16_DENSE_MAX_BOUND = 0.08
 

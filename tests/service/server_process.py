@@ -107,7 +107,9 @@ def start_server(
     full_env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")])
     )
-    full_env.setdefault("OMP_NUM_THREADS", "2")
+    # One intra-op thread: the tiny model gains nothing from more, and spinning OpenMP workers
+    # would fight the test's own client threads for the 2 CI cores.
+    full_env.setdefault("OMP_NUM_THREADS", "1")
     log = open(log_path, "wb")  # noqa: SIM115 - the child writes to it for its whole life
     proc = subprocess.Popen(
         cmd,

@@ -15,6 +15,8 @@ from tests.service.server_process import ServerProcess, start_server
 
 API_KEY = "test-key-3f9a"
 LONG = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+# 16 x 240 tokens: seconds of work on 2 CPU cores, so the client surely leaves before the end.
+VERY_LONG = {**LONG, "max_tokens": 240, "n": 16}
 
 
 def _wait_until(predicate, timeout: float = 10.0) -> bool:
@@ -38,30 +40,32 @@ def _idle(server: ServerProcess) -> bool:
 def test_client_dropping_a_stream_aborts_it_and_frees_its_pages(server) -> None:
     aborted = server.metric("mlaserve:request_success_total", finished_reason="abort")
     lengths = server.metric("mlaserve:request_success_total", finished_reason="length")
-    with httpx.Client(base_url=server.url, timeout=30) as client:
-        with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as response:
-            assert response.status_code == 200
-            lines = response.iter_lines()
-            frames = []
-            for line in lines:
-                if line.startswith("data: "):
-                    frames.append(line)
-                if len(frames) == 3:
-                    break
-            assert server.metric("mlaserve:num_requests_running") == 1
-            assert server.metric("mlaserve:kv_cache_usage_perc") > 0
+    with (
+        httpx.Client(base_url=server.url, timeout=30) as client,
+        client.stream("POST", "/v1/completions", json={**VERY_LONG, "stream": True}) as response,
+    ):
+        assert response.status_code == 200
+        frames = []
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                frames.append(line)
+            if len(frames) == 3:
+                break
+        assert not _idle(server)
         # Leaving the block closes the connection mid-stream.
-    assert _wait_until(lambda: _idle(server), timeout=5.0), server.get("/metrics").text
-    assert server.metric("mlaserve:request_success_total", finished_reason="abort") == aborted + 1
+    assert _wait_until(lambda: _idle(server), timeout=3.0), server.get("/metrics").text
+    assert server.metric("mlaserve:request_success_total", finished_reason="abort") == aborted + 16
     assert server.metric("mlaserve:request_success_total", finished_reason="length") == lengths
 
 
 def test_client_timing_out_a_plain_request_aborts_it(server) -> None:
     aborted = server.metric("mlaserve:request_success_total", finished_reason="abort")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=httpx.Timeout(30, read=1.0))
-    assert _wait_until(lambda: _idle(server), timeout=5.0), server.get("/metrics").text
-    assert server.metric("mlaserve:request_success_total", finished_reason="abort") == aborted + 1
+        httpx.post(
+            f"{server.url}/v1/completions", json=VERY_LONG, timeout=httpx.Timeout(30, read=0.5)
+        )
+    assert _wait_until(lambda: _idle(server), timeout=3.0), server.get("/metrics").text
+    assert server.metric("mlaserve:request_success_total", finished_reason="abort") == aborted + 16
 
 
 # ----- a small server with an API key: 2 running + 1 waiting at most -----
@@ -156,12 +160,14 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(small_server) -> None:
     """Runs last in this module: it stops the server."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
     body = {**LONG, "max_tokens": 40, "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.Client(base_url=small_server.url, headers=headers, timeout=60) as client:
-        with client.stream("POST", "/v1/completions", json=body) as response:
-            lines = response.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
-            small_server.proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data: ")]
+    with (
+        httpx.Client(base_url=small_server.url, headers=headers, timeout=60) as client,
+        client.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        small_server.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
     frames = [first, *rest]
     assert frames[-1] == "data: [DONE]"
     assert '"completion_tokens":40' in frames[-2]  # the request ran to the end
@@ -173,15 +179,18 @@ def test_sigterm_aborts_what_outlives_the_shutdown_timeout(model_dir, tmp_path) 
     proc = start_server(model_dir, tmp_path / "server.log", "--shutdown-timeout", "1")
     try:
         proc.wait_ready()
-        with httpx.Client(base_url=proc.url, timeout=60) as client:
-            with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
-                lines = r.iter_lines()
-                next(line for line in lines if line.startswith("data: "))
-                t0 = time.monotonic()
-                proc.proc.send_signal(signal.SIGTERM)
-                frames = []
-                with pytest.raises(httpx.RemoteProtocolError):  # cut off mid-stream
-                    frames.extend(lines)
+        body = {**VERY_LONG, "stream": True}
+        with (
+            httpx.Client(base_url=proc.url, timeout=60) as client,
+            client.stream("POST", "/v1/completions", json=body) as response,
+        ):
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            t0 = time.monotonic()
+            proc.proc.send_signal(signal.SIGTERM)
+            frames = []
+            with pytest.raises(httpx.RemoteProtocolError):  # cut off mid-stream
+                frames.extend(lines)
         assert proc.proc.wait(30) == 0
         assert time.monotonic() - t0 < 10
         assert "data: [DONE]" not in frames

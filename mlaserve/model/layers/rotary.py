@@ -44,7 +44,9 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
         return 1.0 / pos_freqs, 1.0
 
     factor = rs.factor
-    if rs.mscale and rs.mscale_all_dim:
+    if rs.attention_factor is not None:
+        attention_factor = rs.attention_factor
+    elif rs.mscale and rs.mscale_all_dim:
         attention_factor = yarn_get_mscale(factor, rs.mscale)
         attention_factor /= yarn_get_mscale(factor, rs.mscale_all_dim)
     else:
@@ -55,8 +57,10 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
         ratio = rs.original_max_position_embeddings / (num_rotations * 2 * math.pi)
         return dim * math.log(ratio) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(rs.beta_fast or 32)), 0)
-    high = min(math.ceil(correction_dim(rs.beta_slow or 1)), dim - 1)
+    low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
     ramp = ((dims / 2 - low) / (high - low)).clamp(0, 1)  # dims / 2 = 0, 1, ..., dim/2 - 1

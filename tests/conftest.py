@@ -1,20 +1,13 @@
-"""Fixtures for the model tests: tiny checkpoints, written once per session."""
+"""Shared fixtures: tiny random DeepSeek checkpoints, written once per test session."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-# `tests.checkpoints` is shared by every test package; make the repository root importable
-# however pytest was started (it only puts the test's own package root on sys.path).
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from tests.checkpoints import make_checkpoint  # noqa: E402
+from tests.checkpoints import make_checkpoint
 
 
 @pytest.fixture(scope="session")
