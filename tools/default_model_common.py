@@ -31,7 +31,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
 PAD_TOKEN = "<|pad|>"
-# Ids 0/1/2 are DeepSeek-V3's config defaults for bos/eos, so the specials are trained first.
+# Listed first so they get ids 0, 1, 2: bos 0 and eos 1 are DeepSeek-V3's config defaults.
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
 
 # One file in 50 (2%) is held out, chosen by a hash of its path relative to the stdlib root, so
@@ -43,8 +43,8 @@ EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 # Prompts of the greedy samples printed by both scripts and quoted in the model card.
 SAMPLE_PROMPTS = ("def fibonacci(n):", "class Stack:", "import os\n\n\ndef list_files(path):")
 
-# The model is a code model, so chat turns are rendered as Python comments: a continuation after
-# "# assistant:" then tends to be code rather than noise.
+# Chat turns are rendered as Python comments, a form the model saw throughout training, so a chat
+# request gets a comment-like continuation rather than noise (the model follows no instructions).
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"

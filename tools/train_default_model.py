@@ -91,8 +91,8 @@ def parse_args() -> argparse.Namespace:
         "(V3 used 1e-3 over far more steps)",
     )
     p.add_argument("--steps", type=int, default=None, help="fixed step count (skips timing)")
-    p.add_argument("--max-epochs", type=float, default=10.0)
-    p.add_argument("--train-seconds", type=float, default=330.0)
+    p.add_argument("--max-epochs", type=float, default=25.0)
+    p.add_argument("--train-seconds", type=float, default=400.0)
     p.add_argument(
         "--eval-windows", type=int, default=32, help="held-out windows per progress eval"
     )

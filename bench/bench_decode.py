@@ -1,0 +1,97 @@
+"""Decode time per output token of the engine, side by side across KV-cache dtypes.
+
+    python3 bench/bench_decode.py [--model PATH] [--device cuda] [--batch-sizes 1 8 32]
+
+For each batch size, `bs` greedy requests with a fixed prompt length decode `--new-tokens`
+tokens; TPOT = decode wall time / decode steps (prefill excluded: the first step's time is
+measured separately). Every configuration runs in this one process on the same model, so the
+ratios are measured side by side. Prints a table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from mlaserve import LLM, SamplingParams
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def measure(llm: LLM, bs: int, prompt_len: int, new_tokens: int, device: str) -> dict:
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(bs):
+        prompt = [(7 * i + 13 * j) % vocab for j in range(prompt_len)]
+        engine.add_request(f"b{bs}-{i}", prompt, params)
+    sync(device)
+    t0 = time.perf_counter()
+    engine.step()  # prefill (all prompts fit the token budget)
+    sync(device)
+    t1 = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    sync(device)
+    t2 = time.perf_counter()
+    return {"bs": bs, "prefill_ms": (t1 - t0) * 1e3, "tpot_ms": (t2 - t1) * 1e3 / max(steps, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: shipped model)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--kv-cache-dtypes", nargs="+", default=["bf16", "fp8_e4m3"])
+    args = ap.parse_args()
+
+    rows = []
+    for kv in args.kv_cache_dtypes:
+        llm = LLM(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            kv_cache_dtype=kv,
+            max_num_seqs=max(args.batch_sizes),
+        )
+        llm.engine.warmup()
+        for bs in args.batch_sizes:
+            rows.append(
+                {
+                    "kv_cache_dtype": kv,
+                    **measure(llm, bs, args.prompt_len, args.new_tokens, args.device),
+                }
+            )
+        del llm
+    base = {r["bs"]: r["tpot_ms"] for r in rows if r["kv_cache_dtype"] == args.kv_cache_dtypes[0]}
+    for r in rows:
+        r["tpot_ratio_vs_" + args.kv_cache_dtypes[0]] = r["tpot_ms"] / base[r["bs"]]
+
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(
+        f"device: {device_name}  backend: reference  prompt_len={args.prompt_len} "
+        f"new_tokens={args.new_tokens}"
+    )
+    print(f"{'kv_cache_dtype':>14} {'bs':>4} {'prefill ms':>11} {'TPOT ms':>9} {'ratio':>6}")
+    for r in rows:
+        ratio = r["tpot_ratio_vs_" + args.kv_cache_dtypes[0]]
+        print(
+            f"{r['kv_cache_dtype']:>14} {r['bs']:>4} {r['prefill_ms']:>11.2f} "
+            f"{r['tpot_ms']:>9.3f} {ratio:>6.2f}"
+        )
+    print(json.dumps({"bench": "decode", "device": device_name, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
