@@ -19,7 +19,10 @@ class Logprob:
 @dataclass
 class CompletionOutput:
     index: int
-    text: str  # cumulative generated text (stop strings removed unless asked to keep them)
+    # Cumulative generated text (stop strings removed unless asked to keep them). While the
+    # request runs, its tail may still turn into a stop string and be cut: stream
+    # `RequestOutput.new_text` deltas, not slices of this field.
+    text: str
     token_ids: list[int]  # cumulative generated token ids
     cumulative_logprob: float | None = None
     # One dict per generated token: {token_id: Logprob} holding the chosen token and the top-N.
@@ -54,7 +57,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: RequestMetrics | None = None
-    # Tokens this step added to outputs[0] (for streaming deltas and inter-token latency).
+    # Tokens this step added to outputs[0] (for inter-token latency), and the text released for
+    # streaming this step: concatenated, the new_text deltas equal the final outputs[0].text.
     num_new_tokens: int = 0
     new_text: str = ""
     extra: dict = field(default_factory=dict)

@@ -113,6 +113,10 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", "prompt"
             )
+        try:
+            params.check_vocab(vocab)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "stop_token_ids") from None
         if n >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt: {n} tokens leave no room to generate within max_model_len "

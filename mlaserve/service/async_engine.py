@@ -20,17 +20,18 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mlaserve.service.metrics import Metrics
+from mlaserve.service.request_stream import RequestStream, SubRequest
 
 if TYPE_CHECKING:
     from mlaserve.config import EngineConfig
     from mlaserve.engine.llm_engine import LLMEngine
     from mlaserve.outputs import RequestOutput
-    from mlaserve.sampling_params import SamplingParams
+    from mlaserve.tokenizer import Tokenizer
 
 __all__ = [
     "AsyncEngine",
@@ -65,40 +66,6 @@ class EngineNotReadyError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """Admitting the request would exceed max_num_seqs + max_queue in-flight requests."""
-
-
-@dataclass(slots=True)
-class SubRequest:
-    """One engine request: one choice of one prompt of an HTTP request."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-class RequestStream:
-    """Outputs of one HTTP request's engine requests, in the order the engine produced them."""
-
-    def __init__(self, request_ids: list[str]) -> None:
-        self.request_ids = request_ids
-        self.unfinished = set(request_ids)
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-
-    @property
-    def finished(self) -> bool:
-        return not self.unfinished
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while self.unfinished:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                self.unfinished.discard(item.request_id)
-            yield item
 
 
 @dataclass(slots=True)
@@ -139,7 +106,7 @@ class AsyncEngine:
         self.max_num_seqs = 0
         self.vocab_size = 0  # the model's (logits may be wider than the tokenizer)
         self.tokenizer_vocab_size = 0
-        self.tokenizer: Any = None  # the service's own copy: tokenizers are not thread-safe
+        self.tokenizer: Tokenizer  # the event loop's own copy (HF tokenizers: one per thread)
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders "accepting?" + put against "dead" + drain
         self._thread: threading.Thread | None = None
@@ -160,10 +127,6 @@ class AsyncEngine:
     @property
     def is_ready(self) -> bool:
         return self.state is EngineState.READY and self.is_alive
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
 
     # ----- lifecycle (event loop) -----
     def start(self) -> None:
@@ -303,9 +266,10 @@ class AsyncEngine:
 
     def _serve(self, engine: LLMEngine) -> None:
         while True:
-            for command in self._next_commands(block=not engine.has_unfinished_requests()):
+            commands = self._next_commands(block=not engine.has_unfinished_requests())
+            for i, command in enumerate(commands):
                 if command is _STOP:
-                    self._abort_everything(engine)
+                    self._abort_everything(engine, commands[i + 1 :])
                     return
                 self._apply(engine, command)
             if engine.has_unfinished_requests():
@@ -349,9 +313,8 @@ class AsyncEngine:
         self._live.difference_update(live)
         self.metrics.on_aborted(live)
 
-    def _abort_everything(self, engine: LLMEngine) -> None:
-        pending = self._next_commands(block=False)
-        for command in pending:
+    def _abort_everything(self, engine: LLMEngine, pending: list[Any]) -> None:
+        for command in pending + self._next_commands(block=False):
             if isinstance(command, _Add):
                 self._call_soon(self._resolve, command.done, EngineNotReadyError("shutting down"))
         self._abort(engine, list(self._live))
@@ -374,7 +337,7 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(fn, *args)
 
 
-def _private_copy(tokenizer: Any) -> Any:
+def _private_copy(tokenizer: Tokenizer) -> Tokenizer:
     """A copy for the event loop: HF fast tokenizers raise "Already borrowed" when two threads
     use one instance and one of them changes its truncation or padding settings."""
     try:

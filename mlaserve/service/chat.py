@@ -10,12 +10,13 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlaserve.outputs import RequestOutput
-from mlaserve.service.async_engine import EngineDeadError, RequestStream
+from mlaserve.service.async_engine import EngineDeadError
 from mlaserve.service.errors import BadRequestError
 from mlaserve.service.logprobs import chat_logprobs
 from mlaserve.service.protocol import (
@@ -28,22 +29,25 @@ from mlaserve.service.protocol import (
     ChatMessage,
     ChatResponseMessage,
 )
+from mlaserve.service.request_stream import RequestStream
 from mlaserve.service.serving import ClientDisconnected, Fanout, Serving, sse_frame
+
+if TYPE_CHECKING:
+    from mlaserve.tokenizer import Tokenizer
 
 __all__ = ["Chat", "render_chat"]
 
 
-def render_chat(tokenizer: object, messages: list[ChatMessage], add_generation_prompt: bool = True
-                ) -> list[int]:  # fmt: skip
+def render_chat(
+    tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True
+) -> list[int]:
     """Token ids of `messages` through the chat template; a template error is the client's."""
     plain = [
         {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         for m in messages
     ]
     try:
-        return list(
-            tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)  # type: ignore[attr-defined]
-        )
+        return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
     except ValueError as e:  # ChatTemplateError: no template, or the template raised
         raise BadRequestError(str(e), param="messages", code="invalid_value") from None
 

@@ -51,19 +51,23 @@ def build_parser() -> argparse.ArgumentParser:
     engine_group = serve_parser.add_argument_group("engine options")
     for opt in options():
         group = server_group if opt.target is ServerConfig else engine_group
-        shown = "***" if opt.name == "api_key" and opt.default else opt.default
-        text = f"{opt.help} (default: {shown}; env {opt.env})".replace("%", "%%")
+        default = "" if opt.default is None else f"default: {opt.default}; "
+        text = f"{opt.help} ({default}env {opt.env})".replace("%", "%%")
         if opt.base_type is bool:
             group.add_argument(
                 opt.flag, dest=opt.name, action=argparse.BooleanOptionalAction,
                 default=argparse.SUPPRESS, help=text,
             )  # fmt: skip
         else:
-            metavar = getattr(opt.base_type, "__name__", "VALUE").upper()
+            metavar = _METAVARS.get(opt.name) or _METAVARS.get(opt.base_type, "VALUE")
             group.add_argument(
                 opt.flag, dest=opt.name, metavar=metavar, default=argparse.SUPPRESS, help=text
             )
     return parser
+
+
+_METAVARS: dict = {int: "N", float: "X", str: "TEXT", "model": "PATH", "tokenizer": "PATH",
+                   "api_key": "KEY", "host": "HOST", "served_model_name": "NAME"}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,10 +10,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlaserve.outputs import RequestOutput
-from mlaserve.service.async_engine import EngineDeadError, RequestStream
+from mlaserve.service.async_engine import EngineDeadError
 from mlaserve.service.errors import BadRequestError
 from mlaserve.service.logprobs import completion_logprobs
 from mlaserve.service.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from mlaserve.service.request_stream import RequestStream
 from mlaserve.service.serving import ClientDisconnected, Fanout, Serving, sse_frame
 
 __all__ = ["Completions"]

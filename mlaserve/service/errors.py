@@ -19,6 +19,7 @@ __all__ = [
     "APIError",
     "AuthenticationError",
     "BadRequestError",
+    "InternalServerError",
     "NotFoundError",
     "ServiceUnavailableError",
     "error_body",

@@ -29,6 +29,7 @@ __all__ = [
     "DetokenizeResponse",
     "ModelCard",
     "ModelList",
+    "SamplingRequest",
     "StreamOptions",
     "TokenizeRequest",
     "TokenizeResponse",
@@ -65,7 +66,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Body):
+class SamplingRequest(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (vLLM extras included)."""
 
     model: str | None = Field(None, description="Served model name; defaults to the only one.")
@@ -101,7 +102,7 @@ class _SamplingRequest(_Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]] = Field(
         description="A string, a list of strings, a list of token ids, or a list of such lists."
     )
@@ -129,7 +130,7 @@ class ChatMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

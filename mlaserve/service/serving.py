@@ -31,16 +31,16 @@ from mlaserve.service.async_engine import (
     EngineDeadError,
     EngineNotReadyError,
     QueueFullError,
-    RequestStream,
-    SubRequest,
 )
 from mlaserve.service.errors import (
     BadRequestError,
+    InternalServerError,
     NotFoundError,
     ServiceUnavailableError,
     error_body,
 )
-from mlaserve.service.protocol import MAX_SEED, UsageInfo, _SamplingRequest
+from mlaserve.service.protocol import MAX_SEED, SamplingRequest, UsageInfo
+from mlaserve.service.request_stream import RequestStream, SubRequest
 
 __all__ = ["Fanout", "Serving", "sse_frame"]
 
@@ -64,7 +64,6 @@ class Fanout:
 
     request_id: str
     prompts: list[list[int]]
-    n: int
     subrequests: list[SubRequest]
     created: int
 
@@ -121,7 +120,7 @@ class Serving:
     def fan_out(
         self,
         prefix: str,
-        req: _SamplingRequest,
+        req: SamplingRequest,
         prompts: list[list[int]],
         max_tokens: Callable[[list[int]], int],
         logprobs: int | None,
@@ -134,10 +133,10 @@ class Serving:
                 params = self.sampling_params(req, max_tokens(prompt), seed, logprobs)
                 index = p * req.n + i
                 subrequests.append(SubRequest(f"{request_id}-{index}", prompt, params))
-        return Fanout(request_id, prompts, req.n, subrequests, int(time.time()))
+        return Fanout(request_id, prompts, subrequests, int(time.time()))
 
     def sampling_params(
-        self, req: _SamplingRequest, max_tokens: int, seed: int | None, logprobs: int | None
+        self, req: SamplingRequest, max_tokens: int, seed: int | None, logprobs: int | None
     ) -> SamplingParams:
         vocab_size = self.engine.vocab_size
         kwargs: dict = {name: getattr(req, name) for name in _SAMPLING_FIELDS}
@@ -198,9 +197,12 @@ class Serving:
         watching = asyncio.ensure_future(_wait_for_disconnect(raw.receive))
         try:
             await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
-            if collecting.done():
+            if not collecting.done():
+                raise ClientDisconnected
+            try:
                 return collecting.result()
-            raise ClientDisconnected
+            except EngineDeadError as e:
+                raise InternalServerError(str(e), code="engine_dead") from None
         finally:
             watching.cancel()
             collecting.cancel()
@@ -211,7 +213,9 @@ class Serving:
 
     @staticmethod
     def error_frame(exc: Exception) -> str:
-        return sse_frame(json.dumps(error_body(str(exc), "internal_server_error", None, None)))
+        """An SSE frame for an error after the stream started (status 200 is already sent)."""
+        body = error_body(str(exc), InternalServerError.error_type, None, "engine_dead")
+        return sse_frame(json.dumps(body))
 
 
 class ClientDisconnected(Exception):

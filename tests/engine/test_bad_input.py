@@ -80,6 +80,8 @@ def test_bad_requests_rejected_and_engine_keeps_serving(llm: LLM) -> None:
         llm.generate([[1] * 10], SamplingParams(max_tokens=60))
     with pytest.raises(InvalidRequestError, match="vocabulary"):
         llm.generate([[1, vocab + 5]], SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=1, stop_token_ids=[vocab]))
     with pytest.raises(InvalidRequestError, match="at least one token"):
         llm.generate([[]], SamplingParams(max_tokens=1))
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.checkpoints import make_checkpoint
 from tests.service.server_process import ServerProcess, start_server
 
 
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory):
-    return make_checkpoint(tmp_path_factory.mktemp("service-model"), "v3_moe")
+def model_dir(checkpoint):
+    """The tiny random DeepSeek-V3 (MoE) checkpoint of tests/conftest.py."""
+    return checkpoint("v3_moe")
 
 
 @pytest.fixture(scope="session")

@@ -45,13 +45,15 @@ def test_client_dropping_a_stream_aborts_it_and_frees_its_pages(server) -> None:
         client.stream("POST", "/v1/completions", json={**VERY_LONG, "stream": True}) as response,
     ):
         assert response.status_code == 200
-        frames = []
-        for line in response.iter_lines():
+        # NOTE: keep a reference to the iterator: a dropped one is closed, and with it the
+        # connection, which would abort the request before the checks below.
+        lines, frames = response.iter_lines(), []
+        for line in lines:
             if line.startswith("data: "):
                 frames.append(line)
             if len(frames) == 3:
                 break
-        assert not _idle(server)
+        assert not _idle(server), server.get("/metrics").text
         # Leaving the block closes the connection mid-stream.
     assert _wait_until(lambda: _idle(server), timeout=3.0), server.get("/metrics").text
     assert server.metric("mlaserve:request_success_total", finished_reason="abort") == aborted + 16
@@ -167,6 +169,14 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(small_server) -> None:
         lines = response.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         small_server.proc.send_signal(signal.SIGTERM)
+        # No new work is admitted: the port closes, or a request that slips in gets a 503.
+        try:
+            late = httpx.post(
+                f"{small_server.url}/v1/completions", json={"prompt": "hi"}, headers=headers
+            )
+            assert late.status_code == 503, late.text
+        except httpx.TransportError:
+            pass
         rest = [line for line in lines if line.startswith("data: ")]
     frames = [first, *rest]
     assert frames[-1] == "data: [DONE]"

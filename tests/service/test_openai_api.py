@@ -232,3 +232,27 @@ def test_64_concurrent_streams_complete_correctly(server, model_name) -> None:
     assert [r[1] for r in results] == ["length"] * 64
     assert [r[0] for r in results] == [expected[i] for i in range(64)]
     assert server.metric("mlaserve:num_requests_running") == 0
+
+
+def test_sampling_extras_reach_the_sampler(openai_client, model_name) -> None:
+    kwargs = {"model": model_name, "prompt": "The quick brown fox", "max_tokens": 24}
+    plain = openai_client.completions.create(**kwargs, **GREEDY).choices[0].text
+    penalised = openai_client.completions.create(
+        **kwargs,
+        temperature=0.0,
+        frequency_penalty=2.0,
+        presence_penalty=2.0,
+        extra_body={"ignore_eos": True, "repetition_penalty": 2.0},
+    )
+    assert penalised.usage.completion_tokens == 24
+    assert penalised.choices[0].text != plain  # the penalties changed the greedy path
+    sampled = {
+        "temperature": 0.9,
+        "top_p": 0.9,
+        "seed": 11,
+        "extra_body": {"top_k": 5, "min_p": 0.01, "min_tokens": 4, "ignore_eos": True},
+    }
+    first = openai_client.completions.create(**kwargs, **sampled)
+    second = openai_client.completions.create(**kwargs, **sampled)
+    assert first.choices[0].text == second.choices[0].text  # seeded: reproducible
+    assert first.usage.completion_tokens == 24

@@ -11,7 +11,7 @@ from schemathesis.generation.modes import GenerationMode
 
 from tests.service.server_process import ServerProcess
 
-MAX_EXAMPLES = 40
+MAX_EXAMPLES = 100  # per operation
 
 
 @pytest.fixture()
