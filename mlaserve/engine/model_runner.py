@@ -19,7 +19,7 @@ from mlaserve.engine.input_buffers import HostBatch, InputBuffers
 from mlaserve.engine.scheduler import ScheduledRequest
 from mlaserve.kernels_adapter import get_backend_class, resolve_backend_name
 from mlaserve.kv_cache import MLAKVPool
-from mlaserve.model import load_model
+from mlaserve.model import load_kv_scales, load_model
 from mlaserve.sampling import Sampler, SamplingBatch
 
 __all__ = ["ModelRunner", "StepResult"]
@@ -64,6 +64,11 @@ class ModelRunner:
         )
 
         self.num_pages = self._decide_num_pages()
+        k_scales = load_kv_scales(model_config, config.model_path)
+        if k_scales is not None and self.kv_cache_dtype != torch.float8_e4m3fn:
+            logger.warning(
+                "checkpoint has KV-cache scales, unused with a %s cache", self.kv_cache_dtype
+            )
         self.kv_pool = MLAKVPool(
             num_layers=model_config.num_hidden_layers,
             num_pages=self.num_pages,
@@ -72,6 +77,7 @@ class ModelRunner:
             qk_rope_head_dim=model_config.qk_rope_head_dim,
             dtype=self.kv_cache_dtype,
             device=self.device,
+            k_scale=k_scales or 1.0,
         )
         self.attn_backend = backend_cls(
             model_config,

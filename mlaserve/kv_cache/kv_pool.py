@@ -10,8 +10,9 @@ at row `t % page_size`; its global slot id is `page * page_size + row`. Each row
 
 stored contiguously in one dtype:
   * fp8_e4m3 (`torch.float8_e4m3fn`, 1 byte/value, 576 B/token/layer): value = stored * k_scale,
-    one per-tensor scale for the whole cache (1.0 unless the checkpoint gives one). Writes divide
-    by the scale and saturate to +-448 (e4m3's largest finite value) so nothing becomes NaN.
+    one per-tensor scale per layer (1.0 unless the checkpoint gives `self_attn.k_scale`). Writes
+    divide by the scale and saturate to +-448 (e4m3's largest finite value), so nothing becomes
+    NaN.
     This is FlashMLA's / trtllm-gen's / tokenspeed_mla's plain 576-byte FP8 MLA layout (no inline
     scales).
   * bf16 / fp16 / fp32: the values themselves (scale 1).
@@ -20,6 +21,8 @@ their writes land somewhere harmless.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -40,7 +43,7 @@ class MLAKVPool:
         qk_rope_head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
-        k_scale: float = 1.0,
+        k_scale: float | Sequence[float] = 1.0,
     ) -> None:
         if num_pages < 2:
             raise ValueError(
@@ -55,11 +58,15 @@ class MLAKVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.is_fp8 = dtype == torch.float8_e4m3fn
-        self.k_scale = float(k_scale) if self.is_fp8 else 1.0
-        # Kernels that take scales as device tensors (FlashMLA's descale_k) read this one.
-        self.k_scale_tensor = torch.full(
-            (1,), self.k_scale, dtype=torch.float32, device=self.device
-        )
+        scales = [float(k_scale)] * num_layers if isinstance(k_scale, float | int) else k_scale
+        if len(scales) != num_layers or any(not s > 0 for s in scales):
+            raise ValueError(f"k_scale: need {num_layers} positive per-layer scales, got {scales}")
+        # Scales only mean something for fp8; other dtypes store the values themselves.
+        self.k_scales = [float(s) for s in scales] if self.is_fp8 else [1.0] * num_layers
+        # Kernels that take scales as device tensors (FlashMLA's descale_k) read these.
+        self.k_scale_tensors = [
+            torch.full((1,), s, dtype=torch.float32, device=self.device) for s in self.k_scales
+        ]
         self.kv_buffers = [
             torch.zeros(num_pages, page_size, self.dim, dtype=dtype, device=self.device)
             for _ in range(num_layers)
@@ -76,17 +83,17 @@ class MLAKVPool:
     ) -> int:
         return num_layers * page_size * kv_cache_dim * torch.empty((), dtype=dtype).element_size()
 
-    def quantize(self, kv: torch.Tensor) -> torch.Tensor:
+    def quantize(self, kv: torch.Tensor, layer_id: int = 0) -> torch.Tensor:
         """[T, D] model-dtype values -> [T, D] cache-dtype values."""
         if self.is_fp8:
-            kv = (kv.float() / self.k_scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+            kv = (kv.float() / self.k_scales[layer_id]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
         return kv.to(self.dtype)
 
     def write(
         self, layer_id: int, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
     ) -> None:
         """Store new tokens. slot_mapping [T] int64; kv_c [T, kv_lora_rank]; k_pe [T, rope_dim]."""
-        rows = self.quantize(torch.cat([kv_c, k_pe], dim=-1))
+        rows = self.quantize(torch.cat([kv_c, k_pe], dim=-1), layer_id)
         flat = self.kv_buffers[layer_id].view(-1, self.dim)
         if self.is_fp8:
             # index_copy_ has no float8 kernel on every device; bytes are bytes.
@@ -98,4 +105,4 @@ class MLAKVPool:
         """Dequantized fp32 KV of whole pages: block_tables [bs, P] -> [bs, P*page_size, D]."""
         pages = self.kv_buffers[layer_id][block_tables.long()]  # [bs, P, page, D]
         kv = pages.float().flatten(1, 2)
-        return kv * self.k_scale if self.is_fp8 else kv
+        return kv * self.k_scales[layer_id] if self.is_fp8 else kv

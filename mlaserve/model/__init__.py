@@ -6,7 +6,13 @@ logits = model.compute_logits(hidden)  # [N, hidden] -> [N, vocab] float32
 """
 
 from mlaserve.model.deepseek import DeepseekForCausalLM
-from mlaserve.model.loader import WeightLoadError, load_model
+from mlaserve.model.loader import WeightLoadError, load_kv_scales, load_model
 from mlaserve.model.mtp import DeepseekMTP
 
-__all__ = ["DeepseekForCausalLM", "DeepseekMTP", "WeightLoadError", "load_model"]
+__all__ = [
+    "DeepseekForCausalLM",
+    "DeepseekMTP",
+    "WeightLoadError",
+    "load_kv_scales",
+    "load_model",
+]

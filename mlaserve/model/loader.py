@@ -9,6 +9,9 @@ Checkpoint key -> parameter mapping (the only places our names differ from HF's)
     model.layers.{N}.{enorm,hnorm,eh_proj,embed_tokens,shared_head.*} -> mtp.*    (N = #layers)
     model.layers.{N}.{self_attn,mlp,*_layernorm}.*                    -> mtp.block.*
 
+FP8-KV checkpoints may carry a per-layer latent-cache scale (`model.layers.{i}.self_attn.k_scale`,
+or `kv_scale`, or under `self_attn.attn.`): `load_kv_scales` reads those for the KV pool.
+
 Each tensor goes through its parameter's `weight_loader` (which takes this rank's TP shard)
 and is cast to the parameter dtype. Every failure raises `WeightLoadError` naming the key.
 """
@@ -29,12 +32,13 @@ from mlaserve.config import ModelConfig
 from mlaserve.model.deepseek import DeepseekForCausalLM
 from mlaserve.model.layers.linear import NO_TP, TensorParallel, default_weight_loader
 
-__all__ = ["WeightLoadError", "load_model", "load_weights"]
+__all__ = ["WeightLoadError", "load_kv_scales", "load_model", "load_weights"]
 
 logger = logging.getLogger(__name__)
 
 _MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+_KV_SCALE_KEY = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:attn\.)?(?:k_scale|kv_scale)$")
 # MTP copies that some checkpoints drop; absent ones are tied to the main model's.
 _MTP_TIED = {
     "mtp.embed_tokens.weight": "model.embed_tokens.weight",
@@ -170,10 +174,28 @@ def _hf_name(name: str, config: ModelConfig) -> str:
     return layer + rest.removeprefix("block.")
 
 
+def load_kv_scales(model_config: ModelConfig, path: str | Path) -> list[float] | None:
+    """Per-layer latent KV-cache scales from the checkpoint, or None if it has none.
+    Layers without one get 1.0."""
+    path = Path(path)
+    found: dict[int, float] = {}
+    for key, (file, _) in _index_checkpoint(path).items():
+        m = _KV_SCALE_KEY.match(key)
+        if m and int(m.group(1)) < model_config.num_hidden_layers:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                value = float(f.get_tensor(key).float().reshape(-1)[0])
+            if not value > 0:
+                raise WeightLoadError(f"{key}: KV scale must be positive, got {value}")
+            found[int(m.group(1))] = value
+    if not found:
+        return None
+    return [found.get(i, 1.0) for i in range(model_config.num_hidden_layers)]
+
+
 def _is_ignorable(key: str, config: ModelConfig) -> bool:
-    """Tensors we knowingly skip: rotary caches, and layers past the ones we build (extra MTP
-    depths, or MTP weights when the config has none)."""
-    if key.endswith("rotary_emb.inv_freq"):
+    """Tensors we knowingly skip: rotary caches, KV-cache scales (read by `load_kv_scales`), and
+    layers past the ones we build (extra MTP depths, or MTP weights when the config has none)."""
+    if key.endswith("rotary_emb.inv_freq") or _KV_SCALE_KEY.match(key):
         return True
     m = re.match(r"model\.layers\.(\d+)\.", key)
     return m is not None and int(m.group(1)) >= config.num_hidden_layers
