@@ -1,10 +1,11 @@
-"""Decode time per output token of the engine, side by side across KV-cache dtypes.
+"""Decode time per output token of the engine, side by side across attention backends and
+KV-cache dtypes.
 
     python3 bench/bench_decode.py [--model PATH] [--device cuda] [--batch-sizes 1 8 32]
 
 For each batch size, `bs` greedy requests with a fixed prompt length decode `--new-tokens`
 tokens; TPOT = decode wall time / decode steps (prefill excluded: the first step's time is
-measured separately). One engine per KV dtype lives in this process on the same model; the
+measured separately). One engine per (backend, KV dtype) lives in this process on the same model; the
 configurations are measured in turn, `--repeats` rounds, and each cell reports the median, so
 the ratios are side by side and drift hits every configuration alike. Prints a table and one
 JSON line.
@@ -13,6 +14,7 @@ JSON line.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
@@ -57,61 +59,74 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--kv-cache-dtypes", nargs="+", default=["bf16", "fp8_e4m3"])
+    ap.add_argument(
+        "--attention-backends",
+        nargs="+",
+        default=None,
+        help="default: reference, plus flashmla on an SM90 GPU with sgl-flash-mla installed",
+    )
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    backends = args.attention_backends or ["reference"]
+    hopper = args.device.startswith("cuda") and torch.cuda.get_device_capability() == (9, 0)
+    if args.attention_backends is None and hopper and importlib.util.find_spec("flash_mla"):
+        backends.append("flashmla")
 
+    configs = [(b, kv) for b in backends for kv in args.kv_cache_dtypes]
     llms = {
-        kv: LLM(
+        (b, kv): LLM(
             args.model,
             device=args.device,
             dtype=args.dtype,
             kv_cache_dtype=kv,
+            attention_backend=b,
             max_num_seqs=max(args.batch_sizes),
         )
-        for kv in args.kv_cache_dtypes
+        for b, kv in configs
     }
     for llm in llms.values():
         llm.engine.warmup()
         measure(llm, max(args.batch_sizes), args.prompt_len, 4, args.device)  # first-use costs
-    samples: dict[tuple[str, int], list[dict]] = {}
+    samples: dict[tuple[str, str, int], list[dict]] = {}
     for _ in range(args.repeats):
         for bs in args.batch_sizes:
-            for kv, llm in llms.items():
+            for (b, kv), llm in llms.items():
                 m = measure(llm, bs, args.prompt_len, args.new_tokens, args.device)
-                samples.setdefault((kv, bs), []).append(m)
+                samples.setdefault((b, kv, bs), []).append(m)
     rows = [
         {
+            "attention_backend": b,
             "kv_cache_dtype": kv,
             "bs": bs,
             "prefill_ms": statistics.median(m["prefill_ms"] for m in ms),
             "tpot_ms": statistics.median(m["tpot_ms"] for m in ms),
             "tpot_ms_min_max": [min(m["tpot_ms"] for m in ms), max(m["tpot_ms"] for m in ms)],
         }
-        for (kv, bs), ms in samples.items()
+        for (b, kv, bs), ms in samples.items()
     ]
-    rows.sort(key=lambda r: (args.kv_cache_dtypes.index(r["kv_cache_dtype"]), r["bs"]))
-    base = {r["bs"]: r["tpot_ms"] for r in rows if r["kv_cache_dtype"] == args.kv_cache_dtypes[0]}
+    rows.sort(key=lambda r: (configs.index((r["attention_backend"], r["kv_cache_dtype"])), r["bs"]))
+    base_name = f"{configs[0][0]}/{configs[0][1]}"
+    base = {r["bs"]: r["tpot_ms"] for r in rows[: len(args.batch_sizes)]}
     for r in rows:
-        r["tpot_ratio_vs_" + args.kv_cache_dtypes[0]] = r["tpot_ms"] / base[r["bs"]]
+        r["tpot_ratio_vs_base"] = r["tpot_ms"] / base[r["bs"]]
 
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(
-        f"device: {device_name}  backend: reference  prompt_len={args.prompt_len} "
-        f"new_tokens={args.new_tokens}"
+        f"device: {device_name}  prompt_len={args.prompt_len} new_tokens={args.new_tokens}  "
+        f"median of {args.repeats} rounds; range = min..max; ratio = TPOT / {base_name} TPOT"
     )
-    print(f"median of {args.repeats} rounds; TPOT range = min..max over rounds")
     print(
-        f"{'kv_cache_dtype':>14} {'bs':>4} {'prefill ms':>11} {'TPOT ms':>9} "
-        f"{'TPOT range':>15} {'ratio':>6}"
+        f"{'backend':>10} {'kv_cache':>9} {'bs':>4} {'prefill ms':>11} {'TPOT ms':>9} "
+        f"{'TPOT range':>13} {'ratio':>6}"
     )
     for r in rows:
-        ratio = r["tpot_ratio_vs_" + args.kv_cache_dtypes[0]]
         lo, hi = r["tpot_ms_min_max"]
         print(
-            f"{r['kv_cache_dtype']:>14} {r['bs']:>4} {r['prefill_ms']:>11.2f} "
-            f"{r['tpot_ms']:>9.3f} {f'{lo:.2f}..{hi:.2f}':>15} {ratio:>6.2f}"
+            f"{r['attention_backend']:>10} {r['kv_cache_dtype']:>9} {r['bs']:>4} "
+            f"{r['prefill_ms']:>11.2f} {r['tpot_ms']:>9.3f} {f'{lo:.2f}..{hi:.2f}':>13} "
+            f"{r['tpot_ratio_vs_base']:>6.2f}"
         )
-    print(json.dumps({"bench": "decode", "device": device_name, "rows": rows}))
+    print(json.dumps({"bench": "decode", "device": device_name, "base": base_name, "rows": rows}))
 
 
 if __name__ == "__main__":

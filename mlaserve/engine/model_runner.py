@@ -52,9 +52,10 @@ class ModelRunner:
         self.page_size = config.page_size
         self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
 
-        backend_name = resolve_backend_name(config.attention_backend, self.device.type)
+        backend_name = resolve_backend_name(
+            config.attention_backend, model_config, self.page_size, self.kv_cache_dtype, self.device
+        )
         backend_cls = get_backend_class(backend_name)
-        backend_cls.check_supported(model_config, self.page_size, self.kv_cache_dtype, self.device)
 
         logger.info(
             "loading weights from %s (%s on %s)", config.model_path, self.dtype, self.device

@@ -6,6 +6,8 @@ Run on the GPU host with `python -m pytest -m gpu`; skipped without CUDA.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -40,13 +42,19 @@ def test_cuda_bf16_default_path_runs_and_frees_pages(checkpoint, kv_cache_dtype:
     assert stats.num_free_pages == stats.num_total_pages
 
 
-def test_decode_forward_never_syncs_with_host(checkpoint) -> None:
+@pytest.mark.parametrize("backend", ["reference", "flashmla"])
+def test_decode_forward_never_syncs_with_host(checkpoint, backend: str) -> None:
     """A DECODE forward (the CUDA-graph shape) must not read device memory on the host."""
+    if backend == "flashmla" and (
+        torch.cuda.get_device_capability() != (9, 0) or not importlib.util.find_spec("flash_mla")
+    ):
+        pytest.skip("flashmla needs an SM90 GPU and sgl-flash-mla")
     llm = LLM(
-        str(checkpoint("v3_moe")),
+        None if backend == "flashmla" else str(checkpoint("v3_moe")),  # flashmla: 512/64 dims
         device="cuda",
         dtype="bfloat16",
         kv_cache_dtype="fp8_e4m3",
+        attention_backend=backend,
     )
     engine = llm.engine
     for i, p in enumerate(prompts_for(engine.model_config.vocab_size)[:4]):
@@ -64,3 +72,22 @@ def test_decode_forward_never_syncs_with_host(checkpoint) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert logits.shape[0] == 4
+
+
+def test_flashmla_engine_agrees_with_reference() -> None:
+    """The default model (DeepSeek's 512/64 dims) decodes through FlashMLA when `auto` finds
+    it, and its greedy tokens follow the reference backend's (bf16 rounding inside the kernel
+    may flip a near-tie late in a sequence, hence the agreement bound rather than equality)."""
+    if torch.cuda.get_device_capability() != (9, 0) or not importlib.util.find_spec("flash_mla"):
+        pytest.skip("flashmla needs an SM90 GPU and sgl-flash-mla")
+    prompts = ["def fibonacci(n):", "import os\n\n\ndef main():", "class Stack:", "for i in"]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    runs = {}
+    for backend in ("auto", "reference"):
+        llm = LLM(device="cuda", dtype="bfloat16", kv_cache_dtype="bf16", attention_backend=backend)
+        runs[llm.engine.runner.attn_backend.name] = token_ids(llm.generate(prompts, params))
+    assert set(runs) == {"flashmla", "reference"}, "auto should pick flashmla on SM90"
+    pairs = [(a, b) for fa, fr in zip(runs["flashmla"], runs["reference"]) for a, b in zip(fa, fr)]
+    agreement = sum(a == b for a, b in pairs) / len(pairs)
+    print(f"flashmla vs reference greedy agreement: {agreement:.3f}")
+    assert agreement >= 0.9

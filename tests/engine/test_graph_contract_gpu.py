@@ -9,6 +9,8 @@ what the graph runner will rely on: no per-step host reads, no storage that move
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -23,13 +25,14 @@ pytestmark = [
 BS, STEPS = 4, 6
 
 
-def start(checkpoint, kv_cache_dtype: str):
+def start(model: str | None, kv_cache_dtype: str, backend: str):
     llm = LLM(
-        str(checkpoint("v3_moe")),
+        model,
         device="cuda",
         dtype="bfloat16",
         kv_cache_dtype=kv_cache_dtype,
         max_model_len=128,
+        attention_backend=backend,
     )
     engine = llm.engine
     params = SamplingParams(max_tokens=STEPS + 2, temperature=0, ignore_eos=True)
@@ -63,10 +66,22 @@ def advance(engine, scheduled, logits) -> list[int]:
     return tokens
 
 
+def flashmla_usable() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0) and bool(
+        importlib.util.find_spec("flash_mla")
+    )
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8_e4m3"])
-def test_decode_graph_replays_match_eager(checkpoint, kv_cache_dtype: str) -> None:
-    eager_engine = start(checkpoint, kv_cache_dtype)
-    graph_engine = start(checkpoint, kv_cache_dtype)
+@pytest.mark.parametrize("backend", ["reference", "flashmla"])
+def test_decode_graph_replays_match_eager(checkpoint, kv_cache_dtype: str, backend: str) -> None:
+    if backend == "flashmla" and not flashmla_usable():
+        pytest.skip("flashmla needs an SM90 GPU and sgl-flash-mla")
+    # FlashMLA needs DeepSeek's 512/64 latent dims: the shipped default model has them.
+    model = None if backend == "flashmla" else str(checkpoint("v3_moe"))
+    eager_engine = start(model, kv_cache_dtype, backend)
+    graph_engine = start(model, kv_cache_dtype, backend)
+    assert graph_engine.runner.attn_backend.name == backend
     runner = graph_engine.runner
 
     scheduled, batch = decode_batch(graph_engine)

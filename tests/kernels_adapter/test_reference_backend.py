@@ -22,18 +22,18 @@ from tests.kernels_adapter.attention_oracle import dense_mla_attention
 RANK, ROPE, HEADS = 32, 16, 4
 
 
-def model_config() -> ModelConfig:
+def model_config(rank: int = RANK, rope: int = ROPE, heads: int = HEADS) -> ModelConfig:
     return ModelConfig(
         model_type="deepseek_v3",
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=1,
-        num_attention_heads=HEADS,
+        num_attention_heads=heads,
         q_lora_rank=None,
-        kv_lora_rank=RANK,
+        kv_lora_rank=rank,
         qk_nope_head_dim=16,
-        qk_rope_head_dim=ROPE,
+        qk_rope_head_dim=rope,
         v_head_dim=16,
     )
 
@@ -57,10 +57,19 @@ CASES = [
 ]
 
 
-def run_case(case: Case, device: torch.device) -> None:
+def run_case(
+    case: Case,
+    device: torch.device,
+    backend_name: str = "reference",
+    dims: tuple[int, int, int] = (RANK, ROPE, HEADS),
+    q_dtype: torch.dtype = torch.float32,
+    tolerance: float = 1e-5,
+) -> float:
+    """Run one case through `backend_name`; returns the worst relative error (asserted <= tol)."""
     torch.manual_seed(0)
     rng = random.Random(0)
-    mc = model_config()
+    RANK, ROPE, HEADS = dims
+    mc = model_config(RANK, ROPE, HEADS)
     bs = len(case.q_lens)
     seq_lens = [p + q for p, q in zip(case.prefix_lens, case.q_lens)]
     max_pages = max(-(-s // case.page_size) for s in seq_lens) + 2
@@ -103,7 +112,7 @@ def run_case(case: Case, device: torch.device) -> None:
     for n in case.q_lens:
         cu.append(cu[-1] + n)
     uniform = len(set(case.q_lens)) == 1
-    backend = get_backend_class("reference")(mc, case.page_size, case.kv_dtype, device, bs, 1024)
+    backend = get_backend_class(backend_name)(mc, case.page_size, case.kv_dtype, device, bs, 1024)
     batch = ForwardBatch(
         mode=ForwardMode.DECODE if uniform else ForwardMode.EXTEND,
         bs=bs,
@@ -123,18 +132,22 @@ def run_case(case: Case, device: torch.device) -> None:
         attn_backend=backend,
     )
     backend.prepare(batch)
+    qm, new_rows = q.to(q_dtype), new_rows.to(q_dtype)
     out = backend.forward(
-        0, q[..., :RANK], q[..., RANK:], new_rows[:, :RANK], new_rows[:, RANK:], batch
+        0, qm[..., :RANK], qm[..., RANK:], new_rows[:, :RANK], new_rows[:, RANK:], batch
     )
     assert out.shape == (cu[-1], HEADS, RANK)
     assert torch.isfinite(out).all()
+    worst = 0.0
     for b in range(bs):
         kv = full_kv[b]
         kv = pool.quantize(kv).float() * pool.k_scales[0]  # the oracle sees the stored values
         ref = dense_mla_attention(q[cu[b] : cu[b + 1]].cpu(), kv.cpu(), RANK, mc.softmax_scale)
         got = out[cu[b] : cu[b + 1]].double().cpu()
-        err = (got - ref).abs().max() / ref.abs().max()
-        assert err < 1e-5, f"seq {b}: relative error {err:.2e}"
+        err = float((got - ref).abs().max() / ref.abs().max())
+        assert err < tolerance, f"seq {b}: relative error {err:.2e}"
+        worst = max(worst, err)
+    return worst
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.q_lens}-{c.page_size}-{c.kv_dtype}")

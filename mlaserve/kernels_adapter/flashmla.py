@@ -1,0 +1,153 @@
+"""FlashMLA dense decode on Hopper (SM90), from the `sgl-flash-mla` package (`import flash_mla`).
+
+Kernel boundary (sgl-flash-mla 1.0.0, its legacy SM90 half, `use_legacy=True`):
+
+    q        [bs, q_len, H, 576]  bf16 (bf16 cache) | float8_e4m3fn (fp8 cache, + descale_q)
+    k_cache  [num_pages, 64, 1, 576]  the pool's [num_pages, page_size, 576] with a head axis
+    block_table [bs, max_pages] int32; cache_seqlens [bs] int32 (KV length incl. new tokens)
+    out      [bs, q_len, H, 512] bf16; causal among the q_len new tokens
+    fp8: descale_q / descale_k are fp32 [1] tensors (value = stored * descale); the cache is the
+         plain 576-byte e4m3 layout of `kv_cache/kv_pool.py`, no inline scales.
+
+The split-KV schedule depends on the `cache_seqlens` values, so `prepare()` recomputes it every
+forward with `get_mla_decoding_metadata` — a kernel on the current stream, which a CUDA graph
+captures and re-runs on replay. One schedule per forward, shared by all layers.
+
+Only uniform (DECODE-mode) batches use the kernel. Ragged EXTEND batches (prefill chunks) go
+through the reference backend's math until a prefill kernel is adapted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from mlaserve.kernels_adapter.base import AttentionBackend, BackendUnsupportedError
+from mlaserve.kernels_adapter.reference import ReferenceBackend
+from mlaserve.kv_cache.kv_pool import FP8_E4M3_MAX
+
+if TYPE_CHECKING:
+    from mlaserve.config import ModelConfig
+    from mlaserve.engine.forward_batch import ForwardBatch
+
+__all__ = ["FlashMLABackend"]
+
+PAGE_SIZE = 64
+KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+
+
+def _import_flash_mla():
+    try:
+        import flash_mla
+    except ImportError as e:
+        raise BackendUnsupportedError(
+            "attention_backend 'flashmla' needs the sgl-flash-mla package "
+            f"(pip install 'mlaserve[hopper]'): {e}"
+        ) from None
+    if not flash_mla.has_legacy():
+        raise BackendUnsupportedError(
+            "attention_backend 'flashmla': this sgl-flash-mla build has no legacy SM90 kernels"
+        )
+    return flash_mla
+
+
+@dataclass
+class _Metadata:
+    sched: object  # flash_mla.FlashMLASchedMeta with the schedule filled in
+
+
+class FlashMLABackend(AttentionBackend):
+    name: ClassVar[str] = "flashmla"
+    supports_cuda_graph: ClassVar[bool] = True
+
+    @classmethod
+    def check_supported(
+        cls,
+        model_config: ModelConfig,
+        page_size: int,
+        kv_cache_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        problem = None
+        if device.type != "cuda":
+            problem = f"needs a CUDA device, got {device}"
+        elif torch.cuda.get_device_capability(device) != (9, 0):
+            cap = torch.cuda.get_device_capability(device)
+            problem = (
+                f"its dense decode kernels are SM90 (Hopper) only, this GPU is SM{cap[0]}{cap[1]}"
+            )
+        elif page_size != PAGE_SIZE:
+            problem = f"page_size must be {PAGE_SIZE}, got {page_size}"
+        elif kv_cache_dtype not in KV_DTYPES:
+            problem = f"kv_cache_dtype must be bf16 or fp8_e4m3, got {kv_cache_dtype}"
+        elif (model_config.kv_lora_rank, model_config.qk_rope_head_dim) != (512, 64):
+            problem = (
+                "kv_lora_rank/qk_rope_head_dim must be 512/64, got "
+                f"{model_config.kv_lora_rank}/{model_config.qk_rope_head_dim}"
+            )
+        if problem:
+            raise BackendUnsupportedError(f"attention_backend 'flashmla': {problem}")
+        _import_flash_mla()
+
+    def __init__(self, model_config: ModelConfig, *args, **kwargs) -> None:
+        super().__init__(model_config, *args, **kwargs)
+        self._flash_mla = _import_flash_mla()
+        self.is_fp8 = self.kv_cache_dtype == torch.float8_e4m3fn
+        # q enters the fp8 kernel unscaled (|q| is far below e4m3's 448 for real models), so its
+        # descale is 1; the latent cache's own scale comes from the pool per layer.
+        self._q_descale = torch.ones(1, dtype=torch.float32, device=self.device)
+        self._extend = ReferenceBackend(model_config, *args, **kwargs)
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        if not batch.is_decode:
+            self._extend.prepare(batch)
+            return
+        fm = self._flash_mla
+        sched, _ = fm.get_mla_metadata()  # a fresh schedule object for every forward
+        sched.tile_scheduler_metadata, sched.num_splits = fm.get_mla_decoding_metadata(
+            batch.seq_lens,
+            batch.q_len * self.num_heads,  # query rows per KV head (MQA: one KV head)
+            1,
+            is_fp8_kvcache=self.is_fp8,
+            use_legacy=True,
+        )
+        batch.attn_metadata = _Metadata(sched=sched)
+
+    def forward(
+        self,
+        layer_id: int,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        if not batch.is_decode:
+            return self._extend.forward(layer_id, q_nope, q_pe, kv_c, k_pe, batch)
+        pool = batch.kv_pool
+        pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)
+        num_tokens, num_heads, rank = q_nope.shape
+        q = torch.cat([q_nope, q_pe], dim=-1).view(batch.bs, batch.q_len, num_heads, -1)
+        k_cache = pool.kv_buffers[layer_id].unsqueeze(2)  # [pages, 64, 1, 576]
+        extra = {}
+        if self.is_fp8:
+            q = q.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+            extra = {"descale_q": self._q_descale, "descale_k": pool.k_scale_tensors[layer_id]}
+        else:
+            q = q.to(torch.bfloat16)
+        out, _ = self._flash_mla.flash_mla_with_kvcache(
+            q,
+            k_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            head_dim_v=rank,
+            tile_scheduler_metadata=batch.attn_metadata.sched,
+            softmax_scale=self.softmax_scale,
+            causal=True,
+            is_fp8_kvcache=self.is_fp8,
+            use_legacy=True,
+            **extra,
+        )  # [bs, q_len, H, 512] bf16
+        return out.reshape(num_tokens, num_heads, rank).to(q_nope.dtype)
