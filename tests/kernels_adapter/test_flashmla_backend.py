@@ -1,9 +1,13 @@
 """FlashMLA (SM90 dense decode) against the float64 oracle over NaN-poisoned paged caches, the
 same harness as the reference backend, at the kernel's shapes (576 = 512 + 64, page 64).
 
-Tolerances (max |err| / max |ref| per sequence, q in bf16 as the model produces it):
-bf16 cache 2e-2; fp8 cache 6e-2 (q is also cast to e4m3 for the fp8 kernel). The errors measured
-on an H100 are printed by the test and recorded in the issue notes.
+Metric: max |err| / max |ref| per sequence, q in bf16 as the model produces it. For the fp8
+cache the kernel also takes an e4m3 query (cast unscaled, as vLLM/SGLang do); the oracle gets
+that same rounded query, so the bound measures the kernel itself. Measured on an H100,
+2026-11-22 (fixed seeds): bf16 cache 2.5e-3 (q_len 1), 2.9e-3 (q_len 3) -> bound 1e-2; fp8 cache
+3.4e-2 (q_len 1), 4.8e-2 (q_len 3) -> bound 8e-2 (the fp8 kernel also feeds the softmax
+probabilities to its second GEMM in e4m3). Against the unrounded query the fp8 path's error was
+5.6e-2 / 7.4e-2; the engine-level agreement test bounds its effect on tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +34,13 @@ needs_hopper = pytest.mark.skipif(
 )
 
 DIMS = (512, 64, 16)  # kv_lora_rank, qk_rope_head_dim, heads
-TOLERANCE = {torch.bfloat16: 2e-2, torch.float8_e4m3fn: 6e-2}
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float8_e4m3fn: 8e-2}
+
+
+def e4m3(q: torch.Tensor) -> torch.Tensor:
+    return q.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
 CASES = [
     Case([10, 3, 130, 1], [1, 1, 1, 1], 64, torch.bfloat16),  # decode, partial pages
     Case([100, 0, 63, 257], [3, 3, 3, 3], 64, torch.bfloat16),  # verify-shaped q_len=3
@@ -51,6 +61,7 @@ def test_flashmla_matches_dense_oracle(case: Case) -> None:
         dims=DIMS,
         q_dtype=torch.bfloat16,
         tolerance=TOLERANCE[case.kv_dtype],
+        q_seen_by_kernel=e4m3 if case.kv_dtype == torch.float8_e4m3fn else None,
     )
     print(f"flashmla {case.q_lens} {case.kv_dtype}: max relative error {err:.2e}")
 
