@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from mlaserve.kernels_adapter.registry import available_backends
+
 __all__ = [
     "ConfigError",
     "EngineConfig",
@@ -327,6 +329,11 @@ class EngineConfig:
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ConfigError(
                 f"kv_cache_memory_fraction: must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
+        if self.attention_backend not in ("auto", *available_backends()):
+            raise ConfigError(
+                f"attention_backend: unknown backend {self.attention_backend!r}; expected 'auto' "
+                f"or one of {available_backends()}"
             )
         if self.num_pages is not None and self.num_pages < 2:
             raise ConfigError(f"num_pages: must be >= 2 (page 0 is reserved), got {self.num_pages}")

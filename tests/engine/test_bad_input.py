@@ -43,6 +43,7 @@ def test_missing_model_folder(tmp_path) -> None:
         ({"device": "tpu"}, "device"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"kv_cache_memory_fraction": 1.5}, "kv_cache_memory_fraction"),
+        ({"attention_backend": "flashinfer9"}, "attention_backend"),
     ],
 )
 def test_invalid_engine_config_names_field(kwargs, field) -> None:
