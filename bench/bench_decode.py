@@ -14,7 +14,6 @@ JSON line.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import time
@@ -22,6 +21,7 @@ import time
 import torch
 
 from mlaserve import LLM, SamplingParams
+from mlaserve.kernels_adapter.flashmla import flashmla_available
 
 
 def sync(device: str) -> None:
@@ -68,8 +68,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     backends = args.attention_backends or ["reference"]
-    hopper = args.device.startswith("cuda") and torch.cuda.get_device_capability() == (9, 0)
-    if args.attention_backends is None and hopper and importlib.util.find_spec("flash_mla"):
+    if args.attention_backends is None and args.device.startswith("cuda") and flashmla_available():
         backends.append("flashmla")
 
     configs = [(b, kv) for b in backends for kv in args.kv_cache_dtypes]

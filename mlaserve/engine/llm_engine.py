@@ -82,8 +82,8 @@ class LLMEngine:
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
-        self._validate(token_ids, params)
         max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
+        self._validate(token_ids, params, max_tokens)
         request = Request(
             request_id=request_id,
             prompt=text,
@@ -103,7 +103,7 @@ class LLMEngine:
         self.requests[request_id] = request
         self.scheduler.add(request)
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, token_ids: list[int], params: SamplingParams, max_tokens: int) -> None:
         n = len(token_ids)
         if n == 0:
             raise InvalidRequestError("prompt: must contain at least one token", "prompt")
@@ -129,7 +129,7 @@ class LLMEngine:
                 f"{self.max_model_len}",
                 "max_tokens",
             )
-        total = n + (params.max_tokens or self.max_model_len - n)
+        total = n + max_tokens
         if self.scheduler.num_pages_for(total) > self.allocator.num_usable_pages:
             raise InvalidRequestError(
                 f"prompt: {total} tokens need more KV pages than the cache holds "

@@ -136,10 +136,12 @@ class ModelRunner:
                 host.logits_indices.append(len(host.input_ids) - 1)
         return host
 
-    def make_batch(self, host: HostBatch) -> ForwardBatch:
+    def make_batch(self, host: HostBatch, max_seq_len: int | None = None) -> ForwardBatch:
+        """`max_seq_len`: the bound on seq_lens the backend may use; eager steps pass the exact
+        host-side maximum, a CUDA graph its fixed capture bound (max_model_len)."""
         return self.buffers.fill(
             host,
-            max_seq_len=max(host.seq_lens),
+            max_seq_len=max_seq_len or max(host.seq_lens),
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
         )

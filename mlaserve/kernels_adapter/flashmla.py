@@ -19,6 +19,7 @@ through the reference backend's math until a prefill kernel is adapted.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -32,10 +33,20 @@ if TYPE_CHECKING:
     from mlaserve.config import ModelConfig
     from mlaserve.engine.forward_batch import ForwardBatch
 
-__all__ = ["FlashMLABackend"]
+__all__ = ["FlashMLABackend", "flashmla_available"]
 
 PAGE_SIZE = 64
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+
+
+def flashmla_available() -> bool:
+    """Whether this machine has what the backend needs beyond the model's shape: an SM90 GPU and
+    the flash_mla package (`check_supported` says which constraint fails, and why)."""
+    return (
+        torch.cuda.is_available()
+        and torch.cuda.get_device_capability() == (9, 0)
+        and importlib.util.find_spec("flash_mla") is not None
+    )
 
 
 def _import_flash_mla():

@@ -6,12 +6,11 @@ Run on the GPU host with `python -m pytest -m gpu`; skipped without CUDA.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from mlaserve import LLM, SamplingParams
+from mlaserve.kernels_adapter.flashmla import flashmla_available
 from tests.checkpoints import VARIANTS, make_reference_model
 from tests.engine.test_engine_parity import GREEDY, NEW_TOKENS, hf_greedy, prompts_for, token_ids
 
@@ -45,9 +44,7 @@ def test_cuda_bf16_default_path_runs_and_frees_pages(checkpoint, kv_cache_dtype:
 @pytest.mark.parametrize("backend", ["reference", "flashmla"])
 def test_decode_forward_never_syncs_with_host(checkpoint, backend: str) -> None:
     """A DECODE forward (the CUDA-graph shape) must not read device memory on the host."""
-    if backend == "flashmla" and (
-        torch.cuda.get_device_capability() != (9, 0) or not importlib.util.find_spec("flash_mla")
-    ):
+    if backend == "flashmla" and not flashmla_available():
         pytest.skip("flashmla needs an SM90 GPU and sgl-flash-mla")
     llm = LLM(
         None if backend == "flashmla" else str(checkpoint("v3_moe")),  # flashmla: 512/64 dims
@@ -78,7 +75,7 @@ def test_flashmla_engine_agrees_with_reference() -> None:
     """The default model (DeepSeek's 512/64 dims) decodes through FlashMLA when `auto` finds
     it, and its greedy tokens follow the reference backend's (bf16 rounding inside the kernel
     may flip a near-tie late in a sequence, hence the agreement bound rather than equality)."""
-    if torch.cuda.get_device_capability() != (9, 0) or not importlib.util.find_spec("flash_mla"):
+    if not flashmla_available():
         pytest.skip("flashmla needs an SM90 GPU and sgl-flash-mla")
     prompts = ["def fibonacci(n):", "import os\n\n\ndef main():", "class Stack:", "for i in"]
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)

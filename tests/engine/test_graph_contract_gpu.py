@@ -9,12 +9,11 @@ what the graph runner will rely on: no per-step host reads, no storage that move
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from mlaserve import LLM, SamplingParams
+from mlaserve.kernels_adapter.flashmla import flashmla_available
 from tests.engine.test_engine_parity import prompts_for
 
 pytestmark = [
@@ -48,12 +47,8 @@ def decode_batch(engine):
     assert [s.num_new_tokens for s in scheduled.scheduled] == [1] * BS
     runner = engine.runner
     host = runner.build_host_batch(scheduled.scheduled)
-    batch = runner.buffers.fill(
-        host,
-        max_seq_len=runner.max_model_len,  # a graph's fixed bound, never read from the GPU
-        kv_pool=runner.kv_pool,
-        attn_backend=runner.attn_backend,
-    )
+    # A graph's fixed bound on seq_lens, never read from the GPU.
+    batch = runner.make_batch(host, max_seq_len=runner.max_model_len)
     assert batch.is_decode
     return scheduled, batch
 
@@ -66,16 +61,10 @@ def advance(engine, scheduled, logits) -> list[int]:
     return tokens
 
 
-def flashmla_usable() -> bool:
-    return torch.cuda.get_device_capability() == (9, 0) and bool(
-        importlib.util.find_spec("flash_mla")
-    )
-
-
 @pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8_e4m3"])
 @pytest.mark.parametrize("backend", ["reference", "flashmla"])
 def test_decode_graph_replays_match_eager(checkpoint, kv_cache_dtype: str, backend: str) -> None:
-    if backend == "flashmla" and not flashmla_usable():
+    if backend == "flashmla" and not flashmla_available():
         pytest.skip("flashmla needs an SM90 GPU and sgl-flash-mla")
     # FlashMLA needs DeepSeek's 512/64 latent dims: the shipped default model has them.
     model = None if backend == "flashmla" else str(checkpoint("v3_moe"))

@@ -12,25 +12,15 @@ probabilities to its second GEMM in e4m3). Against the unrounded query the fp8 p
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from mlaserve.kernels_adapter import BackendUnsupportedError, get_backend_class
+from mlaserve.kernels_adapter.flashmla import flashmla_available
 from tests.kernels_adapter.test_reference_backend import Case, model_config, run_case
 
-
-def _hopper_with_flash_mla() -> bool:
-    return (
-        torch.cuda.is_available()
-        and torch.cuda.get_device_capability() == (9, 0)
-        and importlib.util.find_spec("flash_mla") is not None
-    )
-
-
 needs_hopper = pytest.mark.skipif(
-    not _hopper_with_flash_mla(), reason="needs an SM90 GPU and sgl-flash-mla"
+    not flashmla_available(), reason="needs an SM90 GPU and sgl-flash-mla"
 )
 
 DIMS = (512, 64, 16)  # kv_lora_rank, qk_rope_head_dim, heads
