@@ -186,7 +186,11 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(small_server) -> None:
 
 
 def test_sigterm_aborts_what_outlives_the_shutdown_timeout(model_dir, tmp_path) -> None:
-    proc = start_server(model_dir, tmp_path / "server.log", "--shutdown-timeout", "1")
+    # One sequence at a time: the 16 choices of 240 tokens then run one after another (thousands
+    # of steps), so the stream outlives the 1 s timeout however fast the machine is.
+    proc = start_server(
+        model_dir, tmp_path / "server.log", "--shutdown-timeout", "1", "--max-num-seqs", "1"
+    )
     try:
         proc.wait_ready()
         body = {**VERY_LONG, "stream": True}
