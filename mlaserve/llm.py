@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlaserve.config import EngineConfig
-from mlaserve.engine.llm_engine import LLMEngine
+from mlaserve.llm_engine import LLMEngine
 from mlaserve.outputs import RequestOutput
 from mlaserve.sampling_params import SamplingParams
 

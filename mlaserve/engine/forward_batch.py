@@ -21,16 +21,29 @@ __all__ = ["ForwardBatch", "ForwardMode"]
 
 
 class ForwardMode(enum.Enum):
-    """How the query tokens of a forward are laid out.
+    """What a forward is. Set by whoever builds the batch (the scheduler for EXTEND/DECODE, the
+    speculative decoder for VERIFY/DRAFT_EXTEND); never inferred from the shapes.
 
-    EXTEND: ragged; sequence b owns rows `cu_q_lens[b]:cu_q_lens[b+1]` of the token arrays
-        (prefill chunks, possibly mixed with decodes). Eager only.
-    DECODE: uniform; every sequence has exactly `q_len` new tokens, rows `b*q_len:(b+1)*q_len`
-        (plain decode q_len=1; target verify q_len=N). This is the CUDA-graph shape.
+    EXTEND: ragged; sequence b owns rows `cu_q_lens[b]:cu_q_lens[b+1]` of the token arrays. Any
+        forward that contains prompt tokens (prefill chunks, possibly mixed with decodes, and
+        recomputation after preemption). Attention goes through the backend's prefill path.
+    DECODE: one new token per sequence (q_len = 1).
+    VERIFY: the target scores k+1 tokens per sequence (q_len = k+1), causal among them.
+    DRAFT_EXTEND: the draft model re-reads the k+1 verified rows per sequence (fixed stride).
+
+    The last three are *uniform*: every sequence has exactly `q_len` new tokens, rows
+    `b*q_len:(b+1)*q_len`. They are the CUDA-graph shapes and the only ones a backend's decode
+    kernel ever sees (with q_len <= its `max_uniform_q_len`).
     """
 
     EXTEND = "extend"
     DECODE = "decode"
+    VERIFY = "verify"
+    DRAFT_EXTEND = "draft_extend"
+
+    @property
+    def is_uniform(self) -> bool:
+        return self is not ForwardMode.EXTEND
 
 
 @dataclass
@@ -39,13 +52,15 @@ class ForwardBatch:
 
     Host ints (`bs`, `num_tokens`, `q_len`, `max_seq_len`) are known to the scheduler without
     reading device memory; under CUDA graphs they are the captured (padded) sizes and
-    `max_seq_len` is `max_model_len`, so nothing is read back from the GPU per step.
+    `max_seq_len` is `max_model_len`, so nothing is read back from the GPU per step. Padded rows
+    (`num_seqs <= b < bs`) are filled on purpose: page table row of zeros (the dummy page 0),
+    KV write slot 0 (inside page 0), seq_len 1, token 0, position 0.
     """
 
     mode: ForwardMode
     bs: int
     num_tokens: int
-    q_len: int  # DECODE: tokens per sequence; EXTEND: the largest q length in the batch
+    q_len: int  # uniform modes: tokens per sequence; EXTEND: the largest q length in the batch
     max_seq_len: int  # upper bound of seq_lens (KV length incl. this step's tokens)
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, position of each token in its sequence
@@ -57,7 +72,13 @@ class ForwardBatch:
     kv_pool: MLAKVPool
     attn_backend: AttentionBackend
     attn_metadata: Any = field(default=None)  # whatever attn_backend.prepare() built
+    num_seqs: int = -1  # real (unpadded) sequences; rows >= num_seqs are padding. -1: = bs
 
-    @property
-    def is_decode(self) -> bool:
-        return self.mode is ForwardMode.DECODE
+    def __post_init__(self) -> None:
+        if self.num_seqs < 0:
+            self.num_seqs = self.bs
+        if self.mode.is_uniform and self.num_tokens != self.bs * self.q_len:
+            raise ValueError(
+                f"{self.mode.value} batch: {self.num_tokens} tokens != bs {self.bs} x q_len "
+                f"{self.q_len}"
+            )

@@ -1,9 +1,11 @@
 """Owns the model, the KV pool, the attention backend and the input buffers; runs one forward.
 
-`run(scheduled)` turns the scheduler's decision into a `ForwardBatch` (host lists -> the
-preallocated buffers), runs the model, and samples the next token of every request whose chunk
-reached its last known token. The only device->host transfer per step is the sampled tokens
-(and their logprobs when asked for), which the engine needs to detokenize and stop.
+A step is `build_host_batch` (the scheduler's decision, with its forward mode, as host lists),
+`make_batch` (host lists -> the preallocated buffers, padded to a captured size when a CUDA graph
+replays it), `forward` (eager; the graph runner captures exactly this) and `sample` (the next
+token of every request whose chunk reached its last known token). The only device->host
+transfer per step is the sampled tokens (and their logprobs when asked for), which the engine
+needs to detokenize and stop.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from mlaserve.config import EngineConfig, ModelConfig
 from mlaserve.engine.forward_batch import ForwardBatch
 from mlaserve.engine.input_buffers import HostBatch, InputBuffers
-from mlaserve.engine.scheduler import ScheduledRequest
+from mlaserve.engine.scheduler import SchedulerOutput
 from mlaserve.kernels_adapter import get_backend_class, resolve_backend_name
 from mlaserve.kv_cache import MLAKVPool
 from mlaserve.model import load_kv_scales, load_model
@@ -120,10 +122,11 @@ class ModelRunner:
         return max(2, min(useful, budget // per_page))
 
     # ----- one step -----
-    def build_host_batch(self, scheduled: list[ScheduledRequest]) -> HostBatch:
+    def build_host_batch(self, sched: SchedulerOutput) -> HostBatch:
+        """The scheduler's decision as host lists; the forward mode is the scheduler's."""
         ps = self.page_size
-        host = HostBatch([], [], [], [], [], [], [])
-        for s in scheduled:
+        host = HostBatch(sched.mode, [], [], [], [], [], [], [])
+        for s in sched.scheduled:
             r, start = s.request, s.request.num_computed_tokens
             end = start + s.num_new_tokens
             host.input_ids.extend(r.tokens(start, end))
@@ -136,11 +139,15 @@ class ModelRunner:
                 host.logits_indices.append(len(host.input_ids) - 1)
         return host
 
-    def make_batch(self, host: HostBatch, max_seq_len: int | None = None) -> ForwardBatch:
+    def make_batch(
+        self, host: HostBatch, pad_to: int | None = None, max_seq_len: int | None = None
+    ) -> ForwardBatch:
         """`max_seq_len`: the bound on seq_lens the backend may use; eager steps pass the exact
-        host-side maximum, a CUDA graph its fixed capture bound (max_model_len)."""
+        host-side maximum, a CUDA graph its fixed capture bound (max_model_len). `pad_to`: the
+        captured batch size a uniform batch replays in."""
         return self.buffers.fill(
             host,
+            pad_to=pad_to,
             max_seq_len=max_seq_len or max(host.seq_lens),
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
@@ -148,16 +155,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states -> logits of the rows in batch.logits_indices. [num_logits, vocab] fp32."""
+        """Hidden states -> logits of the rows in batch.logits_indices. [num_logits, vocab] fp32.
+        Uniform batches may be captured into a CUDA graph as they are (no host reads)."""
+        if batch.mode.is_uniform and batch.q_len > self.attn_backend.max_uniform_q_len:
+            raise ValueError(
+                f"{batch.mode.value} batch with q_len {batch.q_len}: attention backend "
+                f"{self.attn_backend.name!r} takes at most {self.attn_backend.max_uniform_q_len}"
+            )
         self.attn_backend.prepare(batch)
         hidden = self.model(batch)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledRequest], eos_token_ids: list[int]) -> StepResult:
-        host = self.build_host_batch(scheduled)
-        logits = self.forward(self.make_batch(host))
-        sampling = [s.request for s in scheduled if s.samples]
+    def sample(
+        self, logits: torch.Tensor, sched: SchedulerOutput, eos_token_ids: list[int]
+    ) -> StepResult:
+        """One token per request that reached its last known token (rows of `logits`, in
+        scheduling order)."""
+        sampling = [s.request for s in sched.scheduled if s.samples]
         if not sampling:
             return StepResult(token_ids=[])
         sb = SamplingBatch.build(

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.engine.request import Request, RequestStatus
 from mlaserve.kv_cache import PageAllocator
 
@@ -25,10 +26,18 @@ class ScheduledRequest:
     num_new_tokens: int  # query tokens this step: [num_computed, num_computed + num_new_tokens)
     # Whether this step ends at the request's last known token, so it samples the next one.
     samples: bool = field(init=False)
+    # One new token after a fully computed prompt: the request is decoding. Anything else
+    # (a prompt chunk, a recomputation after preemption) is prefill work.
+    is_decode: bool = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.request
         self.samples = r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        self.is_decode = (
+            self.num_new_tokens == 1
+            and self.samples
+            and r.num_computed_tokens >= r.num_prompt_tokens
+        )
 
 
 @dataclass
@@ -39,6 +48,14 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def mode(self) -> ForwardMode:
+        """DECODE when every scheduled request decodes one token; EXTEND when any carries prompt
+        (or recomputed) tokens. The attention backend's decode kernel sees only the former."""
+        if all(s.is_decode for s in self.scheduled):
+            return ForwardMode.DECODE
+        return ForwardMode.EXTEND
 
     @property
     def is_empty(self) -> bool:

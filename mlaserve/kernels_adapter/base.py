@@ -16,6 +16,12 @@ tokens, causal among the new tokens:
 Query row i of a sequence with `q_len` new tokens and KV length `L` (= seq_lens[b]) sees keys
 `0 .. L - q_len + i` inclusive.
 
+Which path runs is the batch's stated `mode` (never its shapes): uniform modes (DECODE, VERIFY,
+DRAFT_EXTEND; q_len <= `max_uniform_q_len`) go to the backend's decode kernel, EXTEND to its
+prefill path. A backend with `mha_extend = True` takes EXTEND batches in the MHA form instead
+(`forward_extend_mha`): the layer hands it the non-absorbed query and the up-projections, and
+the backend returns the per-head values, so a dense causal prefill kernel can run.
+
 `prepare(batch)` builds whatever per-forward metadata the kernel needs from the batch's device
 buffers. It must not read device values on the host: the CUDA graph runner calls it inside the
 captured region (or before replay), and the host-side ints it may use (`bs`, `q_len`,
@@ -42,8 +48,12 @@ class BackendUnsupportedError(ValueError):
 
 class AttentionBackend(ABC):
     name: ClassVar[str]
-    #: whether `prepare` + `forward` in DECODE mode may be captured into a CUDA graph
+    #: whether `prepare` + `forward` in uniform modes may be captured into a CUDA graph
     supports_cuda_graph: ClassVar[bool] = False
+    #: the largest q_len per sequence the decode kernel takes (VERIFY needs k+1)
+    max_uniform_q_len: ClassVar[int] = 16
+    #: EXTEND batches go through `forward_extend_mha` (MHA form) instead of `forward`
+    mha_extend: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -92,3 +102,26 @@ class AttentionBackend(ABC):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         """Write the new KV of `layer_id`, then attend. Shapes in the module docstring."""
+
+    def forward_extend_mha(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """EXTEND in the MHA form of MLA (only called when `mha_extend`). Writes the new latent
+        KV, then attends every new token over its sequence's whole context, causally:
+
+            q     [T, H, d_n + d_r]  not absorbed, RoPE applied to the last d_r
+            kv_c  [T, r], k_pe [T, d_r]  the new tokens' latent and rope key (as in `forward`)
+            w_uk  [H, d_n, r]   k_nope_h = W_UK_h c     (views of kv_b_proj's weight)
+            w_uv  [H, r, d_v]   v_h = c W_UV_h
+            returns [T, H, d_v] in q's dtype (the layer skips its own W_UV)
+
+        Keys of the cached prefix are up-projected from the pool's latent, so chunked prefill
+        over an existing prefix is exact."""
+        raise NotImplementedError(f"{type(self).__name__} has no MHA-form EXTEND path")

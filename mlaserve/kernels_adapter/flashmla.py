@@ -13,8 +13,9 @@ The split-KV schedule depends on the `cache_seqlens` values, so `prepare()` reco
 forward with `get_mla_decoding_metadata` — a kernel on the current stream, which a CUDA graph
 captures and re-runs on replay. One schedule per forward, shared by all layers.
 
-Only uniform (DECODE-mode) batches use the kernel. Ragged EXTEND batches (prefill chunks) go
-through the reference backend's math until a prefill kernel is adapted.
+Only uniform batches (DECODE / VERIFY / DRAFT_EXTEND, q_len <= 8) use the kernel: the batch's
+stated mode decides, never its shapes. EXTEND batches (prefill chunks) go through the reference
+backend's math until a prefill kernel is adapted.
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ class _Metadata:
 class FlashMLABackend(AttentionBackend):
     name: ClassVar[str] = "flashmla"
     supports_cuda_graph: ClassVar[bool] = True
+    # FlashMLA's split schedule packs q_len * heads query rows per KV head; sglang and vLLM use
+    # it for MTP verify up to a handful of tokens. A 1000-token "decode" trips its metadata
+    # assertion (flash_fwd_mla_metadata.cu:64), which is why EXTEND never reaches it.
+    max_uniform_q_len: ClassVar[int] = 8
 
     @classmethod
     def check_supported(
@@ -112,7 +117,7 @@ class FlashMLABackend(AttentionBackend):
         self._extend = ReferenceBackend(model_config, *args, **kwargs)
 
     def prepare(self, batch: ForwardBatch) -> None:
-        if not batch.is_decode:
+        if not batch.mode.is_uniform:
             self._extend.prepare(batch)
             return
         fm = self._flash_mla
@@ -135,7 +140,7 @@ class FlashMLABackend(AttentionBackend):
         k_pe: torch.Tensor,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        if not batch.is_decode:
+        if not batch.mode.is_uniform:
             return self._extend.forward(layer_id, q_nope, q_pe, kv_c, k_pe, batch)
         pool = batch.kv_pool
         pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)

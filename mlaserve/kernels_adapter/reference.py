@@ -41,7 +41,7 @@ class ReferenceBackend(AttentionBackend):
         seq_lens = batch.seq_lens.long()
         q_lens = (batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]).long()
         rows = torch.arange(q_len, device=device)
-        if batch.is_decode:
+        if batch.mode.is_uniform:
             token_index = q_valid = None
         else:
             q_valid = rows[None, :] < q_lens[:, None]

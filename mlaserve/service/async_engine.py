@@ -29,7 +29,7 @@ from mlaserve.service.request_stream import RequestStream, SubRequest
 
 if TYPE_CHECKING:
     from mlaserve.config import EngineConfig
-    from mlaserve.engine.llm_engine import LLMEngine
+    from mlaserve.llm_engine import LLMEngine
     from mlaserve.outputs import RequestOutput
     from mlaserve.tokenizer import Tokenizer
 
@@ -237,7 +237,7 @@ class AsyncEngine:
 
     def _load(self) -> LLMEngine:
         if self._engine_factory is None:
-            from mlaserve.engine.llm_engine import LLMEngine
+            from mlaserve.llm_engine import LLMEngine
 
             self._engine_factory = LLMEngine
         t0 = time.perf_counter()

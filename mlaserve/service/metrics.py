@@ -31,7 +31,7 @@ from prometheus_client import (
 )
 
 if TYPE_CHECKING:
-    from mlaserve.engine.llm_engine import EngineStats
+    from mlaserve.llm_engine import EngineStats
     from mlaserve.outputs import RequestOutput
 
 __all__ = ["PREFIX", "REQUEST_LATENCY_BUCKETS", "TOKEN_LATENCY_BUCKETS", "Metrics"]

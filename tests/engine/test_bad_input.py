@@ -8,7 +8,7 @@ import pytest
 
 from mlaserve import LLM, SamplingParams
 from mlaserve.config import ConfigError, EngineConfig
-from mlaserve.engine.llm_engine import InvalidRequestError
+from mlaserve.llm_engine import InvalidRequestError
 from mlaserve.sampling_params import SamplingParamsError
 
 

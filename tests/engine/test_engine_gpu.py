@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mlaserve import LLM, SamplingParams
+from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.kernels_adapter.flashmla import flashmla_available
 from tests.checkpoints import VARIANTS, make_reference_model
 from tests.engine.test_engine_parity import GREEDY, NEW_TOKENS, hf_greedy, prompts_for, token_ids
@@ -60,8 +61,8 @@ def test_decode_forward_never_syncs_with_host(checkpoint, backend: str) -> None:
     scheduled = engine.scheduler.schedule()
     assert all(s.num_new_tokens == 1 for s in scheduled.scheduled)
     runner = engine.runner
-    batch = runner.make_batch(runner.build_host_batch(scheduled.scheduled))
-    assert batch.is_decode
+    batch = runner.make_batch(runner.build_host_batch(scheduled))
+    assert batch.mode is ForwardMode.DECODE
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mlaserve import LLM, SamplingParams
+from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.kernels_adapter.flashmla import flashmla_available
 from tests.engine.test_engine_parity import prompts_for
 
@@ -46,10 +47,10 @@ def decode_batch(engine):
     scheduled = engine.scheduler.schedule()
     assert [s.num_new_tokens for s in scheduled.scheduled] == [1] * BS
     runner = engine.runner
-    host = runner.build_host_batch(scheduled.scheduled)
+    host = runner.build_host_batch(scheduled)
     # A graph's fixed bound on seq_lens, never read from the GPU.
     batch = runner.make_batch(host, max_seq_len=runner.max_model_len)
-    assert batch.is_decode
+    assert batch.mode is ForwardMode.DECODE
     return scheduled, batch
 
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from mlaserve.config import EngineConfig
-from mlaserve.engine.llm_engine import LLMEngine
+from mlaserve.llm_engine import LLMEngine
 from mlaserve.service.app import build_app
 from mlaserve.service.async_engine import AsyncEngine, EngineState
 

@@ -118,11 +118,17 @@ class MLAAttention(nn.Module):
         q_pe = apply_rope(q_pe, cos, sin, self.rope_interleaved)  # [T, H, d_r]
         k_pe = apply_rope(k_pe, cos, sin, self.rope_interleaved)  # [T, d_r]
 
+        backend = batch.attn_backend
+        if backend.mha_extend and not batch.mode.is_uniform:
+            q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, d_n + d_r]
+            o = backend.forward_extend_mha(
+                self.layer_id, q, kv_c, k_pe, self.w_uk, self.w_uv, batch
+            )  # [T, H, d_v]
+            return self.o_proj(o.reshape(num_tokens, self.num_heads * self.v_head_dim))
+
         # Absorb W_UK: [H, T, d_n] @ [H, d_n, r] -> [H, T, r]
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, r]
-        o_latent = batch.attn_backend.forward(
-            self.layer_id, q_latent, q_pe, kv_c, k_pe, batch
-        )  # [T, H, r]
+        o_latent = backend.forward(self.layer_id, q_latent, q_pe, kv_c, k_pe, batch)  # [T, H, r]
         # Up-project with W_UV: [H, T, r] @ [H, r, d_v] -> [H, T, d_v]
         o = torch.bmm(o_latent.transpose(0, 1), self.w_uv).transpose(0, 1)  # [T, H, d_v]
         return self.o_proj(o.reshape(num_tokens, self.num_heads * self.v_head_dim))

@@ -159,7 +159,9 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
-        result = self.runner.run(scheduled.scheduled, self.eos_token_ids)
+        runner = self.runner
+        logits = runner.forward(runner.make_batch(runner.build_host_batch(scheduled)))
+        result = runner.sample(logits, scheduled, self.eos_token_ids)
         self.scheduler.after_step(scheduled)
         return self._postprocess(scheduled, result)
 
