@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mlaserve.config import EngineConfig, ModelConfig
 from mlaserve.engine.model_runner import ModelRunner, StepResult
@@ -40,6 +40,10 @@ class EngineStats:
     num_waiting: int
     num_free_pages: int
     num_total_pages: int
+    # Running totals since start-up (the metrics layer turns them into counters).
+    num_graph_replays: int = 0
+    num_eager_steps: dict[str, int] = field(default_factory=dict)  # by reason
+    num_compiles_while_serving: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -73,6 +73,10 @@ class ForwardBatch:
     attn_backend: AttentionBackend
     attn_metadata: Any = field(default=None)  # whatever attn_backend.prepare() built
     num_seqs: int = -1  # real (unpadded) sequences; rows >= num_seqs are padding. -1: = bs
+    # EXTEND batches run eagerly, so the host's own per-sequence lengths come along for kernels
+    # that size ragged work on the host (prefill). None in uniform modes: graphs never read them.
+    seq_lens_host: list[int] | None = None
+    q_lens_host: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.num_seqs < 0:

@@ -151,6 +151,8 @@ class InputBuffers:
             slot_mapping=self.slot_mapping[:num_tokens],
             logits_indices=self.logits_indices[:n_logits],
             num_seqs=num_seqs,
+            seq_lens_host=None if mode.is_uniform else list(host.seq_lens),
+            q_lens_host=None if mode.is_uniform else list(host.q_lens),
             **batch_kwargs,
         )
 

@@ -135,6 +135,25 @@ class Metrics:
             "Tokens emitted per verification step (accepted drafts + the bonus token).",
             ACCEPT_LENGTH_BUCKETS,
         )
+        # CUDA graphs: how steps ran, and JIT compiles after start-up (expected 0).
+        self.cuda_graph_replays = Counter(
+            PREFIX + "cuda_graph_replays", "Forward steps replayed from a CUDA graph.", labels,
+            registry=r,
+        )  # fmt: skip
+        self.eager_steps = Counter(
+            PREFIX + "eager_steps",
+            "Forward steps run eagerly, by reason (extend, too_large, no_graphs, ...).",
+            [*labels, "reason"],
+            registry=r,
+        )
+        self.compiles_while_serving = Counter(
+            PREFIX + "compiles_while_serving",
+            "JIT compilations (Triton kernels, torch.compile graphs) after warm-up; expected 0.",
+            labels,
+            registry=r,
+        )
+        self._seen = {"replays": 0, "compiles": 0}
+        self._seen_eager: dict[str, int] = {}
 
     # ----- lifecycle -----
     def bind_model(self, model_name: str) -> None:
@@ -146,6 +165,7 @@ class Metrics:
             self.num_requests_waiting, self.kv_cache_usage_perc, self.prompt_tokens,
             self.generation_tokens, self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
             self.spec_decode_num_accepted_tokens, self.spec_decode_accept_length,
+            self.cuda_graph_replays, self.compiles_while_serving,
         ):  # fmt: skip
             family.labels(model_name)
         for reason in FINISH_REASONS:
@@ -222,6 +242,19 @@ class Metrics:
         self.num_requests_running.labels(model).set(stats.num_running)
         self.num_requests_waiting.labels(model).set(stats.num_waiting)
         self.kv_cache_usage_perc.labels(model).set(stats.kv_cache_usage)
+        # The engine keeps running totals; counters advance by what is new since the last call.
+        for key, total, counter in (
+            ("replays", stats.num_graph_replays, self.cuda_graph_replays),
+            ("compiles", stats.num_compiles_while_serving, self.compiles_while_serving),
+        ):
+            if total > self._seen[key]:
+                counter.labels(model).inc(total - self._seen[key])
+                self._seen[key] = total
+        for reason, total in stats.num_eager_steps.items():
+            seen = self._seen_eager.get(reason, 0)
+            if total > seen:
+                self.eager_steps.labels(model, reason).inc(total - seen)
+                self._seen_eager[reason] = total
 
     def on_spec_decode(
         self,
