@@ -306,6 +306,10 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.85  # of free GPU memory after the weights are loaded
     num_pages: int | None = None  # explicit KV pool size; overrides the fraction
     attention_backend: str = "auto"
+    # CUDA graphs for decode steps: None = on when the device is CUDA.
+    cuda_graph: bool | None = None
+    # Captured batch sizes; None = 1 2 4 8 12 16 24 32, then steps of 16 up to max_num_seqs.
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
     seed: int = 0
     served_model_name: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -337,6 +341,22 @@ class EngineConfig:
             )
         if self.num_pages is not None and self.num_pages < 2:
             raise ConfigError(f"num_pages: must be >= 2 (page 0 is reserved), got {self.num_pages}")
+        if self.cuda_graph_batch_sizes is not None:
+            sizes = self.cuda_graph_batch_sizes
+            if isinstance(sizes, str):  # "1,2,4" from a flag or an environment variable
+                sizes = [s for s in sizes.replace(" ", ",").split(",") if s]
+            try:
+                sizes = tuple(sorted({int(s) for s in sizes}))
+            except (TypeError, ValueError):
+                raise ConfigError(
+                    f"cuda_graph_batch_sizes: expected integers, got {self.cuda_graph_batch_sizes!r}"
+                ) from None
+            if not sizes or sizes[0] < 1 or sizes[-1] > self.max_num_seqs:
+                raise ConfigError(
+                    f"cuda_graph_batch_sizes: need sizes in [1, max_num_seqs={self.max_num_seqs}], "
+                    f"got {list(sizes)}"
+                )
+            object.__setattr__(self, "cuda_graph_batch_sizes", sizes)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -358,6 +378,19 @@ class EngineConfig:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device: 'cuda' was asked for but no CUDA device is available")
         return dev
+
+    def resolved_cuda_graph(self) -> bool:
+        device = self.resolved_device()
+        if self.cuda_graph and device.type != "cuda":
+            raise ConfigError(f"cuda_graph: CUDA graphs need a CUDA device, got {device}")
+        return device.type == "cuda" if self.cuda_graph is None else self.cuda_graph
+
+    def resolved_cuda_graph_batch_sizes(self) -> tuple[int, ...]:
+        """Batch sizes to capture, ascending (capture itself goes largest first)."""
+        if self.cuda_graph_batch_sizes is not None:
+            return self.cuda_graph_batch_sizes
+        sizes = {1, 2, 4, 8, 12, 16, 24, 32, *range(48, self.max_num_seqs + 1, 16)}
+        return tuple(sorted(s for s in sizes | {self.max_num_seqs} if s <= self.max_num_seqs))
 
     def resolved_dtype(self, model_config: ModelConfig) -> torch.dtype:
         if self.dtype != "auto":

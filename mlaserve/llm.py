@@ -34,6 +34,7 @@ class LLM:
                 f"valid: {EngineConfig.field_names()}"
             )
         self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self.engine.warmup()  # JIT and CUDA-graph capture now, not in the first generate()
         self._ids = itertools.count()
 
     @property

@@ -16,6 +16,7 @@ from mlaserve.config import EngineConfig, ModelConfig
 from mlaserve.engine.model_runner import ModelRunner, StepResult
 from mlaserve.engine.request import FinishReason, Request
 from mlaserve.engine.scheduler import Scheduler, SchedulerOutput
+from mlaserve.graph_runner import CompileWatch, CudaGraphRunner
 from mlaserve.kv_cache import PageAllocator
 from mlaserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from mlaserve.sampling_params import SamplingParams
@@ -57,7 +58,16 @@ class LLMEngine:
         self.max_model_len = config.resolved_max_model_len(self.model_config)
         self.model_name = config.served_model_name or config.model or "mlaserve-default"
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer_path)
+        self.compile_watch = CompileWatch()
+        t0 = time.perf_counter()
         self.runner = ModelRunner(config, self.model_config)
+        self.load_time_s = time.perf_counter() - t0
+        use_graphs = config.resolved_cuda_graph()
+        self.graphs = CudaGraphRunner(
+            self.runner,
+            config.resolved_cuda_graph_batch_sizes() if use_graphs else (),
+            use_graphs=use_graphs,
+        )
         self.allocator = PageAllocator(self.runner.num_pages)
         self.scheduler = Scheduler(
             self.allocator,
@@ -156,6 +166,9 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_free_pages=self.allocator.num_free_pages,
             num_total_pages=self.allocator.num_usable_pages,
+            num_graph_replays=self.graphs.num_replays,
+            num_eager_steps=dict(self.graphs.num_eager_steps),
+            num_compiles_while_serving=self.compile_watch.compiles_since_ready,
         )
 
     # ----- the loop -----
@@ -163,18 +176,32 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
-        runner = self.runner
-        logits = runner.forward(runner.make_batch(runner.build_host_batch(scheduled)))
-        result = runner.sample(logits, scheduled, self.eos_token_ids)
+        logits = self.graphs.run(self.runner.build_host_batch(scheduled))
+        result = self.runner.sample(logits, scheduled, self.eos_token_ids)
         self.scheduler.after_step(scheduled)
         return self._postprocess(scheduled, result)
 
     def warmup(self) -> None:
-        """Run a throwaway request so first-use costs (allocator, kernels) happen before serving."""
+        """Everything that compiles or allocates lazily happens here, before serving: a
+        throwaway request (prefill + decode + sampling), then every graph shape eagerly and its
+        capture. Logs the start-up time split."""
+        t0 = time.perf_counter()
         prompt = list(range(min(16, self.model_config.vocab_size)))[: self.max_model_len - 2]
         self.add_request("__warmup__", prompt, SamplingParams(max_tokens=2, temperature=0.0))
         while self.requests.get("__warmup__") is not None:
             self.step()
+        t1 = time.perf_counter()
+        report = self.graphs.capture() if self.graphs.batch_sizes else None
+        self.compile_watch.mark_ready()
+        logger.info(
+            "start-up: load %.2f s, warm-up %.2f s, capture %.2f s (%s)",
+            self.load_time_s,
+            t1 - t0 + (report.warmup_s if report else 0.0),
+            report.capture_s if report else 0.0,
+            f"{report.num_graphs} CUDA graphs, pool {report.pool_bytes / 2**20:.1f} MiB"
+            if report
+            else "CUDA graphs off",
+        )
 
     def _postprocess(self, scheduled: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         now = time.time()

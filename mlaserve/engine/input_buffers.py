@@ -82,19 +82,22 @@ class InputBuffers:
         *,
         pad_to: int | None = None,
         max_seq_len: int,
+        q_len: int | None = None,
         **batch_kwargs,
     ) -> ForwardBatch:
         """Copy a step's inputs into the buffers; returns a ForwardBatch of views.
 
         `pad_to`: the captured batch size this step replays in (uniform modes only); rows past
-        `host.num_seqs` are padding. Uniform modes compute logits for every row (the sampler or
-        the speculative decoder picks what it needs); EXTEND for `host.logits_indices`.
-        `batch_kwargs` supplies `kv_pool` and `attn_backend`.
+        `host.num_seqs` are padding. `q_len`: the uniform tokens per sequence (default: the
+        host rows'; needed only for a batch made of padding alone, as at graph capture).
+        Uniform modes compute logits for every row (the sampler or the speculative decoder picks
+        what it needs); EXTEND for `host.logits_indices`. `batch_kwargs` supplies `kv_pool` and
+        `attn_backend`.
         """
         mode, num_seqs = host.mode, host.num_seqs
         bs = num_seqs if pad_to is None else pad_to
         if mode.is_uniform:
-            q_len = host.q_lens[0]
+            q_len = q_len or host.q_lens[0]
             if any(n != q_len for n in host.q_lens):
                 raise ValueError(f"{mode.value} batch: q_lens must be uniform, got {host.q_lens}")
             num_tokens = bs * q_len

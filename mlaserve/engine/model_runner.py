@@ -140,14 +140,20 @@ class ModelRunner:
         return host
 
     def make_batch(
-        self, host: HostBatch, pad_to: int | None = None, max_seq_len: int | None = None
+        self,
+        host: HostBatch,
+        pad_to: int | None = None,
+        max_seq_len: int | None = None,
+        q_len: int | None = None,
     ) -> ForwardBatch:
         """`max_seq_len`: the bound on seq_lens the backend may use; eager steps pass the exact
         host-side maximum, a CUDA graph its fixed capture bound (max_model_len). `pad_to`: the
-        captured batch size a uniform batch replays in."""
+        captured batch size a uniform batch replays in (`q_len` states its width when the host
+        batch is padding alone)."""
         return self.buffers.fill(
             host,
             pad_to=pad_to,
+            q_len=q_len,
             max_seq_len=max_seq_len or max(host.seq_lens),
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,

@@ -69,6 +69,9 @@ _HELP = {
     "kv_cache_memory_fraction": "share of free GPU memory given to the KV cache",
     "num_pages": "explicit KV-cache size in pages; overrides the memory fraction",
     "attention_backend": "MLA kernel backend ('auto' picks the best for the GPU)",
+    "cuda_graph": "capture decode steps in CUDA graphs (default: on with CUDA)",
+    "cuda_graph_batch_sizes": "batch sizes to capture, e.g. '1,2,4,8' (default: 1 2 4 8 12 16 "
+    "24 32, then steps of 16 up to max_num_seqs)",
     "seed": "engine seed for requests that give none",
     "served_model_name": "model name in the API; default: derived from the model folder",
     "host": "address to listen on",
@@ -130,6 +133,8 @@ class Option:
                 if isinstance(raw, (dict, list)):
                     raise ValueError("expected a string")
                 return str(raw)
+            if typing.get_origin(kind) is tuple and isinstance(raw, str):
+                return raw  # "1,2,4": the config dataclass parses and validates lists
             return json.loads(raw) if isinstance(raw, str) else raw
         except (TypeError, ValueError) as e:
             type_name = getattr(kind, "__name__", str(kind))

@@ -1,0 +1,7 @@
+"""CUDA graphs for uniform forwards (decode, and with speculation verify / draft steps), captured
+at start-up against the model runner's preallocated buffers and replayed with padding."""
+
+from mlaserve.graph_runner.compile_watch import CompileWatch
+from mlaserve.graph_runner.cuda_graph_runner import CaptureReport, CudaGraphRunner
+
+__all__ = ["CaptureReport", "CompileWatch", "CudaGraphRunner"]

@@ -1,0 +1,176 @@
+"""Uniform forwards (DECODE now; VERIFY / DRAFT_EXTEND with speculation) replayed from CUDA
+graphs, one graph per (mode, q_len, captured batch size).
+
+Static inputs are the model runner's preallocated `InputBuffers`: token ids, positions,
+`seq_lens`, full-width page-table rows, KV write slots. Every graph is captured against views of
+those buffers with `max_seq_len = max_model_len` (the context capacity), so no graph ever reads a
+length back from the GPU, and a sequence that grows after capture is still covered.
+
+A step is replayed in the smallest captured size >= its batch size: `InputBuffers.fill` writes
+the real rows and pads the rest explicitly (dummy page 0, slot 0), the graph replays, and the
+logits of the real rows are returned. EXTEND steps (anything with prompt tokens) and batches
+larger than the largest captured size run eagerly, each counted by reason.
+
+Capture runs largest first into one shared memory pool (later, smaller graphs reuse the larger
+ones' blocks; the forwards run one at a time, so sharing is safe). Before capture every shape
+runs once eagerly, so every JIT compilation (Triton autotuning, lazily built kernels) happens at
+start-up.
+
+With `use_graphs=False` the same path runs eagerly: same padding, same buffers, an eager forward
+instead of a replay. That is how the CPU tests prove the buffer and padding logic.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mlaserve.engine.forward_batch import ForwardMode
+from mlaserve.engine.input_buffers import HostBatch
+from mlaserve.engine.model_runner import ModelRunner
+
+__all__ = ["CaptureReport", "CudaGraphRunner"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CaptureReport:
+    num_graphs: int
+    warmup_s: float
+    capture_s: float
+    pool_bytes: int  # device memory the graphs' shared pool holds after capture
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None  # None when replays run eagerly (use_graphs=False)
+    logits: torch.Tensor | None  # the graph's static output, [bs * q_len, vocab] fp32
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        batch_sizes: Sequence[int],
+        *,
+        use_graphs: bool,
+        shapes: Sequence[tuple[ForwardMode, int]] = ((ForwardMode.DECODE, 1),),
+    ) -> None:
+        """`shapes`: the (uniform mode, q_len) pairs to capture, each at every batch size."""
+        if use_graphs and not runner.attn_backend.supports_cuda_graph:
+            raise ValueError(f"attention backend {runner.attn_backend.name!r} cannot be graphed")
+        if use_graphs and runner.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {runner.device}")
+        self.runner = runner
+        self.batch_sizes = sorted(batch_sizes)
+        self.use_graphs = use_graphs
+        self.shapes = list(shapes)
+        self.graphs: dict[tuple[ForwardMode, int, int], _Graph] = {}
+        self.pool: tuple | None = None
+        self.num_replays = 0
+        self.num_eager_steps: Counter[str] = Counter()
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_sizes[-1] if self.batch_sizes else 0
+
+    # ----- start-up -----
+    def capture(self) -> CaptureReport:
+        """Warm up every shape eagerly, then capture, largest batch first."""
+        t0 = time.perf_counter()
+        for mode, q_len in self.shapes:
+            for bs in reversed(self.batch_sizes):
+                self.runner.forward(self._dummy_batch(mode, q_len, bs))
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+        t1 = time.perf_counter()
+        free_before = self._free_memory()
+        for mode, q_len in self.shapes:
+            for bs in reversed(self.batch_sizes):
+                self.graphs[(mode, q_len, bs)] = self._capture_one(mode, q_len, bs)
+        t2 = time.perf_counter()
+        report = CaptureReport(
+            num_graphs=len(self.graphs),
+            warmup_s=t1 - t0,
+            capture_s=t2 - t1,
+            pool_bytes=max(free_before - self._free_memory(), 0),
+        )
+        logger.info(
+            "CUDA graphs: %d captured (%s at batch sizes %s) in %.2f s after %.2f s of eager "
+            "warm-up; graph pool %.1f MiB",
+            report.num_graphs,
+            ", ".join(f"{m.value} q_len {q}" for m, q in self.shapes),
+            self.batch_sizes,
+            report.capture_s,
+            report.warmup_s,
+            report.pool_bytes / 2**20,
+        )
+        return report
+
+    def _dummy_batch(self, mode: ForwardMode, q_len: int, bs: int):
+        """A batch of `bs` padding rows: the buffers' contents at capture do not matter (the
+        graph re-reads them on replay), they only must be valid, and padding rows are."""
+        host = HostBatch(mode, [], [], [], [], [], [], [])
+        return self.runner.make_batch(host, pad_to=bs, max_seq_len=self._bound, q_len=q_len)
+
+    @property
+    def _bound(self) -> int:
+        return self.runner.max_model_len
+
+    def _capture_one(self, mode: ForwardMode, q_len: int, bs: int) -> _Graph:
+        batch = self._dummy_batch(mode, q_len, bs)
+        if not self.use_graphs:
+            return _Graph(graph=None, logits=None)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.runner.forward(batch)
+        if self.pool is None:
+            self.pool = graph.pool()
+        return _Graph(graph=graph, logits=logits)
+
+    def _free_memory(self) -> int:
+        if self.runner.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.runner.device)
+        return torch.cuda.mem_get_info(self.runner.device)[0]
+
+    # ----- serving -----
+    def padded_size(self, host: HostBatch) -> int | None:
+        """The captured size this batch replays in, or None if it runs eagerly."""
+        if not host.mode.is_uniform or (host.mode, host.q_lens[0]) not in self.shapes:
+            return None
+        i = bisect.bisect_left(self.batch_sizes, host.num_seqs)
+        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+
+    @torch.inference_mode()
+    def run(self, host: HostBatch) -> torch.Tensor:
+        """Forward one step. Returns the logits of the rows the step samples from:
+        [num_seqs * q_len, vocab] for uniform modes, [len(logits_indices), vocab] for EXTEND."""
+        size = self.padded_size(host)
+        if size is None:
+            if not host.mode.is_uniform:
+                reason = "extend"
+            elif not self.batch_sizes:
+                reason = "graphs_off"
+            else:
+                reason = "batch_too_large"
+            self.num_eager_steps[reason] += 1
+            return self.runner.forward(self.runner.make_batch(host))
+        q_len = host.q_lens[0]
+        batch = self.runner.make_batch(host, pad_to=size, max_seq_len=self._bound)
+        entry = self.graphs.get((host.mode, q_len, size))
+        rows = host.num_seqs * q_len
+        if entry is None or entry.graph is None:
+            # Not captured (yet), or use_graphs=False: the same padded batch, run eagerly.
+            self.num_eager_steps["no_graphs"] += 1
+            return self.runner.forward(batch)[:rows]
+        entry.graph.replay()
+        self.num_replays += 1
+        return entry.logits[:rows]
