@@ -16,7 +16,7 @@ from mlaserve.config import EngineConfig, ModelConfig
 from mlaserve.engine.model_runner import ModelRunner, StepResult
 from mlaserve.engine.request import FinishReason, Request
 from mlaserve.engine.scheduler import Scheduler, SchedulerOutput
-from mlaserve.graph_runner import CompileWatch, CudaGraphRunner
+from mlaserve.graph_runner import CaptureReport, CompileWatch, CudaGraphRunner
 from mlaserve.kv_cache import PageAllocator
 from mlaserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from mlaserve.sampling_params import SamplingParams
@@ -62,6 +62,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.runner = ModelRunner(config, self.model_config)
         self.load_time_s = time.perf_counter() - t0
+        self.graph_report: CaptureReport | None = None
         use_graphs = config.resolved_cuda_graph()
         self.graphs = CudaGraphRunner(
             self.runner,
@@ -192,6 +193,7 @@ class LLMEngine:
             self.step()
         t1 = time.perf_counter()
         report = self.graphs.capture() if self.graphs.batch_sizes else None
+        self.graph_report = report
         self.compile_watch.mark_ready()
         logger.info(
             "start-up: load %.2f s, warm-up %.2f s, capture %.2f s (%s)",

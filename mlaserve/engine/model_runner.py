@@ -97,6 +97,11 @@ class ModelRunner:
             device=self.device,
         )
         self.sampler = Sampler()
+        # The step's one device->host transfer: sampled ids into pinned memory, then one wait.
+        rows = config.max_num_seqs * 16  # room for k+1 rows per sequence with speculation
+        self._ids_host = torch.empty(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._ids_ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        self.num_host_waits = 0  # how often a step waited on the device (tests count it)
         logger.info(
             "KV cache: %d pages x %d tokens, %s, backend=%s",
             self.num_pages,
@@ -172,6 +177,16 @@ class ModelRunner:
         hidden = self.model(batch)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
+    def _read_back(self, token_ids: torch.Tensor) -> list[int]:
+        """One pinned non-blocking copy and one wait on its event: the accounted sync."""
+        host = self._ids_host[: token_ids.shape[0]]
+        host.copy_(token_ids, non_blocking=True)
+        if self._ids_ready is not None:
+            self._ids_ready.record()
+            self._ids_ready.synchronize()
+        self.num_host_waits += 1
+        return host.tolist()
+
     @torch.inference_mode()
     def sample(
         self, logits: torch.Tensor, sched: SchedulerOutput, eos_token_ids: list[int]
@@ -192,7 +207,7 @@ class ModelRunner:
             eos_token_ids=eos_token_ids,
         )
         out = self.sampler(logits, sb)
-        result = StepResult(token_ids=out.token_ids.tolist())  # the step's one host sync
+        result = StepResult(token_ids=self._read_back(out.token_ids))
         if any(r.params.logprobs is not None for r in sampling):
             result.logprobs = out.logprobs.tolist()
             result.ranks = out.ranks.tolist()

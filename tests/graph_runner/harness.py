@@ -1,0 +1,101 @@
+"""Drive an engine decode step by step, comparing the graph runner's (padded) forward with a plain
+eager forward of the same inputs, over NaN-poisoned KV pages.
+
+Used by the CPU tests (the padded path run eagerly, `use_graphs=False`) and the GPU tests (real
+CUDA-graph replays): one harness, so both check the same things.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mlaserve import SamplingParams
+from mlaserve.engine.forward_batch import ForwardMode
+from mlaserve.llm_engine import LLMEngine
+
+FP8_NAN_BYTE = 0x7F  # float8_e4m3fn: exponent and mantissa all ones is NaN
+
+
+def poison_kv(engine: LLMEngine) -> None:
+    """Fill every KV page with NaN. Pages a request owns get real values as it writes them; a
+    read of anything else (stale rows, other requests' pages, padding) shows up as NaN."""
+    pool = engine.runner.kv_pool
+    for buf in pool.kv_buffers:
+        if pool.is_fp8:
+            buf.view(torch.uint8).fill_(FP8_NAN_BYTE)
+        else:
+            buf.fill_(float("nan"))
+
+
+def untouched_pages_still_poisoned(engine: LLMEngine, touched: set[int]) -> bool:
+    """Pages outside `touched` (and the dummy page 0) must still hold only NaN: padded rows of a
+    replayed batch wrote nowhere live."""
+    pool = engine.runner.kv_pool
+    others = [p for p in range(1, pool.num_pages) if p not in touched]
+    if not others:
+        return True
+    index = torch.tensor(others, device=pool.device)
+    for buf in pool.kv_buffers:
+        rows = buf[index].float()
+        if not torch.isnan(rows).all():
+            return False
+    return True
+
+
+@dataclass
+class ReplayReport:
+    steps: int = 0
+    max_rel_err: float = 0.0  # max |graph - eager| / max |eager| over all steps
+    argmax_mismatches: int = 0  # rows whose argmax differs although eager's top-2 gap is clear
+    padded_steps: int = 0  # steps whose batch was padded to a larger captured size
+    touched_pages: set[int] = field(default_factory=set)
+
+
+def add_requests(engine: LLMEngine, prompt_lens: list[int], max_tokens: int, seed: int = 0):
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, n in enumerate(prompt_lens):
+        prompt = torch.randint(0, vocab, (n,), generator=g).tolist()
+        engine.add_request(f"r{seed}-{i}", prompt, params)
+
+
+@torch.inference_mode()
+def compare_replays(engine: LLMEngine, steps: int, rel_tol: float) -> ReplayReport:
+    """Prefill whatever is waiting (eagerly), then run `steps` decode steps. Each step's inputs
+    go through the graph runner (padded to its captured size) and through a plain eager forward;
+    the graph runner's logits are sampled and the engine advances on them."""
+    report = ReplayReport()
+    while engine.scheduler.waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    ):
+        engine.step()
+    runner, graphs = engine.runner, engine.graphs
+    for _ in range(steps):
+        sched = engine.scheduler.schedule()
+        if sched.is_empty:
+            break
+        assert sched.mode is ForwardMode.DECODE, sched.mode
+        host = runner.build_host_batch(sched)
+        eager = runner.forward(runner.make_batch(host)).float().clone()
+        size = graphs.padded_size(host)
+        report.padded_steps += int(size is not None and size > host.num_seqs)
+        replayed = graphs.run(host).float().clone()
+        assert replayed.shape == eager.shape, (replayed.shape, eager.shape)
+        assert torch.isfinite(replayed).all(), "NaN/inf in replayed logits (a poisoned page read?)"
+        err = ((replayed - eager).abs().max() / eager.abs().max()).item()
+        report.max_rel_err = max(report.max_rel_err, err)
+        top2 = eager.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 4 * rel_tol * eager.abs().max()
+        report.argmax_mismatches += int(
+            ((replayed.argmax(-1) != eager.argmax(-1)) & clear).sum().item()
+        )
+        for s in sched.scheduled:
+            report.touched_pages.update(s.request.pages)
+        result = runner.sample(replayed, sched, engine.eos_token_ids)
+        engine.scheduler.after_step(sched)
+        engine._postprocess(sched, result)
+        report.steps += 1
+    return report
