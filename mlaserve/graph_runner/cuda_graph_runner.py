@@ -76,6 +76,8 @@ class CudaGraphRunner:
         self.pool: tuple | None = None
         self.num_replays = 0
         self.num_eager_steps: Counter[str] = Counter()
+        # Off: every step runs eagerly (reason "graphs_off"); benchmarks compare both in one run.
+        self.enabled = True
 
     @property
     def max_batch_size(self) -> int:
@@ -144,7 +146,9 @@ class CudaGraphRunner:
     # ----- serving -----
     def padded_size(self, host: HostBatch) -> int | None:
         """The captured size this batch replays in, or None if it runs eagerly."""
-        if not host.mode.is_uniform or (host.mode, host.q_lens[0]) not in self.shapes:
+        if not self.enabled or not host.mode.is_uniform:
+            return None
+        if (host.mode, host.q_lens[0]) not in self.shapes:
             return None
         i = bisect.bisect_left(self.batch_sizes, host.num_seqs)
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None
@@ -157,7 +161,7 @@ class CudaGraphRunner:
         if size is None:
             if not host.mode.is_uniform:
                 reason = "extend"
-            elif not self.batch_sizes:
+            elif not self.batch_sizes or not self.enabled:
                 reason = "graphs_off"
             else:
                 reason = "batch_too_large"

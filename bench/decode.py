@@ -1,0 +1,309 @@
+"""Decode step time, graphed vs eager, against the bytes floor, through the real engine loop.
+
+    python3 bench/decode.py                          # the shipped default model
+    python3 bench/decode.py --model /tmp/v2lite      # bench/make_checkpoint.py's V2-Lite shape
+
+For each (context, batch size): `bs` requests whose prompts' KV is already in the cache (the
+pages are allocated by the scheduler and hold random values: a prefill's cost is bench/
+prefill.py's business, and a decode step reads the same bytes either way) decode `--steps`
+tokens through `LLMEngine.step()` with CUDA graphs, then again eagerly (the same engine with its
+graph runner switched off), interleaved, `--rounds` times; medians are reported.
+
+Columns:
+- eager / graph: wall time per engine step (host batch build + forward + sampling + postprocess);
+- replay: the graph replay alone (CUDA events), i.e. the GPU time of a graphed forward;
+- floor: bytes a decode step must read / device copy bandwidth measured in this run. Bytes =
+  every non-expert weight once + the routed experts the step's tokens touch + the KV read.
+  Routed experts: `floor` counts the expected number of distinct experts under uniform random
+  routing, E = n (1 - (1 - k/n)^bs); `floor_ub` counts min(n, k*bs), the upper bound the issue's
+  baseline figures use;
+- attention: one layer's attention through the adapter (KV write + q cat/cast + kernel) vs the
+  FlashMLA kernel called directly on prepared inputs, both captured in a CUDA graph of all layers.
+
+Prints a table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from mlaserve import LLM
+from mlaserve.config import ModelConfig
+from mlaserve.kernels_adapter.flashmla import flashmla_available
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times)
+
+
+def weight_bytes(llm: LLM) -> tuple[int, int, int]:
+    """(bytes of everything but routed experts, bytes of one routed expert, MoE layer count).
+    The embedding table is excluded: a step reads only bs rows of it."""
+    model, mc = llm.engine.runner.model, llm.engine.model_config
+    dense, experts = 0, 0
+    for name, p in model.named_parameters():
+        if name.startswith("mtp.") or "embed_tokens" in name:
+            continue
+        nbytes = p.numel() * p.element_size()
+        if ".experts." in name:  # routed experts (shared ones are `shared_experts`)
+            experts += nbytes
+        else:
+            dense += nbytes
+    moe_layers = sum(mc.is_moe_layer(i) for i in range(mc.num_hidden_layers))
+    per_expert = experts // max(moe_layers * (mc.n_routed_experts or 1), 1) if moe_layers else 0
+    return dense, per_expert, moe_layers
+
+
+def floor_ms(llm: LLM, bs: int, ctx: int, bandwidth: float, upper_bound: bool) -> float:
+    mc = llm.engine.model_config
+    dense, per_expert, moe_layers = weight_bytes(llm)
+    n, k = mc.n_routed_experts or 0, mc.num_experts_per_tok
+    touched = min(n, k * bs) if upper_bound else (n * (1 - (1 - k / n) ** bs) if n else 0)
+    kv = bs * ctx * llm.engine.runner.kv_pool.bytes_per_token
+    return (dense + touched * per_expert * moe_layers + kv) / bandwidth * 1e3
+
+
+def fake_prefill(llm: LLM, bs: int, ctx: int, new_tokens: int) -> None:
+    """Admit `bs` requests whose first `ctx` tokens' KV is taken as computed (random values)."""
+    from mlaserve import SamplingParams
+
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=new_tokens + 1, temperature=0.0, ignore_eos=True)
+    for i in range(bs):
+        prompt = [(7 * i + 13 * j) % vocab for j in range(ctx)]
+        engine.add_request(f"bench-{bs}-{ctx}-{i}", prompt, params)
+    sched = engine.scheduler
+    while sched.waiting:
+        r = sched.waiting.popleft()
+        r.output_token_ids.append(r.prompt_token_ids[-1])
+        assert sched._reserve(r, ctx + 1), "KV cache too small for the benchmark"
+        r.num_computed_tokens = ctx
+        r.status = type(r.status).RUNNING
+        sched.running.append(r)
+
+
+def finish_all(llm: LLM) -> None:
+    engine = llm.engine
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+
+
+def time_steps(llm: LLM, steps: int) -> float:
+    engine = llm.engine
+    for _ in range(2):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def time_replay(llm: LLM, bs: int) -> float:
+    graphs = llm.engine.graphs
+    size = min(s for s in graphs.batch_sizes if s >= bs)
+    graph = next(g for (m, q, b), g in graphs.graphs.items() if b == size and q == 1).graph
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 20
+
+
+def attention_overhead(llm: LLM, bs: int, ctx: int) -> dict:
+    """All layers' attention, captured in a CUDA graph: through the adapter vs FlashMLA direct."""
+    import flash_mla
+
+    engine = llm.engine
+    runner, backend, mc = engine.runner, engine.runner.attn_backend, engine.model_config
+    if backend.name != "flashmla":
+        return {}
+    host = runner.build_host_batch(engine.scheduler.schedule())
+    batch = runner.make_batch(host, max_seq_len=runner.max_model_len)
+    h, r, dr, layers = (
+        mc.num_attention_heads,
+        mc.kv_lora_rank,
+        mc.qk_rope_head_dim,
+        mc.num_hidden_layers,
+    )
+    dt = torch.bfloat16
+    q_nope = torch.randn(bs, h, r, device="cuda", dtype=dt) * 0.1
+    q_pe = torch.randn(bs, h, dr, device="cuda", dtype=dt) * 0.1
+    kv_c = torch.randn(bs, r, device="cuda", dtype=dt) * 0.1
+    k_pe = torch.randn(bs, dr, device="cuda", dtype=dt) * 0.1
+    pool = runner.kv_pool
+    q_direct = torch.cat([q_nope, q_pe], -1).view(bs, 1, h, r + dr)
+    if pool.is_fp8:
+        q_direct = q_direct.to(torch.float8_e4m3fn)
+    extra = {}
+    if pool.is_fp8:
+        extra = {"descale_q": backend._q_descale, "descale_k": pool.k_scale_tensors[0]}
+
+    def adapter():
+        backend.prepare(batch)
+        for layer in range(layers):
+            backend.forward(layer, q_nope, q_pe, kv_c, k_pe, batch)
+
+    def direct():
+        sched, _ = flash_mla.get_mla_metadata()
+        sched.tile_scheduler_metadata, sched.num_splits = flash_mla.get_mla_decoding_metadata(
+            batch.seq_lens, h, 1, is_fp8_kvcache=pool.is_fp8, use_legacy=True
+        )
+        for layer in range(layers):
+            flash_mla.flash_mla_with_kvcache(
+                q_direct, pool.kv_buffers[layer].unsqueeze(2), batch.block_tables, batch.seq_lens,
+                head_dim_v=r, tile_scheduler_metadata=sched, softmax_scale=backend.softmax_scale,
+                causal=True, is_fp8_kvcache=pool.is_fp8, use_legacy=True, **extra,
+            )  # fmt: skip
+
+    result = {}
+    for name, fn in (("adapter", adapter), ("direct", direct)):
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        result[name + "_ms"] = start.elapsed_time(end) / 20
+    result["overhead"] = result["adapter_ms"] / result["direct_ms"] - 1
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: shipped model)")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kv-cache-dtype", default="fp8_e4m3")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)
+    mc = ModelConfig.from_pretrained(args.model) if args.model else None
+    limit = mc.max_position_embeddings if mc else None
+    max_len = max(args.contexts) + args.steps * (args.rounds * 2 + 2) + 16
+    if limit is not None and max_len > limit:
+        raise SystemExit(f"--contexts: {max_len} tokens exceed the model's limit {limit}")
+    t0 = time.perf_counter()
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend,
+        max_num_seqs=max(args.batch_sizes),
+        max_model_len=max_len,
+        max_num_batched_tokens=max(2048, max(args.batch_sizes)),
+    )
+    load_s = time.perf_counter() - t0
+    engine = llm.engine
+    pool = engine.runner.kv_pool
+    for buf in pool.kv_buffers:  # random KV: never time on zeros
+        buf.view(torch.uint8).copy_(torch.randint_like(buf.view(torch.uint8), 0, 120))
+    rows = []
+    for ctx in args.contexts:
+        for bs in args.batch_sizes:
+            fake_prefill(llm, bs, ctx, new_tokens=args.steps * (args.rounds * 2 + 2) + 8)
+            eager, graph = [], []
+            for _ in range(args.rounds):
+                engine.graphs.enabled = False
+                eager.append(time_steps(llm, args.steps))
+                engine.graphs.enabled = True
+                graph.append(time_steps(llm, args.steps))
+            replay = time_replay(llm, bs)
+            attn = attention_overhead(llm, bs, ctx) if ctx == args.contexts[0] else {}
+            finish_all(llm)
+            row = {
+                "ctx": ctx,
+                "bs": bs,
+                "eager_ms": statistics.median(eager),
+                "graph_ms": statistics.median(graph),
+                "graph_ms_range": [min(graph), max(graph)],
+                "replay_ms": replay,
+                "floor_ms": floor_ms(llm, bs, ctx, bandwidth, upper_bound=False),
+                "floor_ub_ms": floor_ms(llm, bs, ctx, bandwidth, upper_bound=True),
+                **{f"attn_{k}": v for k, v in attn.items()},
+            }
+            row["speedup"] = row["eager_ms"] / row["graph_ms"]
+            row["graph_vs_floor"] = row["graph_ms"] / row["floor_ms"]
+            row["graph_vs_floor_ub"] = row["graph_ms"] / row["floor_ub_ms"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    stats = engine.get_stats()
+    name = args.model or "default-model"
+    report = engine.graph_report
+    print(
+        f"\ndevice: {torch.cuda.get_device_name()}  model: {name}  KV {args.kv_cache_dtype}  "
+        f"backend {engine.runner.attn_backend.name}  copy BW {bandwidth / 1e12:.2f} TB/s  "
+        f"load {load_s:.1f} s  graphs {report.num_graphs} ({report.pool_bytes / 2**20:.0f} MiB, "
+        f"capture {report.capture_s:.2f} s)  compiles while serving "
+        f"{stats.num_compiles_while_serving}"
+    )
+    print(
+        f"{'ctx':>5} {'bs':>3} {'eager ms':>9} {'graph ms':>9} {'speedup':>7} {'replay ms':>9} "
+        f"{'floor ms':>8} {'g/floor':>7} {'floor_ub':>8} {'g/f_ub':>6} {'attn adapter/direct':>20}"
+    )
+    for r in rows:
+        attn = (
+            f"{r['attn_adapter_ms']:.3f}/{r['attn_direct_ms']:.3f} ({r['attn_overhead']:+.1%})"
+            if "attn_adapter_ms" in r
+            else ""
+        )
+        print(
+            f"{r['ctx']:>5} {r['bs']:>3} {r['eager_ms']:>9.2f} {r['graph_ms']:>9.3f} "
+            f"{r['speedup']:>7.2f} {r['replay_ms']:>9.3f} {r['floor_ms']:>8.3f} "
+            f"{r['graph_vs_floor']:>7.2f} {r['floor_ub_ms']:>8.3f} {r['graph_vs_floor_ub']:>6.2f} "
+            f"{attn:>20}"
+        )
+    print(
+        json.dumps(
+            {
+                "bench": "decode",
+                "device": torch.cuda.get_device_name(),
+                "model": name,
+                "kv_cache_dtype": args.kv_cache_dtype,
+                "backend": engine.runner.attn_backend.name,
+                "copy_bandwidth_tbs": bandwidth / 1e12,
+                "graph_pool_mib": report.pool_bytes / 2**20,
+                "capture_s": report.capture_s,
+                "compiles_while_serving": stats.num_compiles_while_serving,
+                "rows": rows,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    if not flashmla_available():
+        print("note: FlashMLA unavailable; attention overhead column skipped")
+    main()
