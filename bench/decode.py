@@ -135,12 +135,12 @@ def time_replay(llm: LLM, bs: int) -> float:
 
 def attention_overhead(llm: LLM, bs: int, ctx: int) -> dict:
     """All layers' attention, captured in a CUDA graph: through the adapter vs FlashMLA direct."""
-    import flash_mla
-
     engine = llm.engine
     runner, backend, mc = engine.runner, engine.runner.attn_backend, engine.model_config
     if backend.name != "flashmla":
         return {}
+    import flash_mla
+
     host = runner.build_host_batch(engine.scheduler.schedule())
     batch = runner.make_batch(host, max_seq_len=runner.max_model_len)
     h, r, dr, layers = (
