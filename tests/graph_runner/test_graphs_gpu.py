@@ -28,9 +28,11 @@ pytestmark = [
 CAPTURED = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 BETWEEN = (3, 5, 13, 33, 50)
 STEPS = 64
-# bf16 activations: a padded batch may take other GEMM kernels than the unpadded eager one, so
-# logits agree to bf16 rounding, not bitwise. Measured on an H100: see bench/RESULTS.md.
-REL_TOL = 3e-2
+# A padded batch may take other GEMM kernels than the unpadded eager one, so activations agree
+# to bf16 rounding, not bitwise; with an fp8 cache (and fp8 queries into FlashMLA) a rounding
+# flip in e4m3 (3 mantissa bits) is 6%. Measured on an H100 (2026-11-22): bf16 6.1e-3,
+# fp8 4.5e-2 at worst over every size.
+REL_TOL = {"bf16": 2e-2, "fp8_e4m3": 8e-2}
 
 
 def graphed_llm(
@@ -68,10 +70,11 @@ def test_replay_equals_eager_at_every_size(checkpoint, backend: str, kv_cache_dt
             lens = [n // 2 for n in lens]
         add_requests(engine, lens, max_tokens=STEPS + 1, seed=bs)
         replays_before = engine.graphs.num_replays
-        report = compare_replays(engine, steps=STEPS, rel_tol=REL_TOL)
+        tol = REL_TOL[kv_cache_dtype]
+        report = compare_replays(engine, steps=STEPS, rel_tol=tol)
         assert report.steps == STEPS
         assert engine.graphs.num_replays - replays_before == STEPS, "every step replayed"
-        assert report.max_rel_err < REL_TOL, (bs, report.max_rel_err)
+        assert report.max_rel_err < tol, (bs, report.max_rel_err)
         assert report.argmax_mismatches == 0, bs
         assert untouched_pages_still_poisoned(engine, report.touched_pages), bs
         worst = max(worst, report.max_rel_err)
