@@ -91,7 +91,13 @@ def test_kernel_build_arg_maps_to_existing_extras() -> None:
     assert "flashinfer download-kernels --sm sm100a" in text
     env = runtime_env()
     assert env["FLASHINFER_NO_DOWNLOAD"] == "1"
-    for cache in ("FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "CUTE_DSL_CACHE_DIR"):
+    caches = (
+        "FLASHINFER_WORKSPACE_BASE",
+        "TRITON_CACHE_DIR",
+        "CUTE_DSL_CACHE_DIR",
+        "CUDA_CACHE_PATH",
+    )
+    for cache in caches:
         assert env[cache].startswith("/var/cache/mlaserve"), cache
 
 
