@@ -43,7 +43,7 @@ ZERO_OR_EMPTY_HERE = {
     "Compiles while serving / compiles": "expected 0 everywhere: it is an alarm",
 }
 # Zero is a valid answer for these, but they must answer (the series exist).
-MUST_ANSWER = {"Compiles while serving / compiles"}
+MUST_ANSWER = {"Compiles while serving / compiles", "Graph replays vs eager steps / graph replays"}
 
 # Rounds of NUM_REQUESTS concurrent requests against max_num_seqs 2: the queue is non-empty
 # for 7/8 of each round, and rounds go on for at least MIN_TRAFFIC_S, so scrapes (every
