@@ -49,6 +49,8 @@ REQUEST_LATENCY_BUCKETS = (
 )  # fmt: skip
 ACCEPT_LENGTH_BUCKETS = tuple(float(i) for i in range(1, 17))
 FINISH_REASONS = ("stop", "length", "abort")
+# Why a step ran without a CUDA graph (the graph runner's reasons).
+EAGER_REASONS = ("extend", "batch_too_large", "graphs_off", "no_graphs")
 
 # NOTE: `*_created` timestamp series double the exposition and no dashboard reads them.
 disable_created_metrics()
@@ -170,6 +172,8 @@ class Metrics:
             family.labels(model_name)
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
+        for reason in EAGER_REASONS:
+            self.eager_steps.labels(model_name, reason)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
