@@ -484,23 +484,26 @@ def train(trainer: Trainer, steps: int, heldout: torch.Tensor, run_log: RunLog) 
     return status
 
 
-def model_sizes(config: DeepseekV3Config) -> dict[str, int]:
-    """Parameter counts and checkpoint tensor bytes of the architecture, from a model built on
-    the meta device (no memory, no init), in the checkpoint's own format."""
-    with torch.device("meta"):
-        model, mtp = build_model(config, torch.device("meta"))
+def model_sizes(model: DeepseekV3ForCausalLM, mtp: DeepseekV3MTPLayer) -> dict[str, int]:
+    """Parameter counts and checkpoint tensor bytes, in the checkpoint's own format (experts
+    split, MTP copies of the embedding and head, bf16 except the routing biases). Reads shapes
+    only, so the modules may live on any device, the meta device included."""
+    config = model.config
     mtp_prefix = f"model.layers.{config.num_hidden_layers}."
     state = split_experts(
         {**model.state_dict(), **{mtp_prefix + k: v for k, v in mtp.state_dict().items()}}
     )
-    main_params = sum(p.numel() for p in model.parameters())
+    main_params = sum(t.numel() for n, t in state.items() if not n.startswith(mtp_prefix))
     stored = sum(t.numel() for t in state.values())
     layer = model.model.layers[config.first_k_dense_replace]
     return {
         "main_params": main_params,
         "mtp_params_stored": stored - main_params,
         "params_stored": stored,
-        "params_trained": stored - 2 * config.vocab_size * config.hidden_size,
+        # The MTP module's embedding and head are the main model's while training.
+        "params_trained": sum(
+            p.numel() for p in {id(p): p for m in (model, mtp) for p in m.parameters()}.values()
+        ),
         "tensor_bytes": sum(
             t.numel() * (4 if name.endswith(FP32_SUFFIXES) else 2) for name, t in state.items()
         ),
@@ -543,8 +546,10 @@ def main() -> None:
     log(f"args: {json.dumps({k: str(v) for k, v in vars(args).items()})}")
     run_log.data.update(versions=versions, args={k: str(v) for k, v in vars(args).items()})
     if args.sizes_only:
-        sizes = model_sizes(make_config(args.vocab_size, args.max_position_embeddings))
-        print(json.dumps(sizes, indent=1))
+        config = make_config(args.vocab_size, args.max_position_embeddings)
+        with torch.device("meta"):
+            model, mtp = build_model(config, torch.device("meta"))
+        print(json.dumps(model_sizes(model, mtp), indent=1))
         return
     run_log.write()
 
@@ -590,12 +595,15 @@ def main() -> None:
     }
 
     config = make_config(tokenizer.get_vocab_size(), args.max_position_embeddings)
-    sizes = model_sizes(config)
-    log(f"sizes: {json.dumps(sizes)}")
-    run_log.data["sizes"] = sizes
     steps = args.steps or plan_steps(config, device, args, train_stream, run_log)
     torch.manual_seed(args.seed)
     trainer = Trainer(config, device, args, train_stream)
+    try:  # a report only: never let it cost the run
+        sizes = model_sizes(trainer.model, trainer.mtp)
+        log(f"sizes: {json.dumps(sizes)}")
+        run_log.data["sizes"] = sizes
+    except Exception as error:
+        log(f"could not compute the sizes: {error!r}")
     total = sum(p.numel() for g in trainer.optimizer.param_groups for p in g["params"])
     log(f"trainable parameters (embedding and head counted once): {total:,}")
     status = train(trainer, steps, progress_heldout, run_log)
