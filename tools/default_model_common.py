@@ -150,25 +150,32 @@ def subsample(windows: torch.Tensor, max_windows: int) -> torch.Tensor:
 
 
 def make_config(vocab_size: int, max_position_embeddings: int) -> DeepseekV3Config:
-    """The default model's architecture.
+    """The default model's architecture (v2: 10 decoder layers plus one MTP module).
 
-    The MLA dims are DeepSeek-V2/V3's own (kv_lora_rank 512, rope 64, nope 128, v 128) because
-    the serving kernels only implement those; everything else is shrunk so the whole checkpoint,
-    MTP copies of the embedding and head included, stays under 32 MB in bf16.
+    The MLA dims the serving kernels see are DeepSeek-V2/V3's own: `kv_lora_rank` 512 and
+    `qk_rope_head_dim` 64 make the 576-wide latent cache, and 16 heads. `qk_nope_head_dim` and
+    `v_head_dim` never reach a kernel (mlaserve absorbs `kv_b_proj` into the query and the output
+    in every mode), so they are shrunk to 16 each: that cuts a layer's attention from 2.98M to
+    0.57M parameters (`kv_b_proj` 512 -> 16 x 32 instead of 16 x 256) and buys depth. Depth is
+    the point: a draft step runs one decoder layer plus the head, so with 10 layers it costs
+    about a tenth of a target step's layer work, close to what MTP costs on DeepSeek-V3.
+
+    Parameters stored (bf16, experts split, MTP copies of the embedding and head included):
+    15,483,664 (30,967,488 bytes of tensors); `train_default_model.py --sizes-only` prints them.
     """
     return DeepseekV3Config(
         vocab_size=vocab_size,
         hidden_size=256,
         intermediate_size=512,  # the dense first layer
-        moe_intermediate_size=128,  # each routed expert and the shared expert
-        num_hidden_layers=2,
+        moe_intermediate_size=64,  # each routed expert and the shared expert
+        num_hidden_layers=10,
         num_attention_heads=16,
         num_key_value_heads=16,
         q_lora_rank=64,  # low-rank queries as in V3 (exercises q_a_proj / q_a_layernorm / q_b_proj)
         kv_lora_rank=512,
         qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
+        qk_nope_head_dim=16,  # query/key content dims per head (absorbed: no kernel sees it)
+        v_head_dim=16,  # 16 heads x 16 = hidden_size, as in a standard transformer
         first_k_dense_replace=1,
         n_routed_experts=8,
         n_shared_experts=1,

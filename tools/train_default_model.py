@@ -1,21 +1,29 @@
-"""Trains mlaserve's embedded default model: a tiny DeepSeek-V3 with one MTP module, trained on
-the Python standard library of the interpreter that runs this script.
+"""Trains mlaserve's embedded default model: a small DeepSeek-V3 (10 decoder layers, the first
+dense, the rest MoE with a shared expert) with one MTP module trained jointly, on the Python
+standard library of the interpreter that runs this script.
 
 Everything is derived from `--seed` and the stdlib tree: the held-out split (a hash of each
-file's path), the BPE tokenizer, the initial weights and the batch order. Run on one GPU:
+file's path), the BPE tokenizer, the initial weights and the batch order. Run on one GPU, from
+the repository root:
 
-    python tools/train_default_model.py --out mlaserve/assets/default-model \
-        --heldout-out tools/data/default_model_heldout.jsonl.gz
+    python tools/train_default_model.py --out /tmp/dm \
+        --heldout-out /tmp/dm-heldout.jsonl.gz --log-json $OUT/train_log.json
 
 With no `--steps`, the step count is the smaller of `--max-epochs` over the training tokens and
-what fits in `--train-seconds` at the step time measured on a throwaway copy of the model; the
-log prints it, and `--steps N` replays that run. The output folder is written before any
-post-training evaluation, so a failure there loses nothing.
+what fits in `--train-seconds` (and in what `--time-budget-s` leaves) at the step time measured
+on a throwaway copy of the model; the log prints it, and `--steps N` replays that run.
+
+`--time-budget-s` bounds the whole script: training stops early (and the run is saved as it is)
+when only `--save-reserve-s` are left, and the post-training checks are skipped when they would
+not fit. The output folder is written before those checks, so a failure there loses nothing;
+`--log-json` is rewritten after every progress evaluation, so even a crash leaves the curve.
+`--sizes-only` prints the parameter count and checkpoint bytes of the architecture and exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import platform
@@ -23,6 +31,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import tokenizers
 import torch
@@ -32,6 +41,7 @@ from default_model_common import (
     BOS_TOKEN,
     CHAT_TEMPLATE,
     EOS_TOKEN,
+    FP32_SUFFIXES,
     PAD_TOKEN,
     SAMPLE_PROMPTS,
     SPECIAL_TOKENS,
@@ -44,6 +54,7 @@ from default_model_common import (
     pack_documents,
     read_corpus,
     save_checkpoint,
+    split_experts,
     split_windows,
     stdlib_root,
     subsample,
@@ -72,12 +83,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--heldout-out", type=Path, default=Path("tools/data/default_model_heldout.jsonl.gz")
     )
+    p.add_argument("--log-json", type=Path, default=None, help="loss curve, evals, samples")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--seq-len", type=int, default=1024)
+    # 4096-token windows: max_position_embeddings is what was trained, not an extrapolation.
+    p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--max-position-embeddings", type=int, default=4096)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--batch-size", type=int, default=8, help="windows per step (32,768 tokens)")
+    p.add_argument(
+        "--eval-seq-len",
+        type=int,
+        default=1024,
+        help="held-out window length, as tools/eval_default_model.py (and the v1 card) use",
+    )
+    p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -91,14 +110,33 @@ def parse_args() -> argparse.Namespace:
         "(V3 used 1e-3 over far more steps)",
     )
     p.add_argument("--steps", type=int, default=None, help="fixed step count (skips timing)")
-    p.add_argument("--max-epochs", type=float, default=25.0)
-    p.add_argument("--train-seconds", type=float, default=400.0)
+    p.add_argument(
+        "--max-epochs",
+        type=float,
+        default=12.0,
+        help="v1 (2 layers) was best on held-out text at epoch ~15 of a 25-epoch cosine run and "
+        "worse at its end; a deeper model fits the 3M training tokens sooner",
+    )
+    p.add_argument("--train-seconds", type=float, default=420.0, help="training-loop target")
+    p.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=540.0,
+        help="hard bound on the whole script's wall time (start-up to checkpoint and log)",
+    )
+    p.add_argument(
+        "--save-reserve-s",
+        type=float,
+        default=30.0,
+        help="seconds kept for saving when the time budget stops training",
+    )
     p.add_argument(
         "--eval-windows", type=int, default=32, help="held-out windows per progress eval"
     )
     p.add_argument("--evals", type=int, default=8, help="progress evals during training")
     p.add_argument("--device", default=None)
     p.add_argument("--max-files", type=int, default=None, help="corpus cap, for dry runs only")
+    p.add_argument("--sizes-only", action="store_true", help="print the model's sizes and exit")
     return p.parse_args()
 
 
@@ -316,45 +354,110 @@ def measure_step_seconds(
     return seconds
 
 
+def seconds_left(args: argparse.Namespace) -> float:
+    """What `--time-budget-s` leaves of the whole script's wall time."""
+    return args.time_budget_s - (time.perf_counter() - _T0)
+
+
+class RunLog:
+    """The JSON record of a run (`--log-json`): settings, sizes, the loss curve, progress evals,
+    final metrics and samples. Rewritten whole at each checkpoint of progress (atomically, via a
+    temporary file), so whatever stops the run, the file on disk is complete JSON."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {"status": "running", "curve": [], "evals": []}
+
+    def write(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1) + "\n")
+        tmp.replace(self.path)
+
+
 def plan_steps(
-    config: DeepseekV3Config, device: torch.device, args: argparse.Namespace, stream: torch.Tensor
+    config: DeepseekV3Config,
+    device: torch.device,
+    args: argparse.Namespace,
+    stream: torch.Tensor,
+    run_log: RunLog,
 ) -> int:
     tokens_per_step = args.batch_size * args.seq_len
     by_epochs = math.ceil(args.max_epochs * stream.numel() / tokens_per_step)
     step_seconds = measure_step_seconds(config, device, args, stream)
-    # 10% of the budget is left for the progress evals and logging.
-    by_time = int(0.9 * args.train_seconds / step_seconds)
+    # The loop may use what the budget leaves after the save reserve, and 10% of that (or of
+    # --train-seconds) goes to progress evals and logging.
+    train_seconds = min(args.train_seconds, seconds_left(args) - args.save_reserve_s)
+    by_time = int(0.9 * train_seconds / step_seconds)
     steps = max(1, min(by_epochs, by_time))
     log(
         f"step time {step_seconds * 1e3:.1f} ms ({tokens_per_step / step_seconds:,.0f} tok/s); "
-        f"steps by epochs {by_epochs}, by time {by_time} -> {steps} "
+        f"steps by epochs {by_epochs}, by time {by_time} ({train_seconds:.0f}s) -> {steps} "
         f"(reproduce with --steps {steps})"
     )
+    run_log.data["plan"] = {
+        "step_seconds": step_seconds,
+        "tokens_per_second": tokens_per_step / step_seconds,
+        "steps_by_epochs": by_epochs,
+        "steps_by_time": by_time,
+        "steps": steps,
+    }
     return steps
 
 
-def train(trainer: Trainer, steps: int, heldout: torch.Tensor) -> None:
+def train(trainer: Trainer, steps: int, heldout: torch.Tensor, run_log: RunLog) -> str:
+    """Runs the schedule for `steps` steps; returns why it ended: "completed", "time budget"
+    (stopped early, weights kept) or "diverged" (a non-finite loss: weights unusable)."""
     args = trainer.args
     warmup = min(args.warmup_steps, max(1, steps // 10))
     eval_at = {round(steps * (k + 1) / args.evals) - 1 for k in range(args.evals)}
     log_every = max(1, steps // 40)
     tokens_per_step = args.batch_size * args.seq_len
+    stop_at = args.time_budget_s - args.save_reserve_s
     synchronize(trainer.device)
     start = time.perf_counter()
+    status = "completed"
     for step in range(steps):
         lr = lr_at(step, steps, args.lr, warmup, args.min_lr_ratio)
         loss, mtp_loss, imbalance = trainer.step(lr)
         elapsed = time.perf_counter() - start
         if step % log_every == 0 or step == steps - 1:
-            if not math.isfinite(loss.item()):
-                raise RuntimeError(f"loss is {loss.item()} at step {step + 1}")
+            # .item() waits for the GPU: only on logged steps.
+            loss_value, mtp_value = loss.item(), mtp_loss.item()
             epochs = (step + 1) * tokens_per_step / trainer.stream.numel()
             log(
-                f"step {step + 1}/{steps} lr {lr:.2e} loss {loss.item():.4f} "
-                f"mtp_loss {mtp_loss.item():.4f} epoch {epochs:.2f} max/mean expert load "
+                f"step {step + 1}/{steps} lr {lr:.2e} loss {loss_value:.4f} "
+                f"mtp_loss {mtp_value:.4f} epoch {epochs:.2f} max/mean expert load "
                 f"{' '.join(f'{x:.2f}' for x in imbalance.tolist())} "
                 f"{(step + 1) * tokens_per_step / elapsed:,.0f} tok/s"
             )
+            run_log.data["curve"].append(
+                {
+                    "step": step + 1,
+                    "epoch": round(epochs, 4),
+                    "lr": lr,
+                    "loss": loss_value,
+                    "mtp_loss": mtp_value,
+                    "max_expert_load": max(imbalance.tolist()),
+                    "seconds": round(elapsed, 2),
+                }
+            )
+            if not (math.isfinite(loss_value) and math.isfinite(mtp_value)):
+                log(f"loss is not finite at step {step + 1}: stopping, nothing will be saved")
+                status = "diverged"
+                break
+        # Checked before the eval, which could itself overrun: the save reserve stays intact.
+        if time.perf_counter() - _T0 > stop_at:
+            if step < steps - 1:
+                log(
+                    f"time budget: stopping after step {step + 1} of {steps} "
+                    f"({seconds_left(args):.0f}s of --time-budget-s {args.time_budget_s:.0f} "
+                    "left)"
+                )
+                status = "time budget"
+            break
         if step in eval_at:
             trainer.model.eval()
             trainer.mtp.eval()
@@ -363,31 +466,92 @@ def train(trainer: Trainer, steps: int, heldout: torch.Tensor) -> None:
             trainer.model.train()
             trainer.mtp.train()
             log(f"held-out @ step {step + 1}: " + json.dumps(metrics))
-        # A guard, not a schedule: a run this far over budget stops and is saved as it is.
-        if elapsed > 1.25 * args.train_seconds and step < steps - 1:
-            log(f"time guard: stopping after step {step + 1} of {steps}")
-            break
+            epochs = (step + 1) * tokens_per_step / trainer.stream.numel()
+            run_log.data["evals"].append({"step": step + 1, "epoch": epochs, **metrics})
+            run_log.write()
     synchronize(trainer.device)
-    log(f"training took {time.perf_counter() - start:.1f}s")
+    seconds = time.perf_counter() - start
+    log(f"training took {seconds:.1f}s ({status})")
+    run_log.data["training"] = {
+        "status": status,
+        "steps_planned": steps,
+        "steps_done": step + 1,
+        "tokens": (step + 1) * tokens_per_step,
+        "epochs": (step + 1) * tokens_per_step / trainer.stream.numel(),
+        "seconds": seconds,
+    }
+    run_log.write()
+    return status
 
 
-def generate_samples(folder: Path, model: DeepseekV3ForCausalLM, max_new_tokens: int) -> None:
+def model_sizes(model: DeepseekV3ForCausalLM, mtp: DeepseekV3MTPLayer) -> dict[str, int]:
+    """Parameter counts and checkpoint tensor bytes, in the checkpoint's own format (experts
+    split, MTP copies of the embedding and head, bf16 except the routing biases). Reads shapes
+    only, so the modules may live on any device, the meta device included."""
+    config = model.config
+    mtp_prefix = f"model.layers.{config.num_hidden_layers}."
+    state = split_experts(
+        {**model.state_dict(), **{mtp_prefix + k: v for k, v in mtp.state_dict().items()}}
+    )
+    main_params = sum(t.numel() for n, t in state.items() if not n.startswith(mtp_prefix))
+    stored = sum(t.numel() for t in state.values())
+    layer = model.model.layers[config.first_k_dense_replace]
+    return {
+        "main_params": main_params,
+        "mtp_params_stored": stored - main_params,
+        "params_stored": stored,
+        # The MTP module's embedding and head are the main model's while training.
+        "params_trained": sum(
+            p.numel() for p in {id(p): p for m in (model, mtp) for p in m.parameters()}.values()
+        ),
+        "tensor_bytes": sum(
+            t.numel() * (4 if name.endswith(FP32_SUFFIXES) else 2) for name, t in state.items()
+        ),
+        "attention_params_per_layer": sum(p.numel() for p in layer.self_attn.parameters()),
+        "moe_params_per_layer": sum(p.numel() for p in layer.mlp.parameters()),
+        "dense_params_layer0": sum(p.numel() for p in model.model.layers[0].parameters()),
+        "head_params": config.vocab_size * config.hidden_size,
+    }
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def generate_samples(
+    folder: Path, model: DeepseekV3ForCausalLM, max_new_tokens: int
+) -> dict[str, str]:
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    samples = {}
     for prompt in SAMPLE_PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-        log(f"greedy sample for {prompt!r}:\n{tokenizer.decode(out[0], skip_special_tokens=True)}")
+        samples[prompt] = tokenizer.decode(out[0], skip_special_tokens=True)
+        log(f"greedy sample for {prompt!r}:\n{samples[prompt]}")
+    return samples
 
 
 def main() -> None:
     args = parse_args()
+    run_log = RunLog(args.log_json)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    log(
-        f"python {platform.python_version()} ({sys.executable}), torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, tokenizers {tokenizers.__version__}, "
-        f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else device}"
-    )
+    versions = {
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+    }
+    log(", ".join(f"{k} {v}" for k, v in versions.items()))
     log(f"args: {json.dumps({k: str(v) for k, v in vars(args).items()})}")
+    run_log.data.update(versions=versions, args={k: str(v) for k, v in vars(args).items()})
+    if args.sizes_only:
+        config = make_config(args.vocab_size, args.max_position_embeddings)
+        with torch.device("meta"):
+            model, mtp = build_model(config, torch.device("meta"))
+        print(json.dumps(model_sizes(model, mtp), indent=1))
+        return
+    run_log.write()
 
     root = stdlib_root()
     train_docs, heldout_docs, skipped = read_corpus(root)
@@ -412,16 +576,41 @@ def main() -> None:
         f"({train_bytes / train_stream.numel():.2f} bytes/token), held-out "
         f"{heldout_stream.numel():,} tokens"
     )
-    heldout = split_windows(heldout_stream, args.seq_len)
+    if train_stream.numel() <= args.seq_len + 1:
+        raise SystemExit(f"--seq-len {args.seq_len}: the training stream is shorter than that")
+    heldout = split_windows(heldout_stream, args.eval_seq_len)
+    if heldout.shape[0] == 0:
+        raise SystemExit(f"--eval-seq-len {args.eval_seq_len}: no held-out window that long")
     progress_heldout = subsample(heldout, args.eval_windows)
+    run_log.data["corpus"] = {
+        "root": str(root),
+        "train_files": len(train_docs),
+        "train_bytes": train_bytes,
+        "heldout_files": len(heldout_docs),
+        "heldout_bytes": heldout_bytes,
+        "skipped": skipped,
+        "vocab": tokenizer.get_vocab_size(),
+        "train_tokens": train_stream.numel(),
+        "heldout_tokens": heldout_stream.numel(),
+    }
 
     config = make_config(tokenizer.get_vocab_size(), args.max_position_embeddings)
-    steps = args.steps or plan_steps(config, device, args, train_stream)
+    steps = args.steps or plan_steps(config, device, args, train_stream, run_log)
     torch.manual_seed(args.seed)
     trainer = Trainer(config, device, args, train_stream)
+    try:  # a report only: never let it cost the run
+        sizes = model_sizes(trainer.model, trainer.mtp)
+        log(f"sizes: {json.dumps(sizes)}")
+        run_log.data["sizes"] = sizes
+    except Exception as error:
+        log(f"could not compute the sizes: {error!r}")
     total = sum(p.numel() for g in trainer.optimizer.param_groups for p in g["params"])
     log(f"trainable parameters (embedding and head counted once): {total:,}")
-    train(trainer, steps, progress_heldout)
+    status = train(trainer, steps, progress_heldout, run_log)
+    if status == "diverged":
+        run_log.data["status"] = "diverged"
+        run_log.write()
+        raise SystemExit("training diverged; no checkpoint written (see the log)")
 
     save_checkpoint(args.out, trainer.model, trainer.mtp)
     GenerationConfig(
@@ -430,10 +619,25 @@ def main() -> None:
         pad_token_id=config.pad_token_id,
         do_sample=False,
     ).save_pretrained(args.out)
-    size = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file())
-    log(f"saved {args.out}: {sorted(f.name for f in args.out.iterdir())}, {size:,} bytes")
+    files = {f.name: f for f in sorted(args.out.iterdir()) if f.is_file()}
+    size = sum(f.stat().st_size for f in files.values())
+    log(f"saved {args.out}: {sorted(files)}, {size:,} bytes")
+    run_log.data["saved"] = {
+        "folder": str(args.out),
+        "bytes": size,
+        "files": {
+            name: {"bytes": f.stat().st_size, "sha256": sha256(f)} for name, f in files.items()
+        },
+        "heldout_sha256": sha256(args.heldout_out),
+    }
+    run_log.data["status"] = "saved"
+    run_log.write()
 
-    # From here on only checks: reload what was written, as a user of the folder would.
+    # From here on only checks: reload what was written, as a user of the folder would. They
+    # take seconds on a GPU; skipped rather than risk the budget (the CPU eval script redoes them).
+    if seconds_left(args) < args.save_reserve_s:
+        log(f"skipping the post-training checks: {seconds_left(args):.0f}s of the budget left")
+        return
     del trainer
     model = DeepseekV3ForCausalLM.from_pretrained(
         args.out, dtype=torch.float32, experts_implementation="eager"
@@ -441,9 +645,15 @@ def main() -> None:
     mtp = load_mtp_layer(args.out, model)
     metrics = evaluate(model, mtp, heldout, args.batch_size)
     log(
-        f"held-out, reloaded checkpoint, fp32, all {heldout.shape[0]} windows: {json.dumps(metrics)}"
+        f"held-out, reloaded checkpoint, fp32, all {heldout.shape[0]} windows of "
+        f"{args.eval_seq_len}: {json.dumps(metrics)}"
     )
-    generate_samples(args.out, model, max_new_tokens=64)
+    run_log.data["final_eval_fp32"] = metrics
+    run_log.write()
+    if seconds_left(args) > args.save_reserve_s / 2:
+        run_log.data["samples"] = generate_samples(args.out, model, max_new_tokens=64)
+    run_log.data["status"] = "done"
+    run_log.write()
     log("done")
 
 
