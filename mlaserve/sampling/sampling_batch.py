@@ -48,6 +48,9 @@ class SamplingBatch:
     use_min_p: bool
     # Widest top-logprobs request in the batch (K of SamplerOutput.top_ids); None if K would be 0.
     max_num_logprobs: int | None
+    # Some row asks for logprobs (even 0 = the chosen token's only); without it the sampler
+    # computes no log-softmax, ranks or top-k at all.
+    need_logprobs: bool = True
 
     @property
     def num_rows(self) -> int:
@@ -163,6 +166,7 @@ class SamplingBatch:
             use_top_p=any(p.top_p < 1.0 for p in sampled),
             use_min_p=any(p.min_p > 0.0 for p in sampled),
             max_num_logprobs=min(k, vocab_size) or None,
+            need_logprobs=any(p.logprobs is not None for p in params),
         )
 
 
