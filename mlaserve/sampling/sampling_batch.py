@@ -16,7 +16,7 @@ import torch
 from mlaserve.sampling.random import to_int64
 from mlaserve.sampling_params import SamplingParams
 
-__all__ = ["SamplingBatch"]
+__all__ = ["SamplingBatch", "check_ids"]
 
 
 @dataclass
@@ -96,7 +96,7 @@ class SamplingBatch:
             raise ValueError(f"vocab_size: must be >= 1, got {vocab_size}")
         if any(s < 0 for s in steps):
             raise ValueError(f"steps: must be >= 0, got {list(steps)}")
-        _check_ids("eos_token_ids", eos_token_ids, vocab_size)
+        check_ids("eos_token_ids", eos_token_ids, vocab_size)
         device = torch.device(device)
 
         greedy = [p.is_greedy for p in params]
@@ -170,7 +170,9 @@ class SamplingBatch:
         )
 
 
-def _check_ids(name: str, ids: Sequence[int], vocab_size: int) -> None:
+def check_ids(name: str, ids: Sequence[int], vocab_size: int) -> None:
+    """Token ids index device tensors: refuse out-of-range ones on the host, with the field name
+    (on CUDA they would surface later as an asynchronous device assert)."""
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"{name}: ids must be in [0, {vocab_size}), got {bad}")
@@ -213,7 +215,7 @@ def _min_tokens_bans(
     for row, (p, step) in enumerate(zip(params, steps, strict=True)):
         if step >= p.min_tokens:
             continue
-        _check_ids("stop_token_ids", p.stop_ids, vocab_size)
+        check_ids("stop_token_ids", p.stop_ids, vocab_size)
         ids = set(p.stop_ids) if p.ignore_eos else set(p.stop_ids) | set(eos_token_ids)
         bans.extend((row, t) for t in sorted(ids))
     return bans
