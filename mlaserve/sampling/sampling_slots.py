@@ -164,6 +164,9 @@ class SamplingSlots:
                 raise ValueError(f"slots: slot {slot} holds no admitted request")
             params.append(p)
 
+        if n > self._staging[0].shape[1]:  # a verify batch has k + 1 rows per slot
+            pin = self.device.type == "cuda"
+            self._staging = [torch.zeros(2, n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         staging = self._staging[self._turn][:, :n]
         self._turn ^= 1
         staging[0] = torch.tensor(slots, dtype=torch.int64)
@@ -223,6 +226,18 @@ class SamplingSlots:
             max_num_logprobs=min(k, v) or None,
             need_logprobs=any(p.logprobs is not None for p in params),
         )
+
+    def verify_batch(self, slots: Sequence[int], steps: Sequence[int], k: int) -> SamplingBatch:
+        """The batch of a speculative verify with k draft tokens per request: k + 1 rows per
+        slot, request-major, row j at steps[i] + j (the layout `rejection.accept_draft` takes).
+        Draft tokens are not in the output counts yet; `accept_draft` adds them per row."""
+        if k < 0:
+            raise ValueError(f"k: must be >= 0, got {k}")
+        rows = [slot for slot in slots for _ in range(k + 1)]
+        row_steps = [step + j for step in steps for j in range(k + 1)]
+        if len(steps) != len(slots):
+            raise ValueError(f"steps: expected {len(slots)} rows (one per slot), got {len(steps)}")
+        return self.batch(rows, row_steps)
 
     def record(
         self,
