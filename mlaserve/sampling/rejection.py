@@ -71,7 +71,9 @@ def target_probs(
         return TargetDistribution(None, argmax)
     f, sorted_ids = filter_logits(x, batch)
     if sorted_ids is not None:
-        f = torch.empty_like(f).scatter_(1, sorted_ids, f)  # back to token order
+        # Back to token order (sorted_ids may hold fewer than V columns: the rest are dropped).
+        full = torch.full((bs * k1, vocab), float("-inf"), dtype=f.dtype, device=f.device)
+        f = full.scatter_(1, sorted_ids, f)
     return TargetDistribution(f.softmax(dim=-1).view(bs, k1, vocab), argmax)
 
 

@@ -26,6 +26,9 @@ from mlaserve.sampling.penalties import apply_min_tokens, apply_penalties
 from mlaserve.sampling.random import gumbel_noise
 from mlaserve.sampling.sampling_batch import SamplingBatch
 
+# Up to this k, `topk` is cheaper than sorting a 100k+ vocabulary.
+TOPK_INSTEAD_OF_SORT = 1024
+
 __all__ = ["Sampler", "SamplerOutput", "adjust_logits", "filter_logits", "sample"]
 
 
@@ -88,16 +91,24 @@ def filter_logits(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Temperature, top-k, top-p, min-p. logits: [n, V] float32 after penalties.
 
-    Returns (x, sorted_ids): x [n, V] float32 is the scaled logits with -inf on every dropped
-    token; softmax(x) is the distribution a row is sampled from. When sorted_ids ([n, V] int64)
-    is not None, x is in sorted order (best first): column c of row i stands for token
-    sorted_ids[i, c]; otherwise column c is token c.
+    Returns (x, sorted_ids): x [n, C] float32 is the scaled logits with -inf on every dropped
+    token; softmax(x) is the distribution a row is sampled from. When sorted_ids ([n, C] int64)
+    is not None, x is in sorted order (best first) and column c of row i stands for token
+    sorted_ids[i, c]; C is V, or batch.max_top_k when every sampled row has a small top-k (the
+    tokens past it are dropped anyway). When sorted_ids is None, C = V and column c is token c.
     """
     x = logits / batch.temperatures.unsqueeze(1)
     sorted_ids: torch.Tensor | None = None
     if batch.use_top_k or batch.use_top_p:
         # Work in sorted order (best first): top-k is then a position cut and top-p a cumsum.
-        x, sorted_ids = x.sort(dim=-1, descending=True)
+        if batch.max_top_k is not None and batch.max_top_k <= TOPK_INSTEAD_OF_SORT:
+            # Every sampled row keeps at most max_top_k tokens: the rest can never be drawn,
+            # so only those columns are kept (top-p then renormalises over them, as it does
+            # after the cut below). A partial top-k instead of a full sort of V, and the
+            # noise and softmax run over max_top_k columns, not V.
+            x, sorted_ids = x.topk(batch.max_top_k, dim=-1)
+        else:
+            x, sorted_ids = x.sort(dim=-1, descending=True)
         if batch.use_top_k:
             positions = torch.arange(x.shape[1], device=x.device)
             # Exactly k survive; ties at the k-th logit are broken by sort order.

@@ -16,7 +16,7 @@ import torch
 from mlaserve.sampling.random import to_int64
 from mlaserve.sampling_params import SamplingParams
 
-__all__ = ["SamplingBatch", "check_ids"]
+__all__ = ["SamplingBatch", "check_ids", "max_top_k"]
 
 
 @dataclass
@@ -51,6 +51,9 @@ class SamplingBatch:
     # Some row asks for logprobs (even 0 = the chosen token's only); without it the sampler
     # computes no log-softmax, ranks or top-k at all.
     need_logprobs: bool = True
+    # Largest top_k of the sampled rows when every one of them sets one (0 < top_k < V), else
+    # None. Lets the sampler take `topk(max_top_k)` instead of sorting the whole vocabulary.
+    max_top_k: int | None = None
 
     @property
     def num_rows(self) -> int:
@@ -167,7 +170,16 @@ class SamplingBatch:
             use_min_p=any(p.min_p > 0.0 for p in sampled),
             max_num_logprobs=min(k, vocab_size) or None,
             need_logprobs=any(p.logprobs is not None for p in params),
+            max_top_k=max_top_k(sampled, vocab_size),
         )
+
+
+def max_top_k(sampled: Sequence[SamplingParams], vocab_size: int) -> int | None:
+    """`SamplingBatch.max_top_k` of a batch whose non-greedy rows have these params."""
+    ks = [p.top_k for p in sampled]
+    if not ks or not all(0 < k < vocab_size for k in ks):
+        return None
+    return max(ks)
 
 
 def check_ids(name: str, ids: Sequence[int], vocab_size: int) -> None:

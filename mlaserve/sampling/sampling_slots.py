@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from mlaserve.sampling.random import to_int64
-from mlaserve.sampling.sampling_batch import SamplingBatch, check_ids
+from mlaserve.sampling.sampling_batch import SamplingBatch, check_ids, max_top_k
 from mlaserve.sampling_params import SamplingParams
 
 __all__ = ["SamplingSlots"]
@@ -225,6 +225,7 @@ class SamplingSlots:
             use_min_p=any(p.min_p > 0.0 for p in sampled),
             max_num_logprobs=min(k, v) or None,
             need_logprobs=any(p.logprobs is not None for p in params),
+            max_top_k=max_top_k(sampled, v),
         )
 
     def verify_batch(self, slots: Sequence[int], steps: Sequence[int], k: int) -> SamplingBatch:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -325,3 +326,31 @@ def test_build_and_call_errors(device: torch.device) -> None:
         make_batch([SamplingParams(stop_token_ids=[12], min_tokens=1)], 10, device)
     with pytest.raises(ValueError, match="logits"):
         sampler(torch.zeros(1, 11, device=device), make_batch([p], 10, device))
+
+
+def test_small_top_k_takes_topk_with_the_same_tokens(device: torch.device) -> None:
+    """When every sampled row has a small top-k, the sampler keeps only max_top_k columns
+    (topk instead of a full sort): same tokens as the full sort, since the noise follows the
+    token id and dropped tokens can never win."""
+    torch.manual_seed(4)
+    vocab, rows = 5000, 48
+    rng = random.Random(4)
+    params = [
+        SamplingParams(
+            temperature=rng.choice([0.5, 1.0]),
+            top_k=rng.choice([1, 7, 50, 300]),
+            top_p=rng.choice([1.0, 0.8]),
+            min_p=rng.choice([0.0, 0.05]),
+            seed=i,
+        )
+        if i % 5
+        else SamplingParams(temperature=0)
+        for i in range(rows)
+    ]
+    logits = torch.randn(rows, vocab, device=device) * 2
+    batch = make_batch(params, vocab, device, steps=list(range(rows)))
+    assert batch.max_top_k == 300
+    full_sort = dataclasses.replace(batch, max_top_k=None)
+    assert torch.equal(sampler(logits, batch).token_ids, sampler(logits, full_sort).token_ids)
+    # One sampled row without top-k: no shortcut.
+    assert make_batch([*params, SamplingParams(top_p=0.5)], vocab, device).max_top_k is None
