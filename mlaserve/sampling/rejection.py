@@ -170,13 +170,16 @@ def _with_draft_counts(batch: SamplingBatch, draft_ids: torch.Tensor) -> Samplin
     if counts is None:
         return batch
     bs, k = draft_ids.shape
-    k1 = k + 1
-    rows = torch.arange(bs * k1, device=draft_ids.device).view(bs, k1, 1).expand(bs, k1, k)
-    tokens = draft_ids.unsqueeze(1).expand(bs, k1, k)
-    j = torch.arange(k1, device=draft_ids.device).view(1, k1, 1)
-    i = torch.arange(k, device=draft_ids.device).view(1, 1, k)
+    k1, vocab = k + 1, counts.shape[1]
+    dev = draft_ids.device
+    rows = torch.arange(bs * k1, device=dev).view(bs, k1, 1)
+    flat = (rows * vocab + draft_ids.unsqueeze(1)).expand(bs, k1, k)  # row (b, j), token d_i
+    j = torch.arange(k1, device=dev).view(1, k1, 1)
+    i = torch.arange(k, device=dev).view(1, 1, k)
     weights = (i < j).to(counts.dtype).expand(bs, k1, k)
-    counts = counts.index_put((rows, tokens), weights, accumulate=True)
+    # scatter_add_ on the flat view of a copy: never syncs (index_put_ with accumulate may sort).
+    counts = counts.clone()
+    counts.view(-1).scatter_add_(0, flat.flatten(), weights.flatten())
     return dataclasses.replace(batch, output_counts=counts)
 
 

@@ -119,8 +119,8 @@ class SamplingSlots:
         floats[_PRES] = params.presence_penalty
         top_k = v if greedy or params.top_k == 0 else min(params.top_k, v)
         ints = [top_k, to_int64(seed), int(greedy)]
-        self._floats[slot] = torch.tensor(floats, dtype=torch.float32)
-        self._ints[slot] = torch.tensor(ints, dtype=torch.int64)
+        self._floats[slot].copy_(self._upload(torch.tensor(floats, dtype=torch.float32)))
+        self._ints[slot].copy_(self._upload(torch.tensor(ints, dtype=torch.int64)))
         if _uses_penalties(params):
             counts, mask = self.reserve_penalties()
             mask[slot] = False
@@ -197,7 +197,7 @@ class SamplingSlots:
             for t in self._bans[slot]
         ]
         if bans:
-            pairs = torch.tensor(bans, dtype=torch.int64).T.to(self.device)  # [2, m]
+            pairs = self._upload(torch.tensor(bans, dtype=torch.int64).T.contiguous())  # [2, m]
             banned_rows, banned_tokens = pairs[0], pairs[1]
 
         k = max((p.logprobs or 0 for p in params), default=0)
@@ -264,8 +264,9 @@ class SamplingSlots:
         else:
             positions = torch.arange(m, device=token_ids.device)
             weights = (positions < num_tokens.unsqueeze(1)).float()
-        rows = slots.unsqueeze(1).expand(n, m)
-        self.output_counts.index_put_((rows, token_ids), weights, accumulate=True)
+        # scatter_add_ on the flat view: never syncs (index_put_ with accumulate may sort).
+        flat = slots.unsqueeze(1) * self.vocab_size + token_ids  # [n, m]
+        self.output_counts.view(-1).scatter_add_(0, flat.flatten(), weights.flatten())
 
     # ----- helpers -----
     def _check_slot(self, slot: int) -> None:
@@ -274,4 +275,12 @@ class SamplingSlots:
 
     def _ids(self, ids: Sequence[int], name: str) -> torch.Tensor:
         check_ids(name, ids, self.vocab_size)
-        return torch.tensor(list(ids), dtype=torch.int64).to(self.device)
+        return self._upload(torch.tensor(list(ids), dtype=torch.int64))
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """Host tensor -> device without a stream sync (a pageable copy would wait for the GPU):
+        through a pinned buffer from torch's caching host allocator, which keeps it alive until
+        the copy is done."""
+        if self.device.type != "cuda":
+            return host.clone()
+        return host.pin_memory().to(self.device, non_blocking=True)
