@@ -54,6 +54,9 @@ class SamplingBatch:
     # Largest top_k of the sampled rows when every one of them sets one (0 < top_k < V), else
     # None. Lets the sampler take `topk(max_top_k)` instead of sorting the whole vocabulary.
     max_top_k: int | None = None
+    # [n] int64 device tensor: the SamplingSlots slot of each row (None from `build`). What
+    # `SamplingSlots.record` takes to count the step's tokens.
+    slots: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_rows(self) -> int:

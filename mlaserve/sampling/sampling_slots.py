@@ -226,6 +226,7 @@ class SamplingSlots:
             max_num_logprobs=min(k, v) or None,
             need_logprobs=any(p.logprobs is not None for p in params),
             max_top_k=max_top_k(sampled, v),
+            slots=rows,
         )
 
     def verify_batch(self, slots: Sequence[int], steps: Sequence[int], k: int) -> SamplingBatch:
@@ -248,7 +249,8 @@ class SamplingSlots:
     ) -> None:
         """Count the tokens a step emitted, on the device (no host sync, graph-capturable).
 
-        slots: [n] int64 device tensor (the step's rows, e.g. `batch_slots` of `batch`).
+        slots: [n] int64 device tensor, the step's rows: `batch(...).slots` (for a verify batch,
+        `verify_batch(...).slots[:: k + 1]`).
         token_ids: [n] int64 (one token per row) or [n, m] (speculative: up to m per row).
         num_tokens: [n] int, with [n, m] token_ids: how many of each row's tokens count
         (the accept length); None = all of them.

@@ -44,7 +44,8 @@ def test_sampling_step_has_no_host_sync() -> None:
         slots.record(rows_t, out.token_ids)
         verify = slots.verify_batch(rows, [n + 1] * len(rows), k)
         acc = accept_draft(vlogits, draft, verify)
-        slots.record(rows_t, acc.out_tokens, acc.accept_len)
+        assert verify.slots is not None
+        slots.record(verify.slots[:: k + 1], acc.out_tokens, acc.accept_len)
 
     step(1)  # warm-up: kernel loading, Triton compilation, pinned host blocks
     torch.cuda.synchronize()

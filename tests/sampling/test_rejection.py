@@ -308,6 +308,7 @@ def test_slots_verify_batch_layout(device: torch.device) -> None:
     batch = slots.verify_batch([2, 0], [5, 0], k=2)
     assert batch.num_rows == 6 and batch.any_greedy and not batch.all_greedy
     assert batch.steps.tolist() == [5, 6, 7, 0, 1, 2]
+    assert batch.slots is not None and batch.slots[::3].tolist() == [2, 0]
     assert batch.is_greedy.tolist() == [False] * 3 + [True] * 3
     # More rows than slots: the staging row grows.
     slots.admit(1, SamplingParams(), seed=1, prompt_ids=[])

@@ -74,7 +74,8 @@ def test_slots_sample_like_build_over_a_serving_run(device: torch.device) -> Non
             if a is not None:
                 torch.testing.assert_close(a, b, atol=0, rtol=0)
         # The step's tokens are counted on the device, from the device tensors.
-        slots.record(torch.tensor(rows, device=device), got.token_ids)
+        assert batch.slots is not None and batch.slots.tolist() == rows
+        slots.record(batch.slots, got.token_ids)
         for r, token in zip(reqs, got.token_ids.tolist(), strict=True):
             r["output"].append(token)
         for slot in rows:
