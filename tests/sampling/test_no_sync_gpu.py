@@ -21,7 +21,7 @@ PARAMS = [
     SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, seed=1),
     SamplingParams(temperature=1.0, top_p=0.7, seed=2, logprobs=3),
     SamplingParams(temperature=0.7, repetition_penalty=1.2, frequency_penalty=0.5, seed=3),
-    SamplingParams(temperature=0, min_tokens=50, stop_token_ids=[5]),  # bans every step
+    SamplingParams(temperature=0, min_tokens=50, max_tokens=100, stop_token_ids=[5]),  # bans
 ]
 
 
