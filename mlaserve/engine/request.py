@@ -42,6 +42,9 @@ class Request:
     # Tokens whose KV is in the cache. A token is "computed" once a forward wrote its KV.
     num_computed_tokens: int = 0
     pages: list[int] = field(default_factory=list)
+    # Row of the per-request device state (SamplingSlots) while RUNNING, in [0, max_num_seqs);
+    # assigned by the scheduler at admission, freed at finish and preemption.
+    slot: int | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     detokenizer: IncrementalDetokenizer | None = None

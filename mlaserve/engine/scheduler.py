@@ -44,6 +44,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Requests that got a slot this step (new, or resumed after preemption): their per-slot
+    # device state (SamplingSlots.admit) must be written before this step samples.
+    admitted: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +79,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Free sequence slots (the last freed is reused first). A running request holds one, so
+        # len(running) < max_num_seqs means one is free.
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
 
     # ----- queue management -----
     def add(self, request: Request) -> None:
@@ -91,6 +97,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self._free_pages(request)
+        self._free_slot(request)
         request.status = RequestStatus.FINISHED
 
     # ----- scheduling -----
@@ -126,7 +133,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            request.slot = self._free_slots.pop()
             self.running.append(request)
+            out.admitted.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return out
@@ -155,8 +164,14 @@ class Scheduler:
             self.allocator.free(request.pages)
             request.pages = []
 
+    def _free_slot(self, request: Request) -> None:
+        if request.slot is not None:
+            self._free_slots.append(request.slot)
+            request.slot = None
+
     def _preempt(self, request: Request) -> None:
         self._free_pages(request)
+        self._free_slot(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         if request.metrics is not None:

@@ -16,14 +16,26 @@ every device. Only the final `log`s are float: CPU and CUDA may differ there by 
 change a sample only when two candidates tie to within that ulp.
 
 Everything is elementwise on device tensors: no host sync and no per-row `torch.Generator`, so it
-can be captured in a CUDA graph.
+can be captured in a CUDA graph. On CUDA with Triton, `uniform_noise` / `gumbel_noise` run as one
+fused kernel (`noise_kernel.py`, same bits); the torch code below is the reference and the path
+everywhere else.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["gumbel_noise", "mix64", "stream_keys", "to_int64", "uniform_noise"]
+from mlaserve.sampling.noise_kernel import fused_noise, fused_noise_available
+
+__all__ = [
+    "gumbel_noise",
+    "mix64",
+    "reference_gumbel_noise",
+    "reference_uniform_noise",
+    "stream_keys",
+    "to_int64",
+    "uniform_noise",
+]
 
 _MASK64 = (1 << 64) - 1
 _UNIFORM_BITS = 23  # float32 holds (k + 0.5) * 2**-23 exactly for every 23-bit k
@@ -76,6 +88,15 @@ def uniform_noise(
     columns may be permuted, e.g. after a sort, the noise follows the token id).
     Returns [n, V] float32.
     """
+    if fused_noise_available(token_ids.device):
+        return fused_noise(stream_keys(seeds, steps), token_ids, gumbel=False)
+    return reference_uniform_noise(seeds, steps, token_ids)
+
+
+def reference_uniform_noise(
+    seeds: torch.Tensor, steps: torch.Tensor, token_ids: torch.Tensor
+) -> torch.Tensor:
+    """`uniform_noise` in plain torch ops (the definition; ~12 int64 kernels over [n, V])."""
     keys = stream_keys(seeds, steps).unsqueeze(1)  # [n, 1]
     bits = _mix64_(torch.add(keys, (token_ids + 1).mul_(_GAMMA)))  # [n, V]
     top = _shr(bits, 64 - _UNIFORM_BITS)
@@ -86,5 +107,14 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, token_ids: torch.Tens
     """Standard Gumbel noise -log(-log(u)); `argmax(logits + noise)` is a sample of
     softmax(logits) (the Gumbel-max trick, equivalent to the exponential race
     `argmax(probs / Exp(1))`). Shapes as in `uniform_noise`."""
-    u = uniform_noise(seeds, steps, token_ids)
+    if fused_noise_available(token_ids.device):
+        return fused_noise(stream_keys(seeds, steps), token_ids, gumbel=True)
+    return reference_gumbel_noise(seeds, steps, token_ids)
+
+
+def reference_gumbel_noise(
+    seeds: torch.Tensor, steps: torch.Tensor, token_ids: torch.Tensor
+) -> torch.Tensor:
+    """`gumbel_noise` in plain torch ops."""
+    u = reference_uniform_noise(seeds, steps, token_ids)
     return u.log_().neg_().log_().neg_()

@@ -7,6 +7,9 @@ Pipeline, per row (each stage runs only if some row in the batch needs it):
                                                  └─> / temperature -> top-k -> top-p -> min-p
                                                      -> argmax(logits + gumbel(seed, step, id))
 
+An all-greedy batch in which nobody asks for logprobs and no row is below min_tokens costs
+exactly one kernel: the argmax (no upcast of float32 logits, no log-softmax, no ranks).
+
 Reported log-probs are vLLM's default "raw logprobs": the model's own distribution, before
 penalties, temperature and filtering, so they do not depend on the sampling settings. The
 rank of a token is vLLM's: the number of tokens whose log-prob is >= its own (1 = most likely).
@@ -23,13 +26,19 @@ from mlaserve.sampling.penalties import apply_min_tokens, apply_penalties
 from mlaserve.sampling.random import gumbel_noise
 from mlaserve.sampling.sampling_batch import SamplingBatch
 
-__all__ = ["Sampler", "SamplerOutput"]
+# Up to this k, `topk` is cheaper than sorting a 100k+ vocabulary.
+TOPK_INSTEAD_OF_SORT = 1024
+
+__all__ = ["Sampler", "SamplerOutput", "adjust_logits", "filter_logits", "sample"]
 
 
 class SamplerOutput(NamedTuple):
     token_ids: torch.Tensor  # [n] int64
-    logprobs: torch.Tensor  # [n] float32, raw log-prob of the chosen token
-    ranks: torch.Tensor  # [n] int64, rank of the chosen token under the raw logits (1 = best)
+    # logprobs / ranks: None unless some row asks for logprobs (batch.need_logprobs).
+    logprobs: torch.Tensor | None  # [n] float32, raw log-prob of the chosen token
+    ranks: (
+        torch.Tensor | None
+    )  # [n] int64, rank of the chosen token under the raw logits (1 = best)
     # K = batch.max_num_logprobs (the widest request; narrower rows slice [:k]). None if K is 0.
     top_ids: torch.Tensor | None  # [n, K] int64, best first
     top_logprobs: torch.Tensor | None  # [n, K] float32
@@ -44,29 +53,64 @@ class Sampler:
                 f"got {tuple(logits.shape)}"
             )
         logits = logits.float()
-        x = apply_min_tokens(logits, batch)
-        if batch.use_penalties:
-            x = apply_penalties(x, batch)
+        x = adjust_logits(logits, batch)
         if batch.all_greedy:
             token_ids = x.argmax(dim=-1)
         else:
             token_ids = sample(x, batch)
             if batch.any_greedy:
                 token_ids = torch.where(batch.is_greedy, x.argmax(dim=-1), token_ids)
+        if not batch.need_logprobs:
+            return SamplerOutput(token_ids, None, None, None, None)
         return _raw_logprobs(logits, token_ids, batch.max_num_logprobs)
+
+
+def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The stages every row goes through, greedy or not: min_tokens ban, then penalties.
+    logits: [n, V] float32. Returns the same tensor when neither stage applies."""
+    x = apply_min_tokens(logits, batch)
+    if batch.use_penalties:
+        x = apply_penalties(x, batch)
+    return x
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then one draw per row. logits: [n, V] float32 after
     penalties. Returns [n] int64. Greedy rows get an arbitrary token (the caller overrides them)."""
+    x, sorted_ids = filter_logits(logits, batch)
+    # The noise follows the token id, not the column, so sorting does not change the draw.
+    token_ids = torch.arange(x.shape[1], device=x.device) if sorted_ids is None else sorted_ids
+    best = (x + gumbel_noise(batch.seeds, batch.steps, token_ids)).argmax(dim=-1)
+    if sorted_ids is None:
+        return best
+    return sorted_ids.gather(1, best.unsqueeze(1)).squeeze(1)
+
+
+def filter_logits(
+    logits: torch.Tensor, batch: SamplingBatch
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Temperature, top-k, top-p, min-p. logits: [n, V] float32 after penalties.
+
+    Returns (x, sorted_ids): x [n, C] float32 is the scaled logits with -inf on every dropped
+    token; softmax(x) is the distribution a row is sampled from. When sorted_ids ([n, C] int64)
+    is not None, x is in sorted order (best first) and column c of row i stands for token
+    sorted_ids[i, c]; C is V, or batch.max_top_k when every sampled row has a small top-k (the
+    tokens past it are dropped anyway). When sorted_ids is None, C = V and column c is token c.
+    """
     x = logits / batch.temperatures.unsqueeze(1)
-    vocab_size = x.shape[1]
-    positions = torch.arange(vocab_size, device=x.device)
     sorted_ids: torch.Tensor | None = None
     if batch.use_top_k or batch.use_top_p:
         # Work in sorted order (best first): top-k is then a position cut and top-p a cumsum.
-        x, sorted_ids = x.sort(dim=-1, descending=True)
+        if batch.max_top_k is not None and batch.max_top_k <= TOPK_INSTEAD_OF_SORT:
+            # Every sampled row keeps at most max_top_k tokens: the rest can never be drawn,
+            # so only those columns are kept (top-p then renormalises over them, as it does
+            # after the cut below). A partial top-k instead of a full sort of V, and the
+            # noise and softmax run over max_top_k columns, not V.
+            x, sorted_ids = x.topk(batch.max_top_k, dim=-1)
+        else:
+            x, sorted_ids = x.sort(dim=-1, descending=True)
         if batch.use_top_k:
+            positions = torch.arange(x.shape[1], device=x.device)
             # Exactly k survive; ties at the k-th logit are broken by sort order.
             x = x.masked_fill(positions >= batch.top_ks.unsqueeze(1), -math.inf)
         if batch.use_top_p:
@@ -84,12 +128,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p): no softmax needed, and the
         # ratio is the same before or after top-k/top-p renormalisation. log(0) = -inf keeps all.
         x = x.masked_fill(x < row_max + batch.min_ps.log().unsqueeze(1), -math.inf)
-    # The noise follows the token id, not the column, so sorting does not change the draw.
-    token_ids = positions if sorted_ids is None else sorted_ids
-    best = (x + gumbel_noise(batch.seeds, batch.steps, token_ids)).argmax(dim=-1)
-    if sorted_ids is None:
-        return best
-    return sorted_ids.gather(1, best.unsqueeze(1)).squeeze(1)
+    return x, sorted_ids
 
 
 def _raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int | None) -> SamplerOutput:

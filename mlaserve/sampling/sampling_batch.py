@@ -16,7 +16,7 @@ import torch
 from mlaserve.sampling.random import to_int64
 from mlaserve.sampling_params import SamplingParams
 
-__all__ = ["SamplingBatch"]
+__all__ = ["SamplingBatch", "check_ids", "max_top_k"]
 
 
 @dataclass
@@ -48,6 +48,15 @@ class SamplingBatch:
     use_min_p: bool
     # Widest top-logprobs request in the batch (K of SamplerOutput.top_ids); None if K would be 0.
     max_num_logprobs: int | None
+    # Some row asks for logprobs (even 0 = the chosen token's only); without it the sampler
+    # computes no log-softmax, ranks or top-k at all.
+    need_logprobs: bool = True
+    # Largest top_k of the sampled rows when every one of them sets one (0 < top_k < V), else
+    # None. Lets the sampler take `topk(max_top_k)` instead of sorting the whole vocabulary.
+    max_top_k: int | None = None
+    # [n] int64 device tensor: the SamplingSlots slot of each row (None from `build`). What
+    # `SamplingSlots.record` takes to count the step's tokens.
+    slots: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -93,7 +102,7 @@ class SamplingBatch:
             raise ValueError(f"vocab_size: must be >= 1, got {vocab_size}")
         if any(s < 0 for s in steps):
             raise ValueError(f"steps: must be >= 0, got {list(steps)}")
-        _check_ids("eos_token_ids", eos_token_ids, vocab_size)
+        check_ids("eos_token_ids", eos_token_ids, vocab_size)
         device = torch.device(device)
 
         greedy = [p.is_greedy for p in params]
@@ -163,10 +172,22 @@ class SamplingBatch:
             use_top_p=any(p.top_p < 1.0 for p in sampled),
             use_min_p=any(p.min_p > 0.0 for p in sampled),
             max_num_logprobs=min(k, vocab_size) or None,
+            need_logprobs=any(p.logprobs is not None for p in params),
+            max_top_k=max_top_k(sampled, vocab_size),
         )
 
 
-def _check_ids(name: str, ids: Sequence[int], vocab_size: int) -> None:
+def max_top_k(sampled: Sequence[SamplingParams], vocab_size: int) -> int | None:
+    """`SamplingBatch.max_top_k` of a batch whose non-greedy rows have these params."""
+    ks = [p.top_k for p in sampled]
+    if not ks or not all(0 < k < vocab_size for k in ks):
+        return None
+    return max(ks)
+
+
+def check_ids(name: str, ids: Sequence[int], vocab_size: int) -> None:
+    """Token ids index device tensors: refuse out-of-range ones on the host, with the field name
+    (on CUDA they would surface later as an asynchronous device assert)."""
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"{name}: ids must be in [0, {vocab_size}), got {bad}")
@@ -209,7 +230,7 @@ def _min_tokens_bans(
     for row, (p, step) in enumerate(zip(params, steps, strict=True)):
         if step >= p.min_tokens:
             continue
-        _check_ids("stop_token_ids", p.stop_ids, vocab_size)
+        check_ids("stop_token_ids", p.stop_ids, vocab_size)
         ids = set(p.stop_ids) if p.ignore_eos else set(p.stop_ids) | set(eos_token_ids)
         bans.extend((row, t) for t in sorted(ids))
     return bans

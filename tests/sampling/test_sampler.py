@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mlaserve.sampling import Sampler, SamplingBatch
 from mlaserve.sampling_params import SamplingParams
@@ -72,7 +74,44 @@ def test_all_greedy_is_argmax(device: torch.device) -> None:
     assert torch.equal(out.token_ids, logits.argmax(-1))
     assert out.token_ids.dtype == torch.int64 and out.token_ids.device.type == device.type
     assert out.top_ids is None and out.top_logprobs is None
-    assert torch.equal(out.ranks, torch.ones(16, dtype=torch.int64, device=device))
+    assert out.logprobs is None and out.ranks is None  # nobody asked
+    with_ranks = sampler(
+        logits, make_batch([SamplingParams(temperature=0, logprobs=0)] * 16, 1000, device)
+    )
+    assert torch.equal(with_ranks.token_ids, out.token_ids)
+    assert torch.equal(with_ranks.ranks, torch.ones(16, dtype=torch.int64, device=device))
+
+
+class _AtenOps(TorchDispatchMode):
+    """Records every aten op that runs (each one is at least one kernel on a device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+def test_all_greedy_costs_one_argmax(device: torch.device) -> None:
+    logits = torch.randn(4, 1000, device=device)
+    batch = make_batch(
+        [SamplingParams(temperature=0, min_tokens=2)] * 4, 1000, device, steps=[2] * 4, eos=(5,)
+    )
+    with _AtenOps() as mode:
+        out = sampler(logits, batch)
+    assert mode.ops == ["argmax"]
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    # Asking for logprobs, or a row still below min_tokens, adds work only then.
+    logprobs = make_batch([SamplingParams(temperature=0, logprobs=0)] * 4, 1000, device)
+    banned = make_batch(
+        [SamplingParams(temperature=0, min_tokens=3)] * 4, 1000, device, steps=[2] * 4, eos=(5,)
+    )
+    for busier in (logprobs, banned):
+        with _AtenOps() as mode:
+            sampler(logits, busier)
+        assert "argmax" in mode.ops and len(mode.ops) > 1
 
 
 def test_mixed_greedy_and_sampled(device: torch.device) -> None:
@@ -178,7 +217,7 @@ def test_same_seed_and_step_give_same_token_whatever_the_batch(device: torch.dev
         SamplingParams(min_p=0.1, repetition_penalty=1.3, frequency_penalty=0.4, seed=3),
     ]
     for seed in range(20):
-        target = SamplingParams(temperature=0.9, seed=seed)
+        target = SamplingParams(temperature=0.9, seed=seed, logprobs=0)
         row = torch.randn(vocab, device=device)
         alone = sampler(row[None], make_batch([target], vocab, device, steps=[seed % 3]))
         position = rng.randrange(len(companions) + 1)
@@ -253,7 +292,7 @@ def test_min_tokens_masks_eos_and_stop_ids(device: torch.device) -> None:
     row = torch.zeros(vocab, device=device)
     row[eos], row[stop_id] = 20.0, 19.0
     greedy = SamplingParams(temperature=0, min_tokens=5, stop_token_ids=[stop_id])
-    sampled = SamplingParams(temperature=1.0, min_tokens=5, stop_token_ids=[stop_id])
+    sampled = SamplingParams(temperature=1.0, min_tokens=5, stop_token_ids=[stop_id], logprobs=0)
     keep_eos = SamplingParams(
         temperature=0, min_tokens=5, stop_token_ids=[stop_id], ignore_eos=True
     )
@@ -270,7 +309,7 @@ def test_min_tokens_masks_eos_and_stop_ids(device: torch.device) -> None:
         elif p.is_greedy:
             assert token == eos
     # Reported log-probs stay raw: the masked EOS is still the most likely token.
-    assert out.top_ids is None
+    assert out.top_ids is None and out.ranks is not None
     assert (out.ranks[:2] > 1).all() and out.ranks[2] == 1
 
 
@@ -287,3 +326,31 @@ def test_build_and_call_errors(device: torch.device) -> None:
         make_batch([SamplingParams(stop_token_ids=[12], min_tokens=1)], 10, device)
     with pytest.raises(ValueError, match="logits"):
         sampler(torch.zeros(1, 11, device=device), make_batch([p], 10, device))
+
+
+def test_small_top_k_takes_topk_with_the_same_tokens(device: torch.device) -> None:
+    """When every sampled row has a small top-k, the sampler keeps only max_top_k columns
+    (topk instead of a full sort): same tokens as the full sort, since the noise follows the
+    token id and dropped tokens can never win."""
+    torch.manual_seed(4)
+    vocab, rows = 5000, 48
+    rng = random.Random(4)
+    params = [
+        SamplingParams(
+            temperature=rng.choice([0.5, 1.0]),
+            top_k=rng.choice([1, 7, 50, 300]),
+            top_p=rng.choice([1.0, 0.8]),
+            min_p=rng.choice([0.0, 0.05]),
+            seed=i,
+        )
+        if i % 5
+        else SamplingParams(temperature=0)
+        for i in range(rows)
+    ]
+    logits = torch.randn(rows, vocab, device=device) * 2
+    batch = make_batch(params, vocab, device, steps=list(range(rows)))
+    assert batch.max_top_k == 300
+    full_sort = dataclasses.replace(batch, max_top_k=None)
+    assert torch.equal(sampler(logits, batch).token_ids, sampler(logits, full_sort).token_ids)
+    # One sampled row without top-k: no shortcut.
+    assert make_batch([*params, SamplingParams(top_p=0.5)], vocab, device).max_top_k is None

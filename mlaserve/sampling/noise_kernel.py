@@ -1,0 +1,97 @@
+"""The counter-based noise of `random.py` as one Triton kernel: same hash, same bits.
+
+The torch path spends ~15 elementwise int64 kernels over [n, V] per draw (add, multiply, five
+shift/mask/xor rounds, the float conversion, two logs), each reading and writing 8 bytes per
+logit: at V = 129280 that is launch-bound at bs 1 and ~40 MB of traffic at bs 64. The kernel
+computes the hash in registers and writes the float32 result once.
+
+Bits: the integer hash wraps modulo 2**64 on uint64 registers, exactly like the int64 torch ops,
+so the uniform (k + 0.5) * 2**-23 is bit-identical. The Gumbel transform uses libdevice's
+`logf`, the function torch's CUDA `log` compiles to, so on CUDA the Gumbel noise is meant to be
+identical too (`tests/sampling/test_noise_kernel.py` checks both; on CPU, under
+TRITON_INTERPRET=1, the logs are numpy's and only agree to an ulp).
+
+Used only for CUDA tensors when Triton imports (it ships with torch on the GPU host); every
+other case takes the torch path in `random.py`, the reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Optional: absent on CPU-only installs.
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+__all__ = ["fused_noise", "fused_noise_available"]
+
+_BLOCK = 1024
+
+
+def fused_noise_available(device: torch.device) -> bool:
+    """Whether `fused_noise` runs for tensors on `device`: CUDA with Triton, or any device when
+    TRITON_INTERPRET=1 (the interpreter, for CPU correctness tests only)."""
+    if triton is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fused_noise(keys: torch.Tensor, token_ids: torch.Tensor, gumbel: bool) -> torch.Tensor:
+    """keys: [n] int64 from `random.stream_keys`. token_ids: [n, V] or [V] int64 (the token each
+    column stands for). Returns [n, V] float32: the uniform u, or -log(-log(u)) if gumbel."""
+    if triton is None:
+        raise RuntimeError("fused_noise: Triton is not installed")
+    n = keys.shape[0]
+    if token_ids.dim() == 1:
+        vocab, row_stride = token_ids.shape[0], 0
+    else:
+        vocab, row_stride = token_ids.shape[1], token_ids.stride(0)
+        if token_ids.stride(1) != 1:
+            token_ids = token_ids.contiguous()
+            row_stride = token_ids.stride(0)
+    out = torch.empty(n, vocab, dtype=torch.float32, device=keys.device)
+    if n == 0 or vocab == 0:
+        return out
+    grid = (n, triton.cdiv(vocab, _BLOCK))
+    # The interpreter has no libdevice; its tl.log is numpy's.
+    libdevice_log = os.environ.get("TRITON_INTERPRET") != "1"
+    _noise_kernel[grid](
+        keys.contiguous(),
+        token_ids,
+        out,
+        vocab,
+        row_stride,
+        BLOCK=_BLOCK,
+        GUMBEL=gumbel,
+        LIBDEVICE_LOG=libdevice_log,
+    )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _noise_kernel(keys_ptr, ids_ptr, out_ptr, vocab, ids_row_stride, BLOCK: tl.constexpr,
+                      GUMBEL: tl.constexpr, LIBDEVICE_LOG: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < vocab
+        key = tl.load(keys_ptr + row).to(tl.uint64, bitcast=True)
+        ids = tl.load(ids_ptr + row * ids_row_stride + cols, mask=mask, other=0)
+        # SplitMix64: bits = mix64(key + (id + 1) * GAMMA), wrapping on uint64.
+        z = key + (ids.to(tl.uint64, bitcast=True) + 1) * 0x9E3779B97F4A7C15
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+        z = z ^ (z >> 31)
+        u = ((z >> 41).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23, exact
+        if GUMBEL:
+            if LIBDEVICE_LOG:
+                u = -libdevice.log(-libdevice.log(u))
+            else:
+                u = -tl.log(-tl.log(u))
+        tl.store(out_ptr + row.to(tl.int64) * vocab + cols, u, mask=mask)

@@ -1,0 +1,83 @@
+"""The fused Triton noise kernel gives the reference noise's bits: on CPU under the Triton
+interpreter (a subprocess, since TRITON_INTERPRET is read when the kernel is defined), and on
+CUDA with the compiled kernel."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from mlaserve.sampling.random import (
+    gumbel_noise,
+    reference_gumbel_noise,
+    reference_uniform_noise,
+    to_int64,
+    uniform_noise,
+)
+
+SEEDS = [0, 1, -1, 2**63 - 1, -(2**63), 123456789, 2**70 + 5]
+STEPS = [0, 1, 7, 1000, 2**40, 3, 0]
+
+_CHECK = textwrap.dedent(
+    """
+    import torch
+    from mlaserve.sampling.noise_kernel import fused_noise, fused_noise_available
+    from mlaserve.sampling.random import (
+        reference_gumbel_noise, reference_uniform_noise, stream_keys, to_int64)
+
+    assert fused_noise_available(torch.device("cpu"))
+    seeds = torch.tensor([to_int64(s) for s in SEEDS])
+    steps = torch.tensor(STEPS)
+    keys = stream_keys(seeds, steps)
+    shared = torch.arange(3000)  # [V], as the unsorted sampler passes it
+    permuted = torch.stack([torch.randperm(3000) for _ in SEEDS])  # [n, V], after a sort
+    for ids in (shared, permuted, torch.tensor([129279])):
+        u = fused_noise(keys, ids, gumbel=False)
+        assert torch.equal(u, reference_uniform_noise(seeds, steps, ids)), "uniform bits"
+        g = fused_noise(keys, ids, gumbel=True)
+        ref = reference_gumbel_noise(seeds, steps, ids)  # numpy's log vs torch's: an ulp
+        torch.testing.assert_close(g, ref, atol=1e-6, rtol=1e-6)
+    print("OK")
+    """
+)
+
+
+def test_fused_noise_matches_reference_in_triton_interpreter() -> None:
+    pytest.importorskip("triton.language", reason="Triton not installed (pip install triton)")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    code = f"SEEDS = {SEEDS!r}\nSTEPS = {STEPS!r}\n" + _CHECK
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_noise_on_cuda_matches_reference() -> None:
+    pytest.importorskip("triton.language")
+    dev = torch.device("cuda")
+    seeds = torch.tensor([to_int64(s) for s in SEEDS], device=dev)
+    steps = torch.tensor(STEPS, device=dev)
+    for vocab in (1, 1000, 129280):
+        ids = torch.arange(vocab, device=dev)
+        permuted = torch.stack([torch.randperm(vocab, device=dev) for _ in SEEDS])
+        for token_ids in (ids, permuted):
+            # uniform_noise / gumbel_noise dispatch to the kernel on CUDA.
+            u = uniform_noise(seeds, steps, token_ids)
+            assert torch.equal(u, reference_uniform_noise(seeds, steps, token_ids))
+            g = gumbel_noise(seeds, steps, token_ids)
+            ref = reference_gumbel_noise(seeds, steps, token_ids)
+            # libdevice logf is what torch's CUDA log compiles to: expected bit-identical.
+            assert torch.equal(g, ref), (g - ref).abs().max().item()
+            # And the same as the CPU reference up to the float logs.
+            cpu = reference_gumbel_noise(seeds.cpu(), steps.cpu(), token_ids.cpu())
+            torch.testing.assert_close(g.cpu(), cpu, atol=1e-6, rtol=1e-6)
