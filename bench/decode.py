@@ -98,6 +98,8 @@ def fake_prefill(llm: LLM, bs: int, ctx: int, new_tokens: int) -> None:
         assert sched._reserve(r, ctx + 1), "KV cache too small for the benchmark"
         r.num_computed_tokens = ctx
         r.status = type(r.status).RUNNING
+        r.slot = sched._free_slots.pop()
+        engine.runner.sampling_slots.admit(r.slot, r.params, r.seed, r.prompt_token_ids)
         sched.running.append(r)
 
 

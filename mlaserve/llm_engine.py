@@ -58,9 +58,13 @@ class LLMEngine:
         self.max_model_len = config.resolved_max_model_len(self.model_config)
         self.model_name = config.served_model_name or config.model or "mlaserve-default"
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer_path)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(eos)
         self.compile_watch = CompileWatch()
         t0 = time.perf_counter()
-        self.runner = ModelRunner(config, self.model_config)
+        self.runner = ModelRunner(config, self.model_config, self.eos_token_ids)
         self.load_time_s = time.perf_counter() - t0
         self.graph_report: CaptureReport | None = None
         use_graphs = config.resolved_cuda_graph()
@@ -78,10 +82,6 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self._seed_rng = random.Random(config.seed)
-        eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = sorted(eos)
 
     # ----- requests -----
     def add_request(
@@ -178,7 +178,7 @@ class LLMEngine:
         if scheduled.is_empty:
             return []
         logits = self.graphs.run(self.runner.build_host_batch(scheduled))
-        result = self.runner.sample(logits, scheduled, self.eos_token_ids)
+        result = self.runner.sample(logits, scheduled)
         self.scheduler.after_step(scheduled)
         return self._postprocess(scheduled, result)
 

@@ -11,6 +11,7 @@ needs to detokenize and stop.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ from mlaserve.engine.scheduler import SchedulerOutput
 from mlaserve.kernels_adapter import get_backend_class, resolve_backend_name
 from mlaserve.kv_cache import MLAKVPool
 from mlaserve.model import load_kv_scales, load_model
-from mlaserve.sampling import Sampler, SamplingBatch
+from mlaserve.sampling import Sampler, SamplingSlots
 
 __all__ = ["ModelRunner", "StepResult"]
 
@@ -44,7 +45,9 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, eos_token_ids: Sequence[int] = ()
+    ) -> None:
         self.config = config
         self.model_config = model_config
         self.device = config.resolved_device()
@@ -97,6 +100,9 @@ class ModelRunner:
             device=self.device,
         )
         self.sampler = Sampler()
+        self.sampling_slots = SamplingSlots(
+            config.max_num_seqs, model_config.vocab_size, self.device, eos_token_ids
+        )
         # The step's one device->host transfer: sampled ids into pinned memory, then one wait.
         rows = config.max_num_seqs * 16  # room for k+1 rows per sequence with speculation
         self._ids_host = torch.empty(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
@@ -188,25 +194,19 @@ class ModelRunner:
         return host.tolist()
 
     @torch.inference_mode()
-    def sample(
-        self, logits: torch.Tensor, sched: SchedulerOutput, eos_token_ids: list[int]
-    ) -> StepResult:
+    def sample(self, logits: torch.Tensor, sched: SchedulerOutput) -> StepResult:
         """One token per request that reached its last known token (rows of `logits`, in
-        scheduling order)."""
+        scheduling order). Per-request sampling state lives in device slots, written once when
+        the scheduler admits a request; a step uploads only slot indices and steps."""
+        slots = self.sampling_slots
+        for r in sched.admitted:
+            slots.admit(r.slot, r.params, r.seed, r.prompt_token_ids, r.output_token_ids)
         sampling = [s.request for s in sched.scheduled if s.samples]
         if not sampling:
             return StepResult(token_ids=[])
-        sb = SamplingBatch.build(
-            params=[r.params for r in sampling],
-            seeds=[r.seed for r in sampling],
-            steps=[r.num_output_tokens for r in sampling],
-            prompt_ids=[r.prompt_token_ids for r in sampling],
-            output_ids=[r.output_token_ids for r in sampling],
-            vocab_size=self.model_config.vocab_size,
-            device=self.device,
-            eos_token_ids=eos_token_ids,
-        )
+        sb = slots.batch([r.slot for r in sampling], [r.num_output_tokens for r in sampling])
         out = self.sampler(logits, sb)
+        slots.record(sb.slots, out.token_ids)
         result = StepResult(token_ids=self._read_back(out.token_ids))
         if any(r.params.logprobs is not None for r in sampling):
             result.logprobs = out.logprobs.tolist()

@@ -94,7 +94,7 @@ def compare_replays(engine: LLMEngine, steps: int, rel_tol: float) -> ReplayRepo
         )
         for s in sched.scheduled:
             report.touched_pages.update(s.request.pages)
-        result = runner.sample(replayed, sched, engine.eos_token_ids)
+        result = runner.sample(replayed, sched)
         engine.scheduler.after_step(sched)
         engine._postprocess(sched, result)
         report.steps += 1
