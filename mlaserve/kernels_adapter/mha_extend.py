@@ -139,13 +139,16 @@ def mha_context_kv(
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
     batch: ForwardBatch,
+    layout: ExtendLayout | None = None,
 ) -> tuple[ExtendLayout, torch.Tensor, torch.Tensor]:
     """Write the new tokens' latent KV to the pool (as `forward` would), then return the layout
     and the per-head K [S, H, d_n + d_r] / V [S, H, d_v] of every sequence's whole context.
     The new tokens are re-read from the pool, so a prefill sees exactly what later decode steps
-    will (including fp8 rounding)."""
+    will (including fp8 rounding). `layout`: the batch's, if already built (once per forward,
+    in `prepare`); built here otherwise."""
     batch.kv_pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)
-    layout = extend_layout(batch)
+    if layout is None:
+        layout = extend_layout(batch)
     k, v = up_project(gather_context_latent(batch.kv_pool, layer_id, layout), w_uk, w_uv)
     return layout, k, v
 
