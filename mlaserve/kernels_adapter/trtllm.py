@@ -33,12 +33,14 @@ causal mask is bottom-right aligned when a sequence has more keys than queries (
 over a cached prefix), as trtllm-gen's context kernels are in TensorRT-LLM.
 
 Cubins: flashinfer downloads the trtllm-gen cubins from NVIDIA's artifactory at first use
-unless they are on disk. An offline deployment must provide them: install `flashinfer-cubin` of
-the same version as flashinfer-python, or run `flashinfer download-kernels` on a machine with
-network and ship the directory with FLASHINFER_CUBIN_DIR pointing at it (flashinfer also
-JIT-builds its `fmha_gen` launcher with nvcc unless `flashinfer-jit-cache` is installed). The
-backend checks the files at construction (`missing_cubins`) and refuses to start without them,
-rather than failing (or hanging on the network) at the first request.
+unless they are on disk. An offline deployment must provide them: `flashinfer download-kernels`
+(installs the flashinfer-cubin and flashinfer-jit-cache wheels matching the installed flashinfer;
+PyPI's flashinfer-cubin stops at 0.6.13, which 0.7.2.post1 ignores as mismatched), or
+`FLASHINFER_CUBIN_DIR=DIR flashinfer download-cubin` on a machine with network, then ship DIR and
+set FLASHINFER_CUBIN_DIR=DIR (without flashinfer-jit-cache, flashinfer also builds its `fmha_gen`
+launcher with nvcc at first use). The backend checks the files at construction (`missing_cubins`)
+and refuses to start without them, rather than failing (or waiting on the network) at the first
+request.
 """
 
 from __future__ import annotations
@@ -111,8 +113,9 @@ def missing_cubins(cubin_dir: Path | None = None) -> str | None:
     root = Path(cubin_dir) if cubin_dir is not None else FLASHINFER_CUBIN_DIR
     fmha = root / ArtifactPath.TRTLLM_GEN_FMHA
     hint = (
-        "install flashinfer-cubin matching flashinfer-python, or run `flashinfer "
-        "download-kernels` with network and set FLASHINFER_CUBIN_DIR to the result"
+        "offline hosts need them on disk: `flashinfer download-kernels` (flashinfer-cubin wheel "
+        "matching flashinfer-python), or `FLASHINFER_CUBIN_DIR=DIR flashinfer download-cubin` "
+        "with network, then ship DIR and set FLASHINFER_CUBIN_DIR=DIR"
     )
     manifest = fmha / "checksums.txt"
     if not manifest.is_file():
