@@ -227,6 +227,16 @@ class TrtllmBackend(AttentionBackend):
             problem = missing_cubins()
             if problem:
                 raise BackendUnsupportedError(f"attention_backend 'trtllm': {problem}")
+            # Build (nvcc, unless flashinfer-jit-cache has it) and load the trtllm-gen launcher
+            # now: a failure belongs at start-up, not in the first request.
+            from flashinfer.mla._core import get_trtllm_gen_fmha_module
+
+            try:
+                get_trtllm_gen_fmha_module()
+            except Exception as e:
+                raise BackendUnsupportedError(
+                    f"attention_backend 'trtllm': cannot load flashinfer's trtllm-gen module: {e}"
+                ) from e
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.kv_counter = torch.zeros(
             counter_bytes(max_num_seqs, self.num_heads, self.target.num_sms),
