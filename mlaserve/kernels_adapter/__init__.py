@@ -1,7 +1,8 @@
 """Attention kernels behind one narrow interface (`base.AttentionBackend`) and a registry.
 
 `reference` is pure torch, runs everywhere and is the oracle every other backend is tested
-against.
+against. `flashmla` (SM90), `trtllm` and `tokenspeed` (SM100) adapt kernel packages; the SM100
+ones take prefill in the MHA form, whose shared pure-torch part is `mha_extend.py`.
 """
 
 from mlaserve.kernels_adapter.base import AttentionBackend, BackendUnsupportedError

@@ -63,13 +63,24 @@ class AttentionBackend(ABC):
         device: torch.device,
         max_num_seqs: int,
         max_model_len: int,
+        *,
+        max_q_len: int = 1,
     ) -> None:
+        """`max_q_len`: the largest uniform q_len the engine will use (1 for plain decode, k+1
+        with speculation). Backends that size buffers for the decode kernel (a split-KV
+        workspace) size them for it once, here, so nothing is allocated while serving."""
+        if not 1 <= max_q_len <= self.max_uniform_q_len:
+            raise BackendUnsupportedError(
+                f"max_q_len: {type(self).__name__} takes 1 to {self.max_uniform_q_len} tokens "
+                f"per sequence in its decode kernel, got {max_q_len}"
+            )
         self.model_config = model_config
         self.page_size = page_size
         self.kv_cache_dtype = kv_cache_dtype
         self.device = device
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        self.max_q_len = max_q_len
         self.num_heads = model_config.num_attention_heads
         self.kv_lora_rank = model_config.kv_lora_rank
         self.qk_rope_head_dim = model_config.qk_rope_head_dim

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mlaserve.kernels_adapter.base import BackendUnsupportedError
+from mlaserve.kernels_adapter.gpu_target import GpuTarget
 
 if TYPE_CHECKING:
     from mlaserve.config import ModelConfig
@@ -22,9 +23,23 @@ logger = logging.getLogger(__name__)
 _BACKENDS: dict[str, str] = {
     "reference": "mlaserve.kernels_adapter.reference:ReferenceBackend",
     "flashmla": "mlaserve.kernels_adapter.flashmla:FlashMLABackend",
+    "trtllm": "mlaserve.kernels_adapter.trtllm:TrtllmBackend",
+    "tokenspeed": "mlaserve.kernels_adapter.tokenspeed:TokenspeedBackend",
 }
-# What `auto` tries, fastest first; `reference` runs everywhere.
-_AUTO_ORDER = ("flashmla", "reference")
+# What `auto` tries, first that can run wins; each backend's `check_supported` filters by compute
+# capability and KV dtype: SM90 -> flashmla; SM100/103 -> trtllm (bf16 or fp8 KV); SM107 with
+# fp8 KV -> tokenspeed; anything else -> reference (runs everywhere).
+# On SM100 trtllm-gen comes before tokenspeed on purpose: this server is for the lowest TPOT,
+# i.e. small batches, and vLLM's B200 measurement (PR #41778, H16, q_len 4, 80k context; peers.md
+# section 1.1) has tokenspeed at 0.56-0.79x of trtllm-gen at bs <= 4 (it wins 1.6-2.3x at
+# bs >= 8). Throughput-oriented deployments should name `tokenspeed` explicitly.
+_AUTO_ORDER = ("flashmla", "trtllm", "tokenspeed", "reference")
+_AUTO_WHY = {
+    "flashmla": "Hopper: FlashMLA's dense decode kernels",
+    "trtllm": "Blackwell SM100/103: trtllm-gen first, the lowest TPOT at small batch",
+    "tokenspeed": "Blackwell with fp8 KV: tokenspeed_mla",
+    "reference": "no kernel backend can run this configuration: pure torch",
+}
 
 
 def available_backends() -> list[str]:
@@ -46,19 +61,48 @@ def resolve_backend_name(
     page_size: int,
     kv_cache_dtype: torch.dtype,
     device: torch.device,
+    *,
+    target: GpuTarget | None = None,
 ) -> str:
     """`auto` picks the first backend of `_AUTO_ORDER` that can run this configuration; a named
-    backend must be able to, or `BackendUnsupportedError` says why not."""
+    backend must be able to, or `BackendUnsupportedError` says why not.
+
+    `target`: decide for this GPU instead of `device`'s, for the backends that can check a
+    described GPU (`check_target`: the Blackwell ones); the others check `device`. Lets the
+    choice be tested, and explained, without the GPU."""
+
+    def check(backend: str) -> None:
+        cls = get_backend_class(backend)
+        if target is not None and hasattr(cls, "check_target"):
+            cls.check_target(model_config, page_size, kv_cache_dtype, target)
+        else:
+            cls.check_supported(model_config, page_size, kv_cache_dtype, device)
+
     if name != "auto":
-        get_backend_class(name).check_supported(model_config, page_size, kv_cache_dtype, device)
+        check(name)
         return name
+    skipped = []
     for candidate in _AUTO_ORDER:
         try:
-            get_backend_class(candidate).check_supported(
-                model_config, page_size, kv_cache_dtype, device
-            )
+            check(candidate)
         except BackendUnsupportedError as e:
-            logger.debug("attention_backend auto: skipping %s (%s)", candidate, e)
+            skipped.append(f"{candidate}: {e}")
             continue
+        logger.info(
+            "attention_backend auto -> %s (%s, %s KV, page %d; %s)%s",
+            candidate,
+            target.sm_name if target is not None else _device_name(device),
+            str(kv_cache_dtype).removeprefix("torch."),
+            page_size,
+            _AUTO_WHY[candidate],
+            "".join(f"\n  skipped {s}" for s in skipped),
+        )
         return candidate
     raise BackendUnsupportedError("no attention backend can run this configuration")
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return str(device)
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{device} SM{major}{minor}"

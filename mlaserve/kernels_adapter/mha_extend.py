@@ -1,0 +1,186 @@
+"""MHA-form EXTEND (prefill) of MLA: the pure-torch part every `mha_extend` backend shares.
+
+A prefill chunk has many new tokens per sequence, so instead of the absorbed (latent, 576-wide)
+form it is cheaper to up-project each sequence's latent context to per-head keys and values and
+run a dense causal varlen attention kernel (DeepSeek-V2 section 2.1, the "naive" form):
+
+    k_nope_h = W_UK_h c      v_h = c W_UV_h      K_h = [k_nope_h | k_pe]   (k_pe shared by heads)
+
+With H heads, r = kv_lora_rank, d_n = qk_nope_head_dim, d_r = qk_rope_head_dim, d_v = v_head_dim,
+S = the batch's whole context (sum of seq_lens: cached prefix + new tokens of every sequence):
+
+    q       [T, H, d_n + d_r]   the layer's query, not absorbed, RoPE on the last d_r
+    latent  [S, r + d_r]        fp32, dequantized from the pool (`gather_context_latent`)
+    k       [S, H, d_n + d_r]   in w_uk's dtype (`up_project`)
+    v       [S, H, d_v]         in w_uv's dtype
+    out     [T, H, d_v]
+
+Rows: sequence b owns query rows `cu_q[b]:cu_q[b+1]` (the batch's token order) and context rows
+`cu_kv[b]:cu_kv[b+1]`, its tokens 0..L-1 in order; its q_len new tokens are its last q_len
+context rows. Query row i of the sequence sees keys 0 .. L - q_len + i ("bottom-right aligned"
+causal mask), which is what makes chunked prefill over a cached prefix exact.
+
+EXTEND batches run eagerly and carry their host lengths (`batch.seq_lens_host`,
+`batch.q_lens_host`), so the ragged sizes here come from the host: nothing reads the device.
+Only context slots (< seq_len) are gathered, so stale or NaN-poisoned pages are never touched.
+
+`reference_extend_mha` is the whole path in plain torch (CPU or CUDA): the oracle for MHA-form
+kernels and what the tests check against the latent-form reference backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from mlaserve.engine.forward_batch import ForwardBatch
+    from mlaserve.kv_cache.kv_pool import MLAKVPool
+
+__all__ = [
+    "ExtendLayout",
+    "causal_varlen_attention",
+    "extend_layout",
+    "gather_context_latent",
+    "mha_context_kv",
+    "reference_extend_mha",
+    "up_project",
+]
+
+
+@dataclass(frozen=True)
+class ExtendLayout:
+    """The ragged shape of one EXTEND batch. Host tuples and device int32 prefix sums."""
+
+    q_lens: tuple[int, ...]  # new tokens per sequence
+    kv_lens: tuple[int, ...]  # whole context per sequence (cached prefix + new tokens)
+    cu_q: torch.Tensor  # [bs + 1] int32, device: query row offsets
+    cu_kv: torch.Tensor  # [bs + 1] int32, device: context row offsets
+    kv_lens_dev: torch.Tensor  # [bs] int32, device: = kv_lens
+    context_slots: torch.Tensor  # [S] int64, device: pool slot of each context row
+
+    @property
+    def bs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def max_q_len(self) -> int:
+        return max(self.q_lens, default=0)
+
+    @property
+    def max_kv_len(self) -> int:
+        return max(self.kv_lens, default=0)
+
+    @property
+    def num_kv_tokens(self) -> int:
+        return sum(self.kv_lens)
+
+
+def extend_layout(batch: ForwardBatch) -> ExtendLayout:
+    """The layout of an EXTEND batch, from its host lengths and its device page table."""
+    if batch.seq_lens_host is None or batch.q_lens_host is None:
+        raise ValueError(
+            f"{batch.mode.value} batch: the MHA-form prefill needs seq_lens_host and q_lens_host "
+            "(EXTEND batches carry them)"
+        )
+    q_lens, kv_lens = tuple(batch.q_lens_host), tuple(batch.seq_lens_host)
+    if len(q_lens) != len(kv_lens) or any(q > k for q, k in zip(q_lens, kv_lens)):
+        raise ValueError(f"q_lens_host {q_lens} must fit inside seq_lens_host {kv_lens}")
+    if sum(q_lens) != batch.num_tokens:
+        raise ValueError(f"q_lens_host sums to {sum(q_lens)}, the batch has {batch.num_tokens}")
+    device, page_size = batch.block_tables.device, batch.kv_pool.page_size
+    seq = torch.repeat_interleave(torch.arange(len(kv_lens)), torch.tensor(kv_lens))
+    pos = torch.cat([torch.arange(n) for n in kv_lens]) if kv_lens else seq
+    seq, pos = seq.to(device, non_blocking=True), pos.to(device, non_blocking=True)
+    pages = batch.block_tables[seq, pos // page_size].long()
+    cu = [0]
+    for n in kv_lens:
+        cu.append(cu[-1] + n)
+    return ExtendLayout(
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        cu_q=batch.cu_q_lens[: len(q_lens) + 1],
+        cu_kv=torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True),
+        kv_lens_dev=torch.tensor(kv_lens, dtype=torch.int32).to(device, non_blocking=True),
+        context_slots=pages * page_size + pos % page_size,
+    )
+
+
+def gather_context_latent(pool: MLAKVPool, layer_id: int, layout: ExtendLayout) -> torch.Tensor:
+    """[S, r + d_r] fp32: every sequence's context latent, dequantized (value = stored * scale)."""
+    flat = pool.kv_buffers[layer_id].view(-1, pool.dim)
+    # Index bytes: gathering float8 rows has no kernel on every device.
+    rows = (
+        flat.view(torch.uint8)[layout.context_slots] if pool.is_fp8 else flat[layout.context_slots]
+    )
+    rows = rows.view(pool.dtype).float()
+    return rows * pool.k_scales[layer_id] if pool.is_fp8 else rows
+
+
+def up_project(
+    latent: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """latent [S, r + d_r]; w_uk [H, d_n, r]; w_uv [H, r, d_v] -> k [S, H, d_n + d_r], v [S, H,
+    d_v], computed in the weights' dtype (what a kernel would get from kv_b_proj)."""
+    rank = w_uk.shape[-1]
+    c = latent[:, :rank].to(w_uk.dtype)
+    k_nope = torch.einsum("sr,hnr->shn", c, w_uk)
+    v = torch.einsum("sr,hrv->shv", c, w_uv.to(w_uk.dtype))
+    k_pe = latent[:, None, rank:].to(w_uk.dtype).expand(-1, w_uk.shape[0], -1)
+    return torch.cat([k_nope, k_pe], dim=-1), v
+
+
+def mha_context_kv(
+    layer_id: int,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    batch: ForwardBatch,
+    layout: ExtendLayout | None = None,
+) -> tuple[ExtendLayout, torch.Tensor, torch.Tensor]:
+    """Write the new tokens' latent KV to the pool (as `forward` would), then return the layout
+    and the per-head K [S, H, d_n + d_r] / V [S, H, d_v] of every sequence's whole context.
+    The new tokens are re-read from the pool, so a prefill sees exactly what later decode steps
+    will (including fp8 rounding). `layout`: the batch's, if already built (once per forward,
+    in `prepare`); built here otherwise."""
+    batch.kv_pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)
+    if layout is None:
+        layout = extend_layout(batch)
+    k, v = up_project(gather_context_latent(batch.kv_pool, layer_id, layout), w_uk, w_uv)
+    return layout, k, v
+
+
+def causal_varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ExtendLayout, softmax_scale: float
+) -> torch.Tensor:
+    """Reference dense attention, fp32: q [T, H, D], k [S, H, D], v [S, H, d_v] -> [T, H, d_v].
+    Query row i of a sequence with q_len new tokens and L keys sees keys 0 .. L - q_len + i."""
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32)
+    q0 = k0 = 0
+    for q_len, kv_len in zip(layout.q_lens, layout.kv_lens):
+        qb, kb = q[q0 : q0 + q_len].float(), k[k0 : k0 + kv_len].float()
+        scores = torch.einsum("qhd,khd->hqk", qb, kb) * softmax_scale
+        last_visible = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
+        hidden = torch.arange(kv_len, device=q.device)[None, :] > last_visible  # [q, k]
+        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+        out[q0 : q0 + q_len] = torch.einsum("hqk,khv->qhv", probs, v[k0 : k0 + kv_len].float())
+        q0, k0 = q0 + q_len, k0 + kv_len
+    return out
+
+
+def reference_extend_mha(
+    layer_id: int,
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    batch: ForwardBatch,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """`AttentionBackend.forward_extend_mha` in plain torch: returns [T, H, d_v] in q's dtype."""
+    layout, k, v = mha_context_kv(layer_id, kv_c, k_pe, w_uk, w_uv, batch)
+    return causal_varlen_attention(q, k, v, layout, softmax_scale).to(q.dtype)

@@ -1,0 +1,212 @@
+"""The MHA form of EXTEND (`kernels_adapter/mha_extend.py`) against the latent form of the
+reference backend: same pool, same inputs, the same attention computed two ways.
+
+Latent form: q_latent_h = W_UK_h^T q_nope_h, o_h = W_UV_h^T (softmax(q . [c|k_pe]) c).
+MHA form: K_h = [W_UK_h c | k_pe], V_h = W_UV_h c, o_h = softmax(q_h . K_h) V_h.
+They are equal in exact arithmetic; in fp32 on CPU the bound is 1e-5 relative (max |err| /
+max |ref| per sequence). Unused pages and slots are NaN, so a read outside the context fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from mlaserve.engine.forward_batch import ForwardBatch, ForwardMode
+from mlaserve.kernels_adapter.mha_extend import (
+    causal_varlen_attention,
+    extend_layout,
+    reference_extend_mha,
+)
+from mlaserve.kernels_adapter.reference import ReferenceBackend
+from mlaserve.kv_cache import MLAKVPool, PageAllocator
+from tests.kernels_adapter.attention_oracle import dense_mla_attention
+from tests.kernels_adapter.test_reference_backend import model_config
+
+RANK, ROPE, HEADS, NOPE, V_DIM = 32, 16, 4, 16, 16
+
+
+@dataclasses.dataclass
+class Case:
+    prefix_lens: list[int]
+    q_lens: list[int]
+    page_size: int
+    kv_dtype: torch.dtype = torch.float32
+
+
+CASES = [
+    Case([0, 0, 0], [5, 1, 17], 4),  # ragged first chunks
+    Case([7, 0, 30], [3, 9, 1], 8),  # chunked prefill over cached prefixes, mixed with a decode
+    Case([16, 33], [16, 2], 16),  # prefix ending exactly on a page boundary
+    Case([12, 5, 20], [4, 1, 6], 8, torch.float8_e4m3fn),  # fp8 pool (scale 0.5)
+]
+
+
+def _setup(case: Case, device: torch.device, seed: int = 0):
+    """A pool with every sequence's prefix written, and the EXTEND batch of the new tokens."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    mc = model_config(RANK, ROPE, HEADS)
+    seq_lens = [p + q for p, q in zip(case.prefix_lens, case.q_lens)]
+    max_pages = max(-(-s // case.page_size) for s in seq_lens) + 2
+    num_pages = 2 + sum(-(-s // case.page_size) for s in seq_lens) + 5
+    fp8 = case.kv_dtype == torch.float8_e4m3fn
+    pool = MLAKVPool(
+        1, num_pages, case.page_size, RANK, ROPE, case.kv_dtype, device, 0.5 if fp8 else 1.0
+    )
+    if fp8:
+        pool.kv_buffers[0].view(torch.uint8).fill_(0x7F)  # e4m3 NaN
+    else:
+        pool.kv_buffers[0].fill_(float("nan"))
+    alloc = PageAllocator(num_pages)
+    free = alloc.allocate(alloc.num_free_pages)
+    rng.shuffle(free)
+    tables, slots, full_kv = [], [], []
+    for s in seq_lens:
+        pages = [free.pop() for _ in range(-(-s // case.page_size))]
+        tables.append(pages + [0] * (max_pages - len(pages)))
+        slots.append(
+            [pages[t // case.page_size] * case.page_size + t % case.page_size for t in range(s)]
+        )
+        full_kv.append(torch.randn(s, RANK + ROPE, device=device))
+    for b, p in enumerate(case.prefix_lens):
+        if p:
+            idx = torch.tensor(slots[b][:p], device=device)
+            pool.write(0, idx, full_kv[b][:p, :RANK], full_kv[b][:p, RANK:])
+    cu = [0]
+    for n in case.q_lens:
+        cu.append(cu[-1] + n)
+    new_rows = torch.cat([full_kv[b][p:] for b, p in enumerate(case.prefix_lens)])
+    backend = ReferenceBackend(mc, case.page_size, case.kv_dtype, device, len(seq_lens), 1024)
+    batch = ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        bs=len(seq_lens),
+        num_tokens=cu[-1],
+        q_len=max(case.q_lens),
+        max_seq_len=max(seq_lens),
+        input_ids=torch.zeros(cu[-1], dtype=torch.long, device=device),
+        positions=torch.zeros(cu[-1], dtype=torch.long, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        cu_q_lens=torch.tensor(cu, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(
+            [s for b, p in enumerate(case.prefix_lens) for s in slots[b][p:]], device=device
+        ),
+        logits_indices=torch.zeros(0, dtype=torch.long, device=device),
+        kv_pool=pool,
+        attn_backend=backend,
+        seq_lens_host=seq_lens,
+        q_lens_host=list(case.q_lens),
+    )
+    return mc, backend, batch, new_rows, cu
+
+
+def _clone_pool(pool: MLAKVPool) -> MLAKVPool:
+    twin = MLAKVPool(
+        pool.num_layers,
+        pool.num_pages,
+        pool.page_size,
+        pool.kv_lora_rank,
+        pool.qk_rope_head_dim,
+        pool.dtype,
+        pool.device,
+        pool.k_scales if pool.is_fp8 else 1.0,
+    )
+    for dst, src in zip(twin.kv_buffers, pool.kv_buffers):
+        dst.view(torch.uint8).copy_(src.view(torch.uint8))
+    return twin
+
+
+def run_mha_vs_latent(case: Case, device: torch.device) -> float:
+    mc, backend, batch, new_rows, cu = _setup(case, device)
+    num_tokens = cu[-1]
+    q = torch.randn(num_tokens, HEADS, NOPE + ROPE, device=device)
+    w_uk = torch.randn(HEADS, NOPE, RANK, device=device) / RANK**0.5
+    w_uv = torch.randn(HEADS, RANK, V_DIM, device=device) / RANK**0.5
+    kv_c, k_pe = new_rows[:, :RANK], new_rows[:, RANK:]
+
+    latent_batch = dataclasses.replace(batch, kv_pool=_clone_pool(batch.kv_pool))
+    backend.prepare(latent_batch)
+    q_latent = torch.einsum("thn,hnr->thr", q[..., :NOPE], w_uk)
+    o_latent = backend.forward(0, q_latent, q[..., NOPE:], kv_c, k_pe, latent_batch)
+    expected = torch.einsum("thr,hrv->thv", o_latent, w_uv)
+
+    got = reference_extend_mha(0, q, kv_c, k_pe, w_uk, w_uv, batch, mc.softmax_scale)
+    assert got.shape == (num_tokens, HEADS, V_DIM) and got.dtype == q.dtype
+    assert torch.isfinite(got).all()
+    # Both paths wrote the same new rows.
+    assert torch.equal(
+        batch.kv_pool.kv_buffers[0].view(torch.uint8),
+        latent_batch.kv_pool.kv_buffers[0].view(torch.uint8),
+    )
+    worst = 0.0
+    for b in range(len(case.q_lens)):
+        ref, out = expected[cu[b] : cu[b + 1]], got[cu[b] : cu[b + 1]]
+        err = float((out - ref).abs().max() / ref.abs().max())
+        assert err < 1e-5, f"seq {b}: relative error {err:.2e}"
+        worst = max(worst, err)
+    return worst
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.prefix_lens}+{c.q_lens}-{c.kv_dtype}")
+def test_mha_form_equals_latent_form(case: Case) -> None:
+    run_mha_vs_latent(case, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.prefix_lens}+{c.q_lens}-{c.kv_dtype}")
+def test_mha_form_equals_latent_form_cuda(case: Case) -> None:
+    run_mha_vs_latent(case, torch.device("cuda"))
+
+
+def test_layout_gathers_only_context_slots() -> None:
+    case = CASES[1]
+    _, _, batch, _, cu = _setup(case, torch.device("cpu"))
+    layout = extend_layout(batch)
+    assert layout.q_lens == (3, 9, 1) and layout.kv_lens == (10, 9, 31)
+    assert layout.cu_kv.tolist() == [0, 10, 19, 50] and layout.cu_kv.dtype == torch.int32
+    assert layout.cu_q.tolist() == cu and layout.kv_lens_dev.tolist() == [10, 9, 31]
+    page = case.page_size
+    tables = batch.block_tables.tolist()
+    expected = [
+        tables[b][t // page] * page + t % page
+        for b, n in enumerate(layout.kv_lens)
+        for t in range(n)
+    ]
+    assert layout.context_slots.tolist() == expected
+    # The new tokens are the last q_len context rows of each sequence.
+    new = batch.slot_mapping.tolist()
+    for b in range(layout.bs):
+        ctx = expected[layout.cu_kv[b] : layout.cu_kv[b + 1]]
+        assert ctx[-layout.q_lens[b] :] == new[cu[b] : cu[b + 1]]
+
+
+def test_causal_varlen_attention_matches_dense_oracle() -> None:
+    """Single-head sanity check of the mask against the repo's float64 oracle: with one head
+    whose K is the latent itself and V its first `rank` values, MHA form = latent form."""
+    torch.manual_seed(1)
+    case = CASES[1]
+    _, _, batch, _, cu = _setup(case, torch.device("cpu"))
+    layout = extend_layout(batch)
+    kv = torch.randn(layout.num_kv_tokens, RANK + ROPE)
+    q = torch.randn(cu[-1], 1, RANK + ROPE)
+    out = causal_varlen_attention(q, kv[:, None, :], kv[:, None, :RANK], layout, 0.125)
+    k0 = 0
+    for b in range(layout.bs):
+        ref = dense_mla_attention(
+            q[cu[b] : cu[b + 1]], kv[k0 : k0 + layout.kv_lens[b]], RANK, 0.125
+        )
+        torch.testing.assert_close(out[cu[b] : cu[b + 1]].double(), ref, rtol=1e-5, atol=1e-6)
+        k0 += layout.kv_lens[b]
+
+
+def test_layout_needs_host_lengths() -> None:
+    _, _, batch, _, _ = _setup(CASES[0], torch.device("cpu"))
+    with pytest.raises(ValueError, match="seq_lens_host"):
+        extend_layout(dataclasses.replace(batch, seq_lens_host=None))
+    with pytest.raises(ValueError, match="sums to"):
+        extend_layout(dataclasses.replace(batch, q_lens_host=[5, 1, 16], seq_lens_host=[5, 1, 17]))
