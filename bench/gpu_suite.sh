@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU host session behind bench/RESULTS.md: the GPU test suite and the benchmarks, logs in
+# $OUT (or ./gpu-out). Run from the repository root on an H100/H200 with the wheels from
+# ../shared/gpu/bundle-wheels.sh (plus httpx2, httpcore2, truststore for openai 3.x) in .whl/.
+#   bash bench/gpu_suite.sh [tests|bench|all]   (default all)
+set -uo pipefail
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1
+what=${1:-all}
+ckpt=/tmp/v2lite
+if [ "$what" != tests ] && [ ! -f $ckpt/config.json ]; then
+    python3 bench/make_checkpoint.py --out $ckpt >"$out/make_checkpoint.log" 2>&1 &
+    writer=$!
+fi
+if [ "$what" != bench ]; then
+    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider -s -rs \
+        >"$out/gpu_suite.log" 2>&1
+    grep -E "passed|failed|^FAILED|^ERROR|agreement|graph vs eager|graph pool" "$out/gpu_suite.log"
+fi
+[ "$what" = tests ] && exit 0
+[ -n "${writer:-}" ] && wait "$writer"
+tail -1 "$out/make_checkpoint.log"
+timeout 170 python3 bench/decode.py --model $ckpt --rounds 2 >"$out/decode_v2lite.log" 2>&1
+tail -11 "$out/decode_v2lite.log" | head -10
+timeout 60 python3 bench/decode.py --contexts 1024 --rounds 2 >"$out/decode_default.log" 2>&1
+tail -6 "$out/decode_default.log" | head -5
+timeout 70 python3 bench/serve_tpot.py >"$out/serve_tpot.log" 2>&1
+tail -3 "$out/serve_tpot.log" | head -2
