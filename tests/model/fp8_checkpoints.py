@@ -47,10 +47,13 @@ def prompts(vocab: int = 384, seed: int = 7) -> list[tuple[int, list[int]]]:
 
 
 def prompt_logits(
-    model: DeepseekForCausalLM, config: ModelConfig, device: str | torch.device = "cpu"
+    model: DeepseekForCausalLM,
+    config: ModelConfig,
+    device: str | torch.device = "cpu",
+    kv_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """One ragged EXTEND over `prompts()`: logits [sum(PROMPT_LENS), vocab] fp32 on the CPU."""
-    cache = PagedCache(config, kv_dtype=torch.float32, device=device)
+    cache = PagedCache(config, kv_dtype=kv_dtype, device=device)
     batch = cache.batch(prompts())
     return model.compute_logits(model(batch)[batch.logits_indices]).float().cpu()
 
