@@ -9,7 +9,7 @@ heads, no q_lora; dense MLP 10944; 64 routed experts of 1408, top-6; 2 shared ex
     fp8     block_fp8_linear / grouped_block_fp8_linear as the model runs it: the activation
             quantisation included, the GEMM picked by `gemm_backend`
     triton  the Triton block-FP8 GEMM forced (dense only), and
-    torch   torch's blockwise F.scaled_mm forced (dense; M >= 16 and N, K multiples of 128)
+    torch   torch's blockwise F.scaled_mm forced (dense, SM90 only; M >= 16, N, K % 128 == 0)
 
 Timing: each op is captured `--iters` times in one CUDA graph and replayed (GPU time, no launch
 overhead), cycling over enough weight copies (>= 256 MB) that no weight is served from L2: a
@@ -84,11 +84,12 @@ def bench_dense(name: str, n: int, k: int, ms: list[int], iters: int) -> list[di
         row = {"op": name, "m": m, "n": n, "k": k}
         row["bf16_us"] = graph_time_us(lambda i, x=x: F.linear(x, w16[i % copies]), iters)
         row["fp8_us"] = graph_time_us(lambda i, x=x: block_fp8_linear(x, *w8[i % copies]), iters)
-        row["fp8_gemm"] = gemm_backend(x.device, m, n, k, w8[0][1].shape[0])
+        row["fp8_gemm"] = gemm_backend(x.device, m, n, k, w8[0][1].shape[0], x.dtype)
         row["triton_us"] = graph_time_us(
             lambda i, x=x: block_fp8_linear(x, *w8[i % copies], backend="triton"), iters
         )
-        if m >= 16 and n % 128 == 0 and k % 128 == 0:
+        sm90 = torch.cuda.get_device_capability()[0] == 9
+        if sm90 and m >= 16 and n % 128 == 0 and k % 128 == 0:
             row["torch_us"] = graph_time_us(
                 lambda i, x=x: block_fp8_linear(x, *w8[i % copies], backend="torch_blockwise"),
                 iters,

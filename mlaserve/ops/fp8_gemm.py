@@ -3,25 +3,32 @@
     block_fp8_linear(x [..., K] bf16/fp16/fp32, W_q [N, K] e4m3, S_w [N/bn, Kb] fp32) -> [..., N]
 
 Steps: quantise x per token and 128-wide group (dynamic, `fp8_quant`), then one block-scaled
-GEMM. Which GEMM (`gemm_backend`, a pure function of the device and the shape, decided on the
-host; nothing reads device memory, so the whole op is graph-capturable):
+GEMM. Which GEMM (`gemm_backend`: a pure function of the device, the shape and the dtype,
+decided on the host; nothing reads device memory, so the whole op is graph-capturable):
 
     triton           `fp8_triton.w8a8_block_fp8_matmul_triton` (SGLang/vLLM's design). Decode-
                      sized M is memory-bound; this kernel streams the FP8 weight once, half the
-                     bytes of bf16. Runs on SM89+ (SM90 and SM100 included).
-    torch_blockwise  torch's own `F.scaled_mm` with ScalingType.BlockWise1x128 (x) x
-                     BlockWise128x128 (W). Measured on an H100 (torch 2.11): faster than bf16 at
-                     M = 2048 (32 us vs 48 us at 2048x4096x2048), slower at M <= 64, and M = 1 is
-                     rejected; so only for M >= TORCH_BLOCKWISE_MIN_M with N, K multiples of 128
-                     and true 128-row weight blocks. SM90 and SM100 (torch routes both through
-                     its blockwise recipe; an SM100 build that rejects it fails loudly at the
-                     first prefill, never silently).
+                     bytes of bf16. Any SM89+ GPU, SM90 and SM100 included; the fallback for
+                     every shape the others refuse (partial blocks, per-row scales).
+    torch_blockwise  SM90, M >= TORCH_BLOCKWISE_MIN_M: torch's own `F.scaled_mm` with
+                     ScalingType.BlockWise1x128 (x) x BlockWise128x128 (W), i.e. cuBLASLt's
+                     VEC128 / BLK128x128 scale modes. Measured on an H100 (torch 2.11): faster
+                     than bf16 at M = 2048 (32 us vs 48 us at 2048x4096x2048), slower at
+                     M <= 64, M = 1 rejected. NVIDIA documents those cuBLASLt scale modes as
+                     SM90-only (CUDALibrarySamples issues 270, 310), so not on SM100.
+    flashinfer       SM100 with flashinfer installed (`pip install '.[blackwell]'`):
+                     `flashinfer.gemm.gemm_fp8_nt_groupwise(..., backend="trtllm")`, the
+                     Blackwell kernel SGLang dispatches block-FP8 linears to at every M. Needs
+                     bf16 activations, K >= 256, N and K multiples of 128; column-major 1x128
+                     activation scales, [N/128, K/128] weight scales as stored. Written against
+                     the documented API and contract-tested; not run here (no B200).
     emulated         no Triton or no CUDA (CPU): the same quantised activations times the
                      dequantised weight, in fp32. The CPU reference; slow, exact math.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -39,29 +46,58 @@ __all__ = [
     "GemmBackend",
     "block_fp8_linear",
     "block_fp8_matmul_reference",
+    "choose_gemm",
+    "flashinfer_available",
     "gemm_backend",
 ]
 
-GemmBackend = Literal["triton", "torch_blockwise", "emulated"]
+GemmBackend = Literal["triton", "torch_blockwise", "flashinfer", "emulated"]
 # Below this M torch's blockwise scaled_mm loses to bf16 (and to the memory-bound Triton kernel).
 # Measured points: loses at 16 and 64, wins at 2048; bench/fp8_gemm.py refines the crossover.
 TORCH_BLOCKWISE_MIN_M = 256
 
 
+@functools.cache
+def flashinfer_available() -> bool:
+    try:
+        from flashinfer.gemm import gemm_fp8_nt_groupwise  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
 def gemm_backend(
-    device: torch.device, m: int, n: int, k: int, scale_rows: int, *, has_triton: bool = True
+    device: torch.device, m: int, n: int, k: int, scale_rows: int, dtype: torch.dtype
 ) -> GemmBackend:
-    """The GEMM for an [m, k] x [n, k]^T product whose weight scale has `scale_rows` rows."""
-    if device.type != "cuda" or not has_triton:
+    """The GEMM for an [m, k] x [n, k]^T product in `dtype` whose weight scale has
+    `scale_rows` rows, on `device` as it is (installed packages included)."""
+    if device.type != "cuda" or not triton_available():
         return "emulated"
-    major = torch.cuda.get_device_capability(device)[0]
-    return _choose(major, m, n, k, scale_rows)
+    has_flashinfer = _major(device) == 10 and flashinfer_available()
+    return choose_gemm(_major(device), m, n, k, scale_rows, dtype, has_flashinfer=has_flashinfer)
 
 
-def _choose(major: int, m: int, n: int, k: int, scale_rows: int) -> GemmBackend:
-    block_scales = scale_rows * 128 == n  # not per-row, no partial last block
-    if major in (9, 10) and m >= TORCH_BLOCKWISE_MIN_M and k % 128 == 0 and block_scales:
+def choose_gemm(
+    major: int,
+    m: int,
+    n: int,
+    k: int,
+    scale_rows: int,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    has_flashinfer: bool = False,
+) -> GemmBackend:
+    """The dispatch rule itself, for a GPU of compute capability `major`.x (see module doc)."""
+    blocks = n % 128 == 0 and k % 128 == 0 and scale_rows * 128 == n  # true 128x128 blocks
+    if major == 9 and blocks and m >= TORCH_BLOCKWISE_MIN_M:
         return "torch_blockwise"
+    if major == 10 and has_flashinfer and blocks and k >= 256 and dtype == torch.bfloat16:
+        return "flashinfer"
     return "triton"
 
 
@@ -81,13 +117,13 @@ def block_fp8_linear(
     m, k = x2.shape
     n = w_q.shape[0]
     if backend is None:
-        backend = gemm_backend(x.device, m, n, k, w_s.shape[0], has_triton=triton_available())
+        backend = gemm_backend(x.device, m, n, k, w_s.shape[0], x.dtype)
     if backend == "emulated":
         x_q, x_s = per_token_group_quant_fp8_torch(x2)
         x_deq = dequantize_weight_block(x_q, x_s)  # [M, Kb] scales = 1 x 128 blocks
         y = (x_deq @ dequantize_weight_block(w_q, w_s).t()).to(x.dtype)
     elif backend == "torch_blockwise":
-        x_q, x_s = per_token_group_quant_fp8(x2, column_major_scales=True)
+        x_q, x_s = per_token_group_quant_fp8(x2, column_major_scales=True, align_rows=4)
         y = F.scaled_mm(
             x_q,
             w_q.t(),  # [K, N] column-major view: what the kernel wants for B
@@ -97,6 +133,11 @@ def block_fp8_linear(
             F.ScalingType.BlockWise128x128,
             output_dtype=x.dtype,
         )
+    elif backend == "flashinfer":
+        from flashinfer.gemm import gemm_fp8_nt_groupwise
+
+        x_q, x_s = per_token_group_quant_fp8(x2, column_major_scales=True)
+        y = gemm_fp8_nt_groupwise(x_q, w_q, x_s, w_s, out_dtype=x.dtype, backend="trtllm")
     else:
         from mlaserve.ops.fp8_triton import w8a8_block_fp8_matmul_triton
 

@@ -22,6 +22,7 @@ import torch
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
+    "column_major_scale_buffer",
     "dequantize_weight_block",
     "expand_scale_rows",
     "per_token_group_quant_fp8",
@@ -111,19 +112,34 @@ def per_token_group_quant_fp8_torch(
     return q.view(m, kb * group)[:, :k].contiguous(), scale
 
 
+def column_major_scale_buffer(
+    m: int, kb: int, device: torch.device, align_rows: int = 1
+) -> torch.Tensor:
+    """An empty [m, kb] fp32 tensor stored column-major (stride (1, m_pad)), m_pad = m rounded up
+    to `align_rows`: the layout of torch's blockwise and flashinfer's 1x128 activation scales
+    (align 4 keeps every column 16-byte aligned)."""
+    m_pad = -(-m // align_rows) * align_rows
+    return torch.empty((kb, m_pad), dtype=torch.float32, device=device)[:, :m].t()
+
+
 def per_token_group_quant_fp8(
-    x: torch.Tensor, group: int = 128, *, column_major_scales: bool = False
+    x: torch.Tensor, group: int = 128, *, column_major_scales: bool = False, align_rows: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (bf16/fp16/fp32, contiguous rows) -> (x_q [M, K] e4m3, S [M, ceil(K/group)] fp32).
 
-    `column_major_scales` returns S as the transpose of a contiguous [Kb, M] tensor (what torch's
-    blockwise `scaled_mm` wants for its 1x128 operand). On CUDA with Triton: one kernel launch,
-    one program per (row, group); elsewhere the torch reference."""
+    `column_major_scales` stores S column-major (`column_major_scale_buffer`, columns padded to
+    `align_rows`), what torch's blockwise `scaled_mm` and flashinfer's SM100 GEMM want for the
+    1x128 operand. On CUDA with Triton: one kernel launch, one program per (row, group);
+    elsewhere the torch reference."""
     if x.dim() != 2:
         raise ValueError(f"per_token_group_quant_fp8: expected [M, K], got {list(x.shape)}")
     if not (x.is_cuda and triton_available()):
         q, s = per_token_group_quant_fp8_torch(x, group)
-        return q, (s.t().contiguous().t() if column_major_scales else s)
+        if column_major_scales:
+            s = column_major_scale_buffer(*s.shape, x.device, align_rows).copy_(s)
+        return q, s
     from mlaserve.ops.fp8_triton import per_token_group_quant_fp8_triton
 
-    return per_token_group_quant_fp8_triton(x, group, column_major_scales=column_major_scales)
+    return per_token_group_quant_fp8_triton(
+        x, group, column_major_scales=column_major_scales, align_rows=align_rows
+    )

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.ops.fp8_quant import FP8_DTYPE, FP8_MAX
+from mlaserve.ops.fp8_quant import FP8_DTYPE, FP8_MAX, column_major_scale_buffer
 
 __all__ = [
     "grouped_block_fp8_matmul_triton",
@@ -50,16 +50,21 @@ def _per_token_group_quant_kernel(
 
 
 def per_token_group_quant_fp8_triton(
-    x: torch.Tensor, group: int = _GROUP_K, *, column_major_scales: bool = False
+    x: torch.Tensor,
+    group: int = _GROUP_K,
+    *,
+    column_major_scales: bool = False,
+    align_rows: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (unit stride along K) -> (x_q [M, K] e4m3, S [M, ceil(K/group)] fp32)."""
+    """x [M, K] (unit stride along K) -> (x_q [M, K] e4m3, S [M, ceil(K/group)] fp32); S
+    column-major (columns padded to align_rows) if asked, else row-major."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     kb = triton.cdiv(k, group)
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     s = (
-        torch.empty((kb, m), dtype=torch.float32, device=x.device).t()
+        column_major_scale_buffer(m, kb, x.device, align_rows)
         if column_major_scales
         else torch.empty((m, kb), dtype=torch.float32, device=x.device)
     )

@@ -8,10 +8,17 @@ Triton kernels on CPU through TRITON_INTERPRET: test_fp8_triton_interpret.py.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
-from mlaserve.ops.fp8_gemm import _choose, block_fp8_linear, block_fp8_matmul_reference
+from mlaserve.ops.fp8_gemm import (
+    block_fp8_linear,
+    block_fp8_matmul_reference,
+    choose_gemm,
+    flashinfer_available,
+)
 from mlaserve.ops.fp8_grouped_gemm import align_blocks, grouped_block_fp8_linear
 from mlaserve.ops.fp8_quant import (
     FP8_DTYPE,
@@ -105,17 +112,38 @@ def test_grouped_emulated_matches_per_expert_reference() -> None:
         torch.testing.assert_close(y[lo:hi].double(), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("major", [9, 10])
-def test_gemm_dispatch_contract(major: int) -> None:
-    """SM90 and SM100 run the same recipe: Triton for decode-sized M (and anything torch's
-    blockwise kernel cannot take), torch's blockwise scaled_mm for prefill-sized M."""
-    assert _choose(major, 1, 2048, 2048, 16) == "triton"
-    assert _choose(major, 64, 2816, 2048, 22) == "triton"
-    assert _choose(major, 2048, 4096, 2048, 32) == "torch_blockwise"
-    assert _choose(major, 2048, 576, 2048, 5) == "triton"  # partial last block (kv_a)
-    assert _choose(major, 2048, 256, 2048, 256) == "triton"  # per-row scales
-    assert _choose(major, 2048, 2048, 1408 + 64, 12) == "triton"  # K not a multiple of 128
-    assert _choose(8, 2048, 4096, 2048, 32) == "triton"  # SM89: no torch blockwise there
+def test_gemm_dispatch_contract_sm90() -> None:
+    """SM90: Triton for decode-sized M and every shape torch's blockwise kernel cannot take;
+    torch's blockwise scaled_mm (cuBLASLt VEC128 x BLK128x128) for prefill-sized M."""
+    assert choose_gemm(9, 1, 2048, 2048, 16) == "triton"
+    assert choose_gemm(9, 64, 2816, 2048, 22) == "triton"
+    assert choose_gemm(9, 2048, 4096, 2048, 32) == "torch_blockwise"
+    assert choose_gemm(9, 2048, 576, 2048, 5) == "triton"  # partial last block (kv_a)
+    assert choose_gemm(9, 2048, 256, 2048, 256) == "triton"  # per-row scales
+    assert choose_gemm(9, 2048, 2048, 1408 + 64, 12) == "triton"  # K not a multiple of 128
+    assert choose_gemm(8, 2048, 4096, 2048, 32) == "triton"  # SM89: no blockwise cuBLAS
+
+
+def test_gemm_dispatch_contract_sm100() -> None:
+    """SM100: cuBLASLt's 128x128 block modes are SM90-only, so never torch's blockwise path;
+    flashinfer's trtllm block-FP8 GEMM where installed and the shape fits, else Triton."""
+    for m in (1, 64, 2048):
+        assert choose_gemm(10, m, 4096, 2048, 32, has_flashinfer=True) == "flashinfer"
+        assert choose_gemm(10, m, 4096, 2048, 32, has_flashinfer=False) == "triton"
+    assert choose_gemm(10, 8, 4096, 128, 32, has_flashinfer=True) == "triton"  # K < 256
+    assert choose_gemm(10, 8, 576, 2048, 5, has_flashinfer=True) == "triton"  # partial block
+    fp32 = torch.float32
+    assert choose_gemm(10, 8, 4096, 2048, 32, fp32, has_flashinfer=True) == "triton"
+
+
+def test_flashinfer_call_matches_its_api() -> None:
+    """The call block_fp8_linear makes on SM100 binds to flashinfer's real signature."""
+    pytest.importorskip("flashinfer")
+    from flashinfer.gemm import gemm_fp8_nt_groupwise
+
+    sig = inspect.signature(gemm_fp8_nt_groupwise)
+    sig.bind("x_q", "w_q", "x_s", "w_s", out_dtype=torch.bfloat16, backend="trtllm")
+    assert "trtllm" in str(sig.parameters["backend"].annotation)
 
 
 # ----- GPU -----
@@ -145,10 +173,13 @@ def test_quant_kernel_matches_torch_reference() -> None:
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
-@pytest.mark.parametrize("backend", ["triton", "torch_blockwise"])
+@pytest.mark.parametrize("backend", ["triton", "torch_blockwise", "flashinfer"])
 def test_gemm_vs_float64(m: int, n: int, k: int, backend: str) -> None:
-    if backend == "torch_blockwise" and (m < 16 or n % 128 or k % 128):
-        pytest.skip("torch's blockwise recipe needs M >= 16 (rejects M=1) and N, K % 128 == 0")
+    major = torch.cuda.get_device_capability()[0]
+    if backend == "torch_blockwise" and (major != 9 or m < 16 or n % 128 or k % 128):
+        pytest.skip("torch's blockwise recipe: SM90, M >= 16 (rejects M=1), N, K % 128 == 0")
+    if backend == "flashinfer" and (major != 10 or not flashinfer_available() or n % 128):
+        pytest.skip("flashinfer's block-FP8 GEMM: SM100 with flashinfer, N % 128 == 0")
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.randn(n, k, device="cuda", generator=g) * 0.05
