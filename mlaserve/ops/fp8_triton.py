@@ -9,7 +9,7 @@ accumulator.
 
     per_token_group_quant_fp8_triton  x [M, K] -> x_q [M, K] e4m3, S_x [M, Kb] fp32
     w8a8_block_fp8_matmul_triton      x_q [M, K], S_x [M, Kb], W_q [N, K], S_w [N/bn, Kb]
-                                      -> [M, N] in out_dtype
+                                      -> [M, N] in out_dtype (split-K at decode-sized M)
     grouped_block_fp8_matmul_triton   rows of x_q grouped by expert (`align_blocks` layout),
                                       W_q [E, N, K], S_w [E, N/bn, Kb] -> [R, N]
 
@@ -78,8 +78,8 @@ def per_token_group_quant_fp8_triton(
 
 @triton.jit
 def _block_fp8_matmul_kernel(
-    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K, group_n,
-    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K, group_n, kb_per_split,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cs, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bsn, stride_bsk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -92,19 +92,27 @@ def _block_fp8_matmul_kernel(
     group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
     pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
     pid_n = (pid % num_pid_in_group) // group_size_m
+    # Split K (axis 1): this program sums K blocks [kb_start, kb_end) into its own partial.
+    pid_k = tl.program_id(1)
+    kb_start = pid_k * kb_per_split
+    kb_end = tl.minimum(kb_start + kb_per_split, tl.cdiv(K, BLOCK_K))
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_am = offs_m % M  # wrapped rows/cols are computed but never stored
     offs_bn = offs_n % N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_bn[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    a_ptrs = (
+        a_ptr + offs_am[:, None] * stride_am + (kb_start * BLOCK_K + offs_k[None, :]) * stride_ak
+    )
+    b_ptrs = (
+        b_ptr + offs_bn[None, :] * stride_bn + (kb_start * BLOCK_K + offs_k[:, None]) * stride_bk
+    )
     as_ptrs = as_ptr + offs_am * stride_asm
     bs_ptrs = bs_ptr + (offs_bn // group_n) * stride_bsn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(kb_start, kb_end):
         k_left = K - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
@@ -114,24 +122,29 @@ def _block_fp8_matmul_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_ptrs = c_ptr + pid_k * stride_cs + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-def _dense_config(m: int, n: int) -> dict[str, int]:
-    """Tile sizes by shape (no autotuning: a tuning run inside graph capture would break it).
+_NUM_PROGRAMS_TARGET = 264  # ~2 per SM of an H100 (132 SMs): enough loads in flight for HBM
 
-    Decode-sized M is memory-bound: the smallest M tile tl.dot allows, and N tiles small enough
-    that the launch still covers every SM (~2 x 132 programs) so the weight stream saturates HBM.
-    Larger M: the square tiles of SGLang's default config."""
-    if m <= 64:
-        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-        block_n = 128
-        while block_n > 32 and triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < 264:
-            block_n //= 2
-        return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 4}
-    return {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
+
+def _dense_config(m: int, n: int, k: int) -> dict[str, int]:
+    """Tile sizes and K splits by shape (no autotuning: a tuning run inside graph capture would
+    break it).
+
+    Decode-sized M is memory-bound: the smallest M tile tl.dot allows, N tiles of 64, and the K
+    loop split over `split_k` programs until the launch covers every SM about twice, so that
+    enough weight loads are in flight to saturate HBM (o_proj at M = 1 would otherwise be 32
+    programs on 132 SMs). The split partials are summed in fp32 afterwards ([split, M, N], tiny
+    at these M). Larger M: SGLang's default tiles, no split."""
+    if m > 64:
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "split_k": 1, "num_warps": 4, "num_stages": 3}
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, 64)
+    split_k = max(1, min(_NUM_PROGRAMS_TARGET // tiles, triton.cdiv(k, _GROUP_K) // 2))
+    return {"BLOCK_M": block_m, "BLOCK_N": 64, "split_k": split_k, "num_warps": 4, "num_stages": 4}
 
 
 def w8a8_block_fp8_matmul_triton(
@@ -140,24 +153,35 @@ def w8a8_block_fp8_matmul_triton(
     w_q: torch.Tensor,
     w_s: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    split_k: int | None = None,
 ) -> torch.Tensor:
-    """x_q [M, K] e4m3, x_s [M, Kb] fp32, w_q [N, K] e4m3, w_s [N/bn, Kb] fp32 -> [M, N]."""
+    """x_q [M, K] e4m3, x_s [M, Kb] fp32, w_q [N, K] e4m3, w_s [N/bn, Kb] fp32 -> [M, N].
+    `split_k` overrides the shape's K split (tests)."""
     m, k = x_q.shape
     n = w_q.shape[0]
     group_n = _group_n(n, w_s.shape[0])
-    out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     if m == 0:
-        return out
-    cfg = _dense_config(m, n)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+        return torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    cfg = _dense_config(m, n, k)
+    num_kb = triton.cdiv(k, _GROUP_K)
+    kb_per_split = triton.cdiv(num_kb, split_k or cfg["split_k"])
+    splits = triton.cdiv(num_kb, kb_per_split)  # every split has at least one K block
+    out = (
+        torch.empty((1, m, n), dtype=out_dtype, device=x_q.device)
+        if splits == 1
+        else torch.empty((splits, m, n), dtype=torch.float32, device=x_q.device)
+    )
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), splits)
     _block_fp8_matmul_kernel[grid](
-        x_q, w_q, out, x_s, w_s, m, n, k, group_n,
-        x_q.stride(0), x_q.stride(1), w_q.stride(0), w_q.stride(1), out.stride(0), out.stride(1),
+        x_q, w_q, out, x_s, w_s, m, n, k, group_n, kb_per_split,
+        x_q.stride(0), x_q.stride(1), w_q.stride(0), w_q.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
         x_s.stride(0), x_s.stride(1), w_s.stride(0), w_s.stride(1),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_GROUP_K, GROUP_M=8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    return out
+    return out[0] if splits == 1 else out.sum(0).to(out_dtype)
 
 
 def _group_n(n: int, scale_rows: int) -> int:

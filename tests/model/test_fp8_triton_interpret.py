@@ -49,14 +49,16 @@ def test_quant_kernel_scales() -> None:
     assert s_col.stride() == (1, 3) and torch.equal(s_col, s)
 
 
+@pytest.mark.parametrize(("k", "split_k"), [(200, None), (200, 1), (700, 4), (700, 6)])
 @pytest.mark.parametrize("per_row", [False, True])
-def test_dense_gemm(per_row: bool) -> None:
+def test_dense_gemm(k: int, split_k: int | None, per_row: bool) -> None:
+    """K 700 = 5 full blocks + a partial one; split 4 -> 3 programs of 2 blocks, 6 -> 6 of 1."""
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(3, 200, generator=g), torch.randn(72, 200, generator=g)
+    x, w = torch.randn(3, k, generator=g), torch.randn(72, k, generator=g)
     x_q, x_s = per_token_group_quant_fp8_torch(x)
     q, s = quantize_weight_block(w)
     s_used = expand_scale_rows(s, 72) if per_row else s
-    y = w8a8_block_fp8_matmul_triton(x_q, x_s, q, s_used, out_dtype=torch.float32)
+    y = w8a8_block_fp8_matmul_triton(x_q, x_s, q, s_used, out_dtype=torch.float32, split_k=split_k)
     assert rel(y, block_fp8_matmul_reference(x_q, x_s, q, s)) < MAX_REL
 
 
