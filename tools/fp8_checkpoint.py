@@ -34,6 +34,8 @@ QUANTIZED_KEY = re.compile(
     r"^model\.layers\.\d+\.(?:self_attn\.(?:q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj"
     r"|o_proj)|mlp\.(?:shared_experts\.|experts\.\d+\.)?(?:gate_proj|up_proj|down_proj))\.weight$"
 )
+# transformers' fused experts ([E, 2I, H] gate|up, [E, H, I] down), written out per expert.
+FUSED_EXPERTS_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 QUANTIZATION_CONFIG = {
     "quant_method": "fp8",
     "fmt": "e4m3",
@@ -122,12 +124,24 @@ def quantize_checkpoint_fp8_block(
     if scale_name not in ("weight_scale_inv", "scale"):
         raise ValueError(f"scale_name: expected 'weight_scale_inv' or 'scale', got {scale_name!r}")
 
-    def convert(key: str, tensor: torch.Tensor, _: dict) -> dict[str, torch.Tensor]:
-        if not QUANTIZED_KEY.match(key):
-            return {key: tensor}
+    def quantized(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         q, s = _quantize(tensor.to(device))
-        scale_key = key.removesuffix("weight") + scale_name
-        return {key: q.cpu(), scale_key: s.cpu()}
+        return {key: q.cpu(), key.removesuffix("weight") + scale_name: s.cpu()}
+
+    def convert(key: str, tensor: torch.Tensor, _: dict) -> dict[str, torch.Tensor]:
+        fused = FUSED_EXPERTS_KEY.match(key)
+        if fused and tensor.dim() == 3:  # transformers' in-memory layout -> published per-expert
+            base, proj = fused.group(1), fused.group(2)
+            out: dict[str, torch.Tensor] = {}
+            for e, w in enumerate(tensor):
+                if proj == "down_proj":
+                    out.update(quantized(f"{base}.{e}.down_proj.weight", w))
+                else:
+                    gate, up = w.chunk(2, dim=0)
+                    out.update(quantized(f"{base}.{e}.gate_proj.weight", gate))
+                    out.update(quantized(f"{base}.{e}.up_proj.weight", up))
+            return out
+        return quantized(key, tensor) if QUANTIZED_KEY.match(key) else {key: tensor}
 
     def edit(config: dict) -> None:
         config["quantization_config"] = dict(QUANTIZATION_CONFIG)

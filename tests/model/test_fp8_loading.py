@@ -19,7 +19,9 @@ from safetensors.torch import load_file, save_file
 
 from mlaserve.config import ConfigError, ModelConfig, QuantizationConfig
 from mlaserve.model import WeightLoadError, load_model
+from tests.checkpoints import make_checkpoint
 from tests.model.fp8_checkpoints import fp8_pair, max_rel, prompt_logits, token_rel
+from tools.fp8_checkpoint import quantize_checkpoint_fp8_block
 
 FP32_MAX_REL = 1e-4
 # keep_fp8 on CPU = the emulated FP8 math: activations quantised per token and 128-group to
@@ -243,3 +245,29 @@ def test_float_weight_in_fp8_checkpoint_is_quantised_on_load(
     assert o_proj.weight.dtype == torch.float8_e4m3fn
     back = o_proj.weight.float() * o_proj.weight_scale_inv
     assert max_rel(back, w) < 0.07  # one e4m3 rounding (2^-4) of a bf16 rounding
+
+
+def test_tool_writes_fused_experts_per_expert(tmp_path: Path) -> None:
+    """transformers' fused expert tensors come out as the published per-expert FP8 tensors."""
+    src = make_checkpoint(tmp_path / "src", "v3_moe")
+    config = ModelConfig.from_pretrained(src)
+    fused = tmp_path / "fused"
+    shutil.copytree(src, fused)
+    state = load_file(fused / "model.safetensors")
+    for layer in range(config.first_k_dense_replace, config.num_hidden_layers):
+        base = f"model.layers.{layer}.mlp.experts"
+        experts = range(config.n_routed_experts or 0)
+        gate_up = [
+            torch.cat([state.pop(f"{base}.{e}.{p}.weight") for p in ("gate_proj", "up_proj")])
+            for e in experts
+        ]
+        state[f"{base}.gate_up_proj"] = torch.stack(gate_up)
+        state[f"{base}.down_proj"] = torch.stack(
+            [state.pop(f"{base}.{e}.down_proj.weight") for e in experts]
+        )
+    save_file(state, fused / "model.safetensors", metadata={"format": "pt"})
+    a = load_file(quantize_checkpoint_fp8_block(src, tmp_path / "a") / "model.safetensors")
+    b = load_file(quantize_checkpoint_fp8_block(fused, tmp_path / "b") / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key].float(), b[key].float()), key

@@ -192,12 +192,23 @@ class FusedExperts(nn.Module):
         scale: torch.Tensor | None = None,
     ) -> None:
         """One expert's FP8 `gate_proj`/`up_proj` [I, H] (shard_id 0/1) or `down_proj` [H, I]
-        with its block `scale` (a float tensor is quantised here). The fused whole-layer form is
-        not published with FP8 scales and is refused."""
+        with its block `scale` (a float tensor is quantised here). The fused whole-layer form
+        (`experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I]) is accepted in float
+        only: FP8 checkpoints publish per-expert tensors, and no fused scale layout exists."""
         assert self.quant is not None  # internal: only set as loader of FP8 parameters
-        if expert_id is None:
-            raise ValueError("FP8 experts must come one tensor per expert (experts.{e}.*)")
         h, i = self.hidden_size, self.intermediate_size
+        if expert_id is None:
+            if scale is not None:
+                raise ValueError("FP8 experts must come one tensor per expert (experts.{e}.*)")
+            down = param is self.down_proj
+            check_shape(loaded, (self.num_experts, h, i) if down else (self.num_experts, 2 * i, h))
+            for e in range(self.num_experts):
+                if down:
+                    self.fp8_weight_loader(param, loaded[e], e)
+                else:
+                    for s in (0, 1):
+                        self.fp8_weight_loader(param, loaded[e, s * i : (s + 1) * i], e, s)
+            return
         if param is self.down_proj:
             check_shape(loaded, (h, i))
             dst_scale, row, per_row = self.down_proj_scale_inv, 0, False
