@@ -451,7 +451,10 @@ class EngineConfig:
             return resolve_torch_dtype(self.dtype)
         if self.resolved_device().type == "cpu":
             return torch.float32
-        dtype = resolve_torch_dtype(model_config.torch_dtype)
+        name = model_config.torch_dtype
+        if model_config.quantization is not None and name not in MODEL_DTYPES:
+            name = "bfloat16"  # e.g. "float8_e4m3fn": FP8 block checkpoints compute in bf16
+        dtype = resolve_torch_dtype(name)
         return torch.bfloat16 if dtype == torch.float32 else dtype
 
     def resolved_kv_cache_dtype(self, model_config: ModelConfig) -> torch.dtype:

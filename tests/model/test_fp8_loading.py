@@ -271,3 +271,19 @@ def test_tool_writes_fused_experts_per_expert(tmp_path: Path) -> None:
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key].float(), b[key].float()), key
+
+
+def test_engine_serves_an_fp8_checkpoint(pair: Callable[..., tuple[Path, Path]]) -> None:
+    """End to end through LLM on CPU: the FP8 checkpoint generates what its dequantised twin
+    generates (greedy, batched)."""
+    from mlaserve import LLM, SamplingParams
+
+    fp8, plain = pair("v3_moe", False)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [[5, 17, 99, 3], [200, 7, 7, 41, 8, 150]]
+    outs = []
+    for path in (fp8, plain):
+        llm = LLM(str(path), device="cpu", dtype="float32", kv_cache_dtype="auto", page_size=4)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1]
+    assert all(len(ids) == 8 for ids in outs[0])
