@@ -90,10 +90,13 @@ def bench_dense(name: str, n: int, k: int, ms: list[int], iters: int) -> list[di
         )
         sm90 = torch.cuda.get_device_capability()[0] == 9
         if sm90 and m >= 16 and n % 128 == 0 and k % 128 == 0:
-            row["torch_us"] = graph_time_us(
-                lambda i, x=x: block_fp8_linear(x, *w8[i % copies], backend="torch_blockwise"),
-                iters,
-            )
+            try:
+                row["torch_us"] = graph_time_us(
+                    lambda i, x=x: block_fp8_linear(x, *w8[i % copies], backend="torch_blockwise"),
+                    iters,
+                )
+            except RuntimeError as e:  # record a rejected shape instead of losing the run
+                row["torch_error"] = str(e).splitlines()[0][:200]
         row["bf16_floor_us"] = 2 * n * k / HBM_BYTES_PER_S * 1e6
         row["fp8_floor_us"] = (n * k + 4 * w8[0][1].numel()) / HBM_BYTES_PER_S * 1e6
         rows.append(row)
