@@ -92,10 +92,11 @@ def _block_fp8_matmul_kernel(
     group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
     pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
     pid_n = (pid % num_pid_in_group) // group_size_m
-    # Split K (axis 1): this program sums K blocks [kb_start, kb_end) into its own partial.
+    # Split K (axis 1): this program sums K blocks [kb_start, kb_start + kb_per_split) into its
+    # own partial; blocks past the last one (only in the last split) are masked to zero.
     pid_k = tl.program_id(1)
     kb_start = pid_k * kb_per_split
-    kb_end = tl.minimum(kb_start + kb_per_split, tl.cdiv(K, BLOCK_K))
+    num_kb = tl.cdiv(K, BLOCK_K)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -112,12 +113,14 @@ def _block_fp8_matmul_kernel(
     bs_ptrs = bs_ptr + (offs_bn // group_n) * stride_bsn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(kb_start, kb_end):
-        k_left = K - kb * BLOCK_K
+    for i in range(0, kb_per_split):
+        kb = kb_start + i
+        k_left = K - kb * BLOCK_K  # <= 0 past the last block: every load masked
         a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        a_s = tl.load(as_ptrs + kb * stride_ask)
-        b_s = tl.load(bs_ptrs + kb * stride_bsk)
+        kb_s = tl.minimum(kb, num_kb - 1)  # in bounds; a and b are zero past the end anyway
+        a_s = tl.load(as_ptrs + kb_s * stride_ask)
+        b_s = tl.load(bs_ptrs + kb_s * stride_bsk)
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk

@@ -18,16 +18,46 @@ import torch
 if torch.cuda.is_available():
     pytest.skip("CUDA machine: the compiled kernels are tested instead", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are defined, at import
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
-from mlaserve.ops.fp8_gemm import block_fp8_matmul_reference
-from mlaserve.ops.fp8_grouped_gemm import align_blocks
-from mlaserve.ops.fp8_quant import (
+
+@triton.jit
+def _runtime_loop_probe(out_ptr, n):
+    acc = 0.0
+    for _ in range(0, n):
+        acc += 1.0
+    tl.store(out_ptr, acc)
+
+
+def _interpreter_runs_runtime_loops() -> bool:
+    """Triton 3.6's interpreter with numpy >= 2.4 cannot run a loop with a runtime bound
+    (int() of a 1-element array, an error since numpy 2.4); Triton 3.9's can."""
+    out = torch.zeros(1)
+    try:
+        _runtime_loop_probe[(1,)](out, 3)
+    except Exception:  # triton.runtime.errors.InterpreterError
+        return False
+    return out.item() == 3.0
+
+
+if not _interpreter_runs_runtime_loops():
+    import numpy
+
+    pytest.skip(
+        f"Triton {triton.__version__}'s interpreter cannot run runtime loop bounds with numpy "
+        f"{numpy.__version__} (works with Triton 3.9)",
+        allow_module_level=True,
+    )
+
+from mlaserve.ops.fp8_gemm import block_fp8_matmul_reference  # noqa: E402
+from mlaserve.ops.fp8_grouped_gemm import align_blocks  # noqa: E402
+from mlaserve.ops.fp8_quant import (  # noqa: E402
     expand_scale_rows,
     per_token_group_quant_fp8_torch,
     quantize_weight_block,
 )
-from mlaserve.ops.fp8_triton import (
+from mlaserve.ops.fp8_triton import (  # noqa: E402
     grouped_block_fp8_matmul_triton,
     per_token_group_quant_fp8_triton,
     w8a8_block_fp8_matmul_triton,
