@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from mlaserve.config import ModelConfig
+from mlaserve.config import ModelConfig, QuantizationConfig
 from mlaserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from mlaserve.model.layers.linear import NO_TP, TensorParallel
 from mlaserve.model.layers.mla import MLAAttention
@@ -44,9 +44,10 @@ class DeepseekDecoderLayer(nn.Module):
         *,
         params_dtype: torch.dtype = torch.float32,
         tp: TensorParallel = NO_TP,
+        quant: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
-        kw = {"params_dtype": params_dtype, "tp": tp}
+        kw = {"params_dtype": params_dtype, "tp": tp, "quant": quant}
         self.self_attn = MLAAttention(config, layer_id, **kw)
         self.mlp: DeepseekMoE | DeepseekMLP
         if config.is_moe_layer(layer_id):
@@ -74,6 +75,7 @@ class DeepseekModel(nn.Module):
         *,
         params_dtype: torch.dtype = torch.float32,
         tp: TensorParallel = NO_TP,
+        quant: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
@@ -81,7 +83,7 @@ class DeepseekModel(nn.Module):
         )
         self.rotary_emb = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, i, params_dtype=params_dtype, tp=tp)
+            DeepseekDecoderLayer(config, i, params_dtype=params_dtype, tp=tp, quant=quant)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=params_dtype)
@@ -96,7 +98,11 @@ class DeepseekModel(nn.Module):
 
 
 class DeepseekForCausalLM(nn.Module):
-    """The served model. Build it with `mlaserve.model.load_model`."""
+    """The served model. Build it with `mlaserve.model.load_model`.
+
+    `quant`: keep the checkpoint's FP8 block weights in FP8 (attention and MLP/expert linears
+    except kv_b_proj; embeddings, LM head, norms and router stay in params_dtype). None: every
+    weight in params_dtype (an FP8 checkpoint is then dequantised by the loader)."""
 
     def __init__(
         self,
@@ -105,10 +111,11 @@ class DeepseekForCausalLM(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         tp: TensorParallel = NO_TP,
         with_mtp: bool = False,
+        quant: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = DeepseekModel(config, params_dtype=params_dtype, tp=tp)
+        self.model = DeepseekModel(config, params_dtype=params_dtype, tp=tp, quant=quant)
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, params_dtype=params_dtype, tp=tp
         )
@@ -118,7 +125,7 @@ class DeepseekForCausalLM(nn.Module):
         if with_mtp:
             from mlaserve.model.mtp import DeepseekMTP
 
-            self.mtp = DeepseekMTP(config, params_dtype=params_dtype, tp=tp)
+            self.mtp = DeepseekMTP(config, params_dtype=params_dtype, tp=tp, quant=quant)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

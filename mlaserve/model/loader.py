@@ -12,6 +12,14 @@ Checkpoint key -> parameter mapping (the only places our names differ from HF's)
 FP8-KV checkpoints may carry a per-layer latent-cache scale (`model.layers.{i}.self_attn.k_scale`,
 or `kv_scale`, or under `self_attn.attn.`): `load_kv_scales` reads those for the KV pool.
 
+FP8 block-quantized checkpoints (config.json `quantization_config`, DeepSeek-V3/R1/Kimi-K2):
+every F8_E4M3 weight `X.weight` [N, K] comes with `X.weight_scale_inv` (or `X.scale`, as some
+re-exports name it) of shape [ceil(N/128), ceil(K/128)], float, finite and > 0; anything else is
+a `WeightLoadError` naming the tensor. Where the model keeps FP8 (`keep_fp8`, default on CUDA
+SM89+ with Triton) weight and scale go to the layer as they are; elsewhere (CPU: the reference
+the tests run) the weight is dequantised (W = W_fp8 * scale, fp32) and cast to the model dtype.
+`kv_b_proj` (and MTP's `eh_proj`) are always dequantised: see `mla.py`.
+
 Each tensor goes through its parameter's `weight_loader` (which takes this rank's TP shard)
 and is cast to the parameter dtype. Every failure raises `WeightLoadError` naming the key.
 """
@@ -31,13 +39,16 @@ from safetensors import safe_open
 from mlaserve.config import ModelConfig
 from mlaserve.model.deepseek import DeepseekForCausalLM
 from mlaserve.model.layers.linear import NO_TP, TensorParallel, default_weight_loader
+from mlaserve.ops.fp8_quant import FP8_DTYPE, dequantize_weight_block, triton_available
 
-__all__ = ["WeightLoadError", "load_kv_scales", "load_model", "load_weights"]
+__all__ = ["WeightLoadError", "fp8_runs_on", "load_kv_scales", "load_model", "load_weights"]
 
 logger = logging.getLogger(__name__)
 
 _MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+_FP8_DTYPE = "F8_E4M3"
+_SCALE_SUFFIXES = ("weight_scale_inv", "scale")  # X.weight -> X.weight_scale_inv | X.scale
 _KV_SCALE_KEY = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:attn\.)?(?:k_scale|kv_scale)$")
 # MTP copies that some checkpoints drop; absent ones are tied to the main model's.
 _MTP_TIED = {
@@ -63,12 +74,19 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     tp: TensorParallel = NO_TP,
+    keep_fp8: bool | None = None,
 ) -> DeepseekForCausalLM:
     """Build the model on `device` in `dtype`, load the checkpoint at `path`, eval mode, no grad.
 
-    The MTP module is built when the config asks for one and the checkpoint carries it."""
+    The MTP module is built when the config asks for one and the checkpoint carries it.
+    `keep_fp8` (FP8 checkpoints only): keep the block-quantized weights in FP8 and run block-FP8
+    GEMMs; None = `fp8_runs_on(device)`. False dequantises them to `dtype` at load. True on CPU
+    runs the emulated FP8 math (tests)."""
     if dtype not in _MODEL_DTYPES:
         raise WeightLoadError(f"dtype: expected one of {_MODEL_DTYPES}, got {dtype}")
+    if keep_fp8 is None:
+        keep_fp8 = fp8_runs_on(torch.device(device))
+    quant = model_config.quantization if keep_fp8 else None
     path = Path(path)
     index = _index_checkpoint(path)
     mtp_prefix = f"model.layers.{model_config.num_hidden_layers}."
@@ -78,10 +96,20 @@ def load_model(
     if model_config.num_nextn_predict_layers > 0 and not with_mtp:
         logger.info("config has num_nextn_predict_layers but %s has no MTP weights", path)
     with torch.device(device):
-        model = DeepseekForCausalLM(model_config, params_dtype=dtype, tp=tp, with_mtp=with_mtp)
+        model = DeepseekForCausalLM(
+            model_config, params_dtype=dtype, tp=tp, with_mtp=with_mtp, quant=quant
+        )
     load_weights(model, path, index)
     model.process_weights_after_loading()
     return model.eval().requires_grad_(False)
+
+
+def fp8_runs_on(device: torch.device) -> bool:
+    """Whether FP8 block weights stay FP8 on `device`: CUDA with FP8 tensor cores (SM89+) and
+    Triton for the decode-sized GEMMs. Elsewhere they are dequantised at load."""
+    if device.type != "cuda" or not triton_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def load_weights(
@@ -94,28 +122,42 @@ def load_weights(
     routes: dict[str, _Route] = {}
     required: dict[str, tuple[list[str], str | None]] = {}
     for name in params:
+        if name.endswith("_scale_inv"):  # FP8 block scales: written by their weight's loader
+            continue
         keys, fused = _checkpoint_keys(name, config)
         required[name] = ([key for key, _ in keys], fused)
         routes.update({key: _Route(name, kwargs) for key, kwargs in keys})
         if fused is not None:
             routes[fused] = _Route(name, {})
 
+    scales = _fp8_scale_keys(index, config, path)  # FP8 weight key -> its scale's key
+    consumed = set(scales.values())
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in sorted({file for file, _ in index.values()}):
         with safe_open(file, framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if key in consumed:
+                    continue
                 route = routes.get(key)
                 if route is None:
                     unexpected.append(key)
                     continue
                 dtype = index[key][1]
-                if dtype not in _FLOAT_DTYPES:
+                if dtype not in _FLOAT_DTYPES and dtype != _FP8_DTYPE:
                     raise WeightLoadError(f"{key}: unsupported weight dtype {dtype}")
                 param = params[route.param_name]
                 loader = getattr(param, "weight_loader", default_weight_loader)
+                tensor = f.get_tensor(key)
+                kwargs = route.kwargs
+                if dtype == _FP8_DTYPE:
+                    scale = _read_block_scale(index, scales[key], tensor.shape)
+                    if param.dtype == FP8_DTYPE:  # the layer keeps FP8: hand it both
+                        kwargs = {**kwargs, "scale": scale}
+                    else:  # dequantise once, here (CPU; kv_b_proj; eh_proj)
+                        tensor = dequantize_weight_block(tensor, scale)
                 try:
-                    loader(param, f.get_tensor(key), **route.kwargs)
+                    loader(param, tensor, **kwargs)
                 except ValueError as e:
                     raise WeightLoadError(f"{key} in {file.name}: {e}") from None
                 loaded.add(key)
@@ -166,6 +208,64 @@ def _checkpoint_keys(name: str, config: ModelConfig) -> tuple[list[tuple[str, di
     return [(hf, {})], None
 
 
+def _fp8_scale_keys(
+    index: dict[str, tuple[Path, str]], config: ModelConfig, path: Path
+) -> dict[str, str]:
+    """Every F8_E4M3 tensor's block-scale key (`X.weight_scale_inv` or `X.scale`)."""
+    fp8 = [key for key, (_, dtype) in index.items() if dtype == _FP8_DTYPE]
+    if not fp8:
+        return {}
+    if config.quantization is None:
+        raise WeightLoadError(
+            f"{path}: {fp8[0]} is {_FP8_DTYPE} but config.json declares no quantization_config "
+            "(FP8 block-quantized weights need quant_method 'fp8' with weight_block_size "
+            "[128, 128])"
+        )
+    scales: dict[str, str] = {}
+    for key in fp8:
+        if not key.endswith(".weight"):
+            raise WeightLoadError(f"{key}: only linear weights (*.weight) may be FP8")
+        base = key.removesuffix("weight")
+        candidates = [base + suffix for suffix in _SCALE_SUFFIXES]
+        found = [c for c in candidates if c in index]
+        if not found:
+            raise WeightLoadError(
+                f"{key}: FP8 weight has no block scale (expected {candidates[0]} or "
+                f"{candidates[1]})"
+            )
+        scales[key] = found[0]
+    return scales
+
+
+def _read_block_scale(
+    index: dict[str, tuple[Path, str]], key: str, weight_shape: torch.Size
+) -> torch.Tensor:
+    """The fp32 block scale `key` of a weight of `weight_shape`, checked: float, shape
+    [ceil(N/128), ceil(K/128)], every value finite and > 0."""
+    file, dtype = index[key]
+    if dtype not in _FLOAT_DTYPES:
+        raise WeightLoadError(f"{key}: block scale must be a float tensor, got dtype {dtype}")
+    if len(weight_shape) != 2:
+        raise WeightLoadError(f"{key}: block scales need a 2-D weight, got {list(weight_shape)}")
+    with safe_open(file, framework="pt", device="cpu") as f:
+        scale = f.get_tensor(key).float()
+    n, k = weight_shape
+    expected = [-(-n // 128), -(-k // 128)]
+    if list(scale.shape) != expected:
+        raise WeightLoadError(
+            f"{key}: block scale shape {list(scale.shape)} does not match the weight's "
+            f"{list(weight_shape)} in 128x128 blocks (expected {expected})"
+        )
+    bad = ~(torch.isfinite(scale) & (scale > 0))
+    if bad.any():
+        value = scale[bad][0].item()
+        raise WeightLoadError(
+            f"{key}: block scale is corrupt ({int(bad.sum())} values not finite and > 0, "
+            f"e.g. {value})"
+        )
+    return scale
+
+
 def _hf_name(name: str, config: ModelConfig) -> str:
     if not name.startswith("mtp."):
         return name
@@ -202,20 +302,13 @@ def _is_ignorable(key: str, config: ModelConfig) -> bool:
 
 
 def _index_checkpoint(path: Path) -> dict[str, tuple[Path, str]]:
-    """key -> (file, safetensors dtype string), from the headers only. Rejects FP8 checkpoints."""
+    """key -> (file, safetensors dtype string), from the headers only."""
     files = _checkpoint_files(path)
     index: dict[str, tuple[Path, str]] = {}
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118
                 index[key] = (file, f.get_slice(key).get_dtype())
-    fp8 = [k for k, (_, dt) in index.items() if dt.startswith("F8") or k.endswith("_scale_inv")]
-    if fp8:
-        raise WeightLoadError(
-            f"{path}: FP8 block-quantized weights are not supported (e.g. {fp8[0]} is "
-            f"{index[fp8[0]][1]}); convert the checkpoint to bf16 first (DeepSeek-V3's "
-            "inference/fp8_cast_bf16.py does this)"
-        )
     return index
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from mlaserve.config import ModelConfig
+from mlaserve.config import ModelConfig, QuantizationConfig
 from mlaserve.model.deepseek import DeepseekDecoderLayer
 from mlaserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from mlaserve.model.layers.linear import NO_TP, ReplicatedLinear, TensorParallel
@@ -53,6 +53,7 @@ class DeepseekMTP(nn.Module):
         *,
         params_dtype: torch.dtype = torch.float32,
         tp: TensorParallel = NO_TP,
+        quant: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
@@ -63,9 +64,10 @@ class DeepseekMTP(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
         self.enorm = RMSNorm(hidden, eps, params_dtype=params_dtype)
         self.hnorm = RMSNorm(hidden, eps, params_dtype=params_dtype)
+        # eh_proj is bf16 in the published FP8 checkpoints (an FP8 one is dequantised at load).
         self.eh_proj = ReplicatedLinear(2 * hidden, hidden, params_dtype=params_dtype, tp=tp)
         self.block = DeepseekDecoderLayer(
-            config, self.layer_id, params_dtype=params_dtype, tp=tp
+            config, self.layer_id, params_dtype=params_dtype, tp=tp, quant=quant
         )  # checkpoint: model.layers.{N}.{self_attn,mlp,*_layernorm}
         self.shared_head = SharedHead(config, params_dtype, tp)
 

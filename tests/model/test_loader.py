@@ -168,7 +168,9 @@ def test_shape_mismatch_is_named(checkpoint: Checkpoint, tmp_path: Path) -> None
         load(path)
 
 
-def test_fp8_weights_are_rejected(checkpoint: Checkpoint, tmp_path: Path) -> None:
+def test_fp8_weights_need_quantization_config(checkpoint: Checkpoint, tmp_path: Path) -> None:
+    """FP8 tensors in a checkpoint whose config.json declares no quantization_config (FP8
+    checkpoints themselves: tests/model/test_fp8_loading.py)."""
     key = "model.layers.0.self_attn.q_a_proj.weight"
 
     def quantize(state: dict[str, torch.Tensor]) -> None:
@@ -176,15 +178,15 @@ def test_fp8_weights_are_rejected(checkpoint: Checkpoint, tmp_path: Path) -> Non
         state[key + "_scale_inv"] = torch.ones(1, 1)
 
     path = copy_with(checkpoint("v3_moe"), tmp_path / "fp8", quantize)
-    with pytest.raises(WeightLoadError, match="FP8 block-quantized weights are not supported"):
+    with pytest.raises(WeightLoadError, match=r"F8_E4M3 but config\.json declares no quantization"):
         load(path)
 
 
-def test_quantization_config_is_rejected(checkpoint: Checkpoint, tmp_path: Path) -> None:
+def test_incomplete_quantization_config_is_rejected(checkpoint: Checkpoint, tmp_path: Path) -> None:
     path = tmp_path / "quant"
     shutil.copytree(checkpoint("v3_moe"), path)
     edit_config(path, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
-    with pytest.raises(ConfigError, match="quantization_config"):
+    with pytest.raises(ConfigError, match=r"quantization_config\.fmt: missing"):
         ModelConfig.from_pretrained(path)
 
 

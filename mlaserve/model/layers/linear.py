@@ -13,6 +13,10 @@ copies this rank's shard into the parameter:
 The collective ops are not wired yet: a forward with `tp.size > 1` raises NotImplementedError.
 A weight whose full shape is wrong raises `ValueError` naming expected and got shapes; the
 weight loader turns that into a `WeightLoadError` naming the checkpoint key.
+
+Built with `quant` (a `QuantizationConfig`), a layer keeps its weight in FP8 with 128 x 128
+block scales (`weight_scale_inv`, layout in `fp8_linear.py`) and runs `block_fp8_linear`; its
+weight loader then also takes the checkpoint's `scale`. FP8 layers are single-rank for now.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mlaserve.config import QuantizationConfig
+from mlaserve.model.layers.fp8_linear import copy_block_rows, make_fp8_weight, needs_per_row_scales
+from mlaserve.ops.fp8_gemm import block_fp8_linear
 
 __all__ = [
     "NO_TP",
@@ -84,7 +92,8 @@ def _shard(loaded: torch.Tensor, dim: int, tp: TensorParallel) -> torch.Tensor:
 class _Linear(nn.Module):
     """y = x @ W.T (+ b), W [out_local, in_local] in `params_dtype` on the current device.
 
-    `split_dim` is the weight dimension divided over TP ranks (None: replicated)."""
+    `split_dim` is the weight dimension divided over TP ranks (None: replicated). With `quant`,
+    W is [out, in] float8_e4m3fn plus `weight_scale_inv` (see `fp8_linear.py`)."""
 
     split_dim: ClassVar[int | None] = None
 
@@ -96,15 +105,27 @@ class _Linear(nn.Module):
         bias: bool = False,
         params_dtype: torch.dtype = torch.float32,
         tp: TensorParallel = NO_TP,
+        quant: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
         out_local = tp.split(out_features, "out_features") if self.split_dim == 0 else out_features
         in_local = tp.split(in_features, "in_features") if self.split_dim == 1 else in_features
-        self.weight = nn.Parameter(
-            torch.empty(out_local, in_local, dtype=params_dtype), requires_grad=False
-        )
-        self.weight.weight_loader = self.weight_loader
+        self.quant = quant
+        self.weight_scale_inv: nn.Parameter | None = None
+        if quant is None:
+            self.weight = nn.Parameter(
+                torch.empty(out_local, in_local, dtype=params_dtype), requires_grad=False
+            )
+            self.weight.weight_loader = self.weight_loader
+        else:
+            if tp.size > 1:
+                raise NotImplementedError("FP8 block weights under tensor parallelism: not wired")
+            self.per_row_scales = needs_per_row_scales(self.stacked_sizes(), quant)
+            self.weight, self.weight_scale_inv = make_fp8_weight(
+                (), out_local, in_local, quant, per_row=self.per_row_scales
+            )
+            self.weight.weight_loader = self.fp8_weight_loader
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(
@@ -112,8 +133,41 @@ class _Linear(nn.Module):
             )
             self.bias.weight_loader = self.weight_loader
 
+    def stacked_sizes(self) -> list[int]:
+        """Output rows of each checkpoint tensor stored in the weight, in order."""
+        return [self.out_features]
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out]: F.linear, or the block-FP8 GEMM for an FP8 weight."""
+        if self.weight_scale_inv is None:
+            return F.linear(x, self.weight, bias)
+        return block_fp8_linear(x, self.weight, self.weight_scale_inv, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
+
+    def fp8_weight_loader(
+        self,
+        param: nn.Parameter,
+        loaded: torch.Tensor,
+        shard_id: int | None = None,
+        scale: torch.Tensor | None = None,
+    ) -> None:
+        """FP8 weight: `loaded` [n, in] e4m3 with its block `scale` (or a float tensor, which is
+        quantised here); `shard_id` picks the stacked tensor (gate/up) it is."""
+        assert self.quant is not None and self.weight_scale_inv is not None  # internal
+        sizes = self.stacked_sizes()
+        index = 0 if shard_id is None else shard_id
+        check_shape(loaded, (sizes[index], self.in_features))
+        copy_block_rows(
+            param.data,
+            self.weight_scale_inv.data,
+            loaded,
+            scale,
+            sum(sizes[:index]),
+            self.quant,
+            per_row=self.per_row_scales,
+        )
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """`loaded` is the full checkpoint tensor; keep this rank's slice of it."""
@@ -150,11 +204,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         *,
         params_dtype: torch.dtype = torch.float32,
         tp: TensorParallel = NO_TP,
+        quant: QuantizationConfig | None = None,
     ) -> None:
         for size in output_sizes:
             tp.split(size, "MergedColumnParallelLinear output size")
         self.output_sizes = list(output_sizes)
-        super().__init__(in_features, sum(output_sizes), params_dtype=params_dtype, tp=tp)
+        super().__init__(
+            in_features, sum(output_sizes), params_dtype=params_dtype, tp=tp, quant=quant
+        )
+
+    def stacked_sizes(self) -> list[int]:
+        return list(self.output_sizes)
 
     def weight_loader(  # type: ignore[override]
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int
@@ -182,12 +242,15 @@ class RowParallelLinear(_Linear):
         params_dtype: torch.dtype = torch.float32,
         tp: TensorParallel = NO_TP,
         reduce_output: bool = True,
+        quant: QuantizationConfig | None = None,
     ) -> None:
-        super().__init__(in_features, out_features, bias=bias, params_dtype=params_dtype, tp=tp)
+        super().__init__(
+            in_features, out_features, bias=bias, params_dtype=params_dtype, tp=tp, quant=quant
+        )
         self.reduce_output = reduce_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x)
         if self.reduce_output:
             y = all_reduce(y, self.tp)
         # NOTE: the bias is added once, after the sum over ranks.

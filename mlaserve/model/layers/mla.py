@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from mlaserve.config import ModelConfig
+from mlaserve.config import ModelConfig, QuantizationConfig
 from mlaserve.model.layers.linear import (
     NO_TP,
     ColumnParallelLinear,
@@ -49,6 +49,7 @@ class MLAAttention(nn.Module):
         *,
         params_dtype: torch.dtype = torch.float32,
         tp: TensorParallel = NO_TP,
+        quant: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -61,7 +62,7 @@ class MLAAttention(nn.Module):
         self.rope_interleaved = config.model_type == "deepseek_v2" or config.rope_interleave
         h, hidden = config.num_attention_heads, config.hidden_size
         bias = config.attention_bias
-        kw = {"params_dtype": params_dtype, "tp": tp}
+        kw = {"params_dtype": params_dtype, "tp": tp, "quant": quant}
 
         if self.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(hidden, h * config.qk_head_dim, **kw)
@@ -77,8 +78,15 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(
             self.kv_lora_rank, _LATENT_NORM_EPS, params_dtype=params_dtype
         )
+        # kv_b_proj is never run as a linear: it is only split into W_UK / W_UV for the
+        # absorbed per-head bmm's. An FP8 checkpoint's kv_b_proj is therefore dequantised once at
+        # load into params_dtype (as SGLang does off DeepGEMM): 2 x 16.8M params per V3 layer
+        # (~2 GB bf16 for 61 layers), and the bmm's stay plain bf16 GEMMs.
         self.kv_b_proj = ColumnParallelLinear(
-            self.kv_lora_rank, h * (self.qk_nope_head_dim + self.v_head_dim), **kw
+            self.kv_lora_rank,
+            h * (self.qk_nope_head_dim + self.v_head_dim),
+            params_dtype=params_dtype,
+            tp=tp,
         )
         self.o_proj = RowParallelLinear(h * self.v_head_dim, hidden, bias=bias, **kw)
         self.w_uk: torch.Tensor | None = None

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlaserve.config import ConfigError
+from mlaserve.config import ConfigError, QuantizationConfig
 from mlaserve.model.layers.linear import (
     NO_TP,
     MergedColumnParallelLinear,
@@ -35,12 +35,13 @@ class DeepseekMLP(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         tp: TensorParallel = NO_TP,
         reduce_output: bool = True,
+        quant: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         if hidden_act != "silu":
             raise ConfigError(f"hidden_act: only 'silu' is supported, got {hidden_act!r}")
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, params_dtype=params_dtype, tp=tp
+            hidden_size, [intermediate_size] * 2, params_dtype=params_dtype, tp=tp, quant=quant
         )
         self.down_proj = RowParallelLinear(
             intermediate_size,
@@ -48,6 +49,7 @@ class DeepseekMLP(nn.Module):
             params_dtype=params_dtype,
             tp=tp,
             reduce_output=reduce_output,
+            quant=quant,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,11 @@ Routed experts (`FusedExperts`) keep all experts' weights stacked, [E, 2I, H] (g
     dense       every expert over every token, weighted by a [T, E] routing matrix that is zero
                 off the top-k. No sync, any dtype/device, E times the FLOPs: the CUDA fallback
                 when grouped_mm cannot run.
+
+Built with `quant`, the stacked weights are FP8 with block scales (`gate_up_proj_scale_inv`
+[E, 2I/128 or 2I, H/128], `down_proj_scale_inv` [E, H/128, I/128]; layout in `fp8_linear.py`)
+and both GEMMs of the sorted layout run `grouped_block_fp8_linear` (a Triton block-FP8 grouped
+GEMM on CUDA, graph-safe; a per-expert loop on CPU).
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlaserve.config import ModelConfig
+from mlaserve.config import ModelConfig, QuantizationConfig
+from mlaserve.model.layers.fp8_linear import copy_block_rows, make_fp8_weight, needs_per_row_scales
 from mlaserve.model.layers.linear import NO_TP, TensorParallel, all_reduce, check_shape
 from mlaserve.model.layers.mlp import DeepseekMLP, silu_and_mul
+from mlaserve.ops.fp8_grouped_gemm import grouped_block_fp8_linear
 
 __all__ = ["DeepseekMoE", "ExpertsImpl", "FusedExperts", "TopKRouter", "select_experts"]
 
@@ -142,21 +149,87 @@ class FusedExperts(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         tp: TensorParallel = NO_TP,
         impl: ExpertsImpl = "auto",
+        quant: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         self.num_experts, self.hidden_size, self.tp = num_experts, hidden_size, tp
         self.intermediate_size = intermediate_size
         local = tp.split(intermediate_size, "moe_intermediate_size")
         self.impl: ExpertsImpl = impl
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * local, hidden_size, dtype=params_dtype),
-            requires_grad=False,
-        )  # [E, 2I, H]: rows [0, I) gate, [I, 2I) up
-        self.down_proj = nn.Parameter(
-            torch.empty(num_experts, hidden_size, local, dtype=params_dtype), requires_grad=False
-        )  # [E, H, I]
-        self.gate_up_proj.weight_loader = self.weight_loader
-        self.down_proj.weight_loader = self.weight_loader
+        self.quant = quant
+        self.gate_up_proj_scale_inv: nn.Parameter | None = None
+        self.down_proj_scale_inv: nn.Parameter | None = None
+        if quant is None:
+            self.gate_up_proj = nn.Parameter(
+                torch.empty(num_experts, 2 * local, hidden_size, dtype=params_dtype),
+                requires_grad=False,
+            )  # [E, 2I, H]: rows [0, I) gate, [I, 2I) up
+            self.down_proj = nn.Parameter(
+                torch.empty(num_experts, hidden_size, local, dtype=params_dtype),
+                requires_grad=False,
+            )  # [E, H, I]
+            self.gate_up_proj.weight_loader = self.weight_loader
+            self.down_proj.weight_loader = self.weight_loader
+        else:
+            if tp.size > 1:
+                raise NotImplementedError("FP8 block weights under tensor parallelism: not wired")
+            self.gate_up_per_row = needs_per_row_scales([local, local], quant)
+            self.gate_up_proj, self.gate_up_proj_scale_inv = make_fp8_weight(
+                (num_experts,), 2 * local, hidden_size, quant, per_row=self.gate_up_per_row
+            )
+            self.down_proj, self.down_proj_scale_inv = make_fp8_weight(
+                (num_experts,), hidden_size, local, quant, per_row=False
+            )
+            self.gate_up_proj.weight_loader = self.fp8_weight_loader
+            self.down_proj.weight_loader = self.fp8_weight_loader
+
+    def fp8_weight_loader(
+        self,
+        param: nn.Parameter,
+        loaded: torch.Tensor,
+        expert_id: int | None = None,
+        shard_id: int | None = None,
+        scale: torch.Tensor | None = None,
+    ) -> None:
+        """One expert's FP8 `gate_proj`/`up_proj` [I, H] (shard_id 0/1) or `down_proj` [H, I]
+        with its block `scale` (a float tensor is quantised here). The fused whole-layer form
+        (`experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I]) is accepted in float
+        only: FP8 checkpoints publish per-expert tensors, and no fused scale layout exists."""
+        assert self.quant is not None  # internal: only set as loader of FP8 parameters
+        h, i = self.hidden_size, self.intermediate_size
+        if expert_id is None:
+            if scale is not None:
+                raise ValueError("FP8 experts must come one tensor per expert (experts.{e}.*)")
+            down = param is self.down_proj
+            check_shape(loaded, (self.num_experts, h, i) if down else (self.num_experts, 2 * i, h))
+            for e in range(self.num_experts):
+                if down:
+                    self.fp8_weight_loader(param, loaded[e], e)
+                else:
+                    for s in (0, 1):
+                        self.fp8_weight_loader(param, loaded[e, s * i : (s + 1) * i], e, s)
+            return
+        if param is self.down_proj:
+            check_shape(loaded, (h, i))
+            dst_scale, row, per_row = self.down_proj_scale_inv, 0, False
+        else:
+            assert shard_id in (0, 1)  # internal: the loader passes 0 (gate) or 1 (up)
+            check_shape(loaded, (i, h))
+            dst_scale, row, per_row = (
+                self.gate_up_proj_scale_inv,
+                shard_id * i,
+                self.gate_up_per_row,
+            )
+        assert dst_scale is not None  # internal: both are set when quant is
+        copy_block_rows(
+            param.data[expert_id],
+            dst_scale.data[expert_id],
+            loaded,
+            scale,
+            row,
+            self.quant,
+            per_row=per_row,
+        )
 
     def weight_loader(
         self,
@@ -207,6 +280,8 @@ class FusedExperts(nn.Module):
         """x [T, H]; topk_weights [T, K] fp32; topk_ids [T, K] -> [T, H] (partial under TP)"""
         if x.shape[0] == 0:
             return torch.zeros_like(x)
+        if self.quant is not None:
+            return self._forward_sorted(x, topk_weights, topk_ids, use_grouped_mm=False)
         impl = self.resolved_impl(x)
         if impl == "dense":
             return self._forward_dense(x, topk_weights, topk_ids)
@@ -225,7 +300,12 @@ class FusedExperts(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
         xs = x[order // top_k]  # [T*K, H], rows of expert e are contiguous
-        if use_grouped_mm:
+        if self.gate_up_proj_scale_inv is not None and self.down_proj_scale_inv is not None:
+            h = silu_and_mul(
+                grouped_block_fp8_linear(xs, counts, self.gate_up_proj, self.gate_up_proj_scale_inv)
+            )
+            out = grouped_block_fp8_linear(h, counts, self.down_proj, self.down_proj_scale_inv)
+        elif use_grouped_mm:
             offs = counts.cumsum(0, dtype=torch.int32)  # [E] end row of each expert
             h = silu_and_mul(torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs))
             out = torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)  # [T*K, H]
@@ -262,17 +342,19 @@ class DeepseekMoE(nn.Module):
         *,
         params_dtype: torch.dtype = torch.float32,
         tp: TensorParallel = NO_TP,
+        quant: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         assert config.n_routed_experts is not None  # internal: only built for MoE layers
         self.tp = tp
-        self.gate = TopKRouter(config)
+        self.gate = TopKRouter(config)  # the router stays fp32 (published FP8 checkpoints: bf16)
         self.experts = FusedExperts(
             config.n_routed_experts,
             config.hidden_size,
             config.moe_intermediate_size,
             params_dtype=params_dtype,
             tp=tp,
+            quant=quant,
         )
         self.shared_experts: DeepseekMLP | None = None
         if config.n_shared_experts:
@@ -283,6 +365,7 @@ class DeepseekMoE(nn.Module):
                 params_dtype=params_dtype,
                 tp=tp,
                 reduce_output=False,
+                quant=quant,
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,158 @@
+"""Block-scaled FP8 linear: y = x @ W^T with W stored as e4m3 + 128 x 128 block scales.
+
+    block_fp8_linear(x [..., K] bf16/fp16/fp32, W_q [N, K] e4m3, S_w [N/bn, Kb] fp32) -> [..., N]
+
+Steps: quantise x per token and 128-wide group (dynamic, `fp8_quant`), then one block-scaled
+GEMM. Which GEMM (`gemm_backend`: a pure function of the device, the shape and the dtype,
+decided on the host; nothing reads device memory, so the whole op is graph-capturable):
+
+    triton           `fp8_triton.w8a8_block_fp8_matmul_triton` (SGLang/vLLM's design). Decode-
+                     sized M is memory-bound; this kernel streams the FP8 weight once, half the
+                     bytes of bf16. Any SM89+ GPU, SM90 and SM100 included; the fallback for
+                     every shape the others refuse (partial blocks, per-row scales).
+    torch_blockwise  SM90, M >= TORCH_BLOCKWISE_MIN_M: torch's own `F.scaled_mm` with
+                     ScalingType.BlockWise1x128 (x) x BlockWise128x128 (W), i.e. cuBLASLt's
+                     VEC128 / BLK128x128 scale modes. Measured on an H100 (torch 2.11): faster
+                     than bf16 at M = 2048 (32 us vs 48 us at 2048x4096x2048), slower at
+                     M <= 64, M = 1 rejected. NVIDIA documents those cuBLASLt scale modes as
+                     SM90-only (CUDALibrarySamples issues 270, 310), so not on SM100.
+    flashinfer       SM100 with flashinfer installed (`pip install '.[blackwell]'`):
+                     `flashinfer.gemm.gemm_fp8_nt_groupwise(..., backend="trtllm")`, the
+                     Blackwell kernel SGLang dispatches block-FP8 linears to at every M. Needs
+                     bf16 activations, K >= 256, N and K multiples of 128; column-major 1x128
+                     activation scales, [N/128, K/128] weight scales as stored. Written against
+                     the documented API and contract-tested; not run here (no B200).
+    emulated         no Triton or no CUDA (CPU): the same quantised activations times the
+                     dequantised weight, in fp32. The CPU reference; slow, exact math.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from mlaserve.ops.fp8_quant import (
+    dequantize_weight_block,
+    per_token_group_quant_fp8,
+    per_token_group_quant_fp8_torch,
+    triton_available,
+)
+
+__all__ = [
+    "TORCH_BLOCKWISE_MIN_M",
+    "GemmBackend",
+    "block_fp8_linear",
+    "block_fp8_matmul_reference",
+    "choose_gemm",
+    "flashinfer_available",
+    "gemm_backend",
+]
+
+GemmBackend = Literal["triton", "torch_blockwise", "flashinfer", "emulated"]
+# Below this M torch's blockwise scaled_mm loses to bf16 (and to the memory-bound Triton kernel).
+# Measured points: loses at 16 and 64, wins at 2048; bench/fp8_gemm.py refines the crossover.
+TORCH_BLOCKWISE_MIN_M = 256
+
+
+@functools.cache
+def flashinfer_available() -> bool:
+    try:
+        from flashinfer.gemm import gemm_fp8_nt_groupwise  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
+def gemm_backend(
+    device: torch.device, m: int, n: int, k: int, scale_rows: int, dtype: torch.dtype
+) -> GemmBackend:
+    """The GEMM for an [m, k] x [n, k]^T product in `dtype` whose weight scale has
+    `scale_rows` rows, on `device` as it is (installed packages included)."""
+    if device.type != "cuda" or not triton_available():
+        return "emulated"
+    has_flashinfer = _major(device) == 10 and flashinfer_available()
+    return choose_gemm(_major(device), m, n, k, scale_rows, dtype, has_flashinfer=has_flashinfer)
+
+
+def choose_gemm(
+    major: int,
+    m: int,
+    n: int,
+    k: int,
+    scale_rows: int,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    has_flashinfer: bool = False,
+) -> GemmBackend:
+    """The dispatch rule itself, for a GPU of compute capability `major`.x (see module doc)."""
+    blocks = n % 128 == 0 and k % 128 == 0 and scale_rows * 128 == n  # true 128x128 blocks
+    if major == 9 and blocks and m >= TORCH_BLOCKWISE_MIN_M:
+        return "torch_blockwise"
+    if major == 10 and has_flashinfer and blocks and k >= 256 and dtype == torch.bfloat16:
+        return "flashinfer"
+    return "triton"
+
+
+def block_fp8_linear(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_s: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    backend: GemmBackend | None = None,
+) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype. W_q [N, K] e4m3, S_w [ceil(N/128) or N, ceil(K/128)].
+
+    `backend` forces a GEMM (tests, bench); None picks by `gemm_backend`."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    m, k = x2.shape
+    n = w_q.shape[0]
+    if backend is None:
+        backend = gemm_backend(x.device, m, n, k, w_s.shape[0], x.dtype)
+    if backend == "emulated":
+        x_q, x_s = per_token_group_quant_fp8_torch(x2)
+        x_deq = dequantize_weight_block(x_q, x_s)  # [M, Kb] scales = 1 x 128 blocks
+        y = (x_deq @ dequantize_weight_block(w_q, w_s).t()).to(x.dtype)
+    elif backend == "torch_blockwise":
+        x_q, x_s = per_token_group_quant_fp8(x2, column_major_scales=True, align_rows=4)
+        y = F.scaled_mm(
+            x_q,
+            w_q.t(),  # [K, N] column-major view: what the kernel wants for B
+            x_s,  # [M, Kb], column-major
+            F.ScalingType.BlockWise1x128,
+            w_s.t(),  # [Kb, Nb] view of the [Nb, Kb] block scales
+            F.ScalingType.BlockWise128x128,
+            output_dtype=x.dtype,
+        )
+    elif backend == "flashinfer":
+        from flashinfer.gemm import gemm_fp8_nt_groupwise
+
+        x_q, x_s = per_token_group_quant_fp8(x2, column_major_scales=True)
+        y = gemm_fp8_nt_groupwise(x_q, w_q, x_s, w_s, out_dtype=x.dtype, backend="trtllm")
+    else:
+        from mlaserve.ops.fp8_triton import w8a8_block_fp8_matmul_triton
+
+        x_q, x_s = per_token_group_quant_fp8(x2)
+        y = w8a8_block_fp8_matmul_triton(x_q, x_s, w_q, w_s, out_dtype=x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, n)
+
+
+def block_fp8_matmul_reference(
+    x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor
+) -> torch.Tensor:
+    """What the quantised operands represent, multiplied in float64 on their device:
+    x_q [M, K], x_s [M, Kb], W_q [N, K], S_w [N/bn, Kb] -> [M, N] float64. The GEMM oracle."""
+    x = dequantize_weight_block(x_q, x_s, torch.float64)
+    w = dequantize_weight_block(w_q, w_s, torch.float64)
+    return x @ w.t()

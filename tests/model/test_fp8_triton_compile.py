@@ -1,0 +1,75 @@
+"""The Triton FP8 kernels compile for SM90 (H100) and SM100 (B200) without either GPU.
+
+Triton's own ahead-of-time path (`triton.compile` with a `GPUTarget`) lowers each kernel to a
+cubin with the ptxas Triton ships, so a kernel that the H100 or a B200 would refuse (an fp8
+`tl.dot` shape, a type error, a dynamic loop bound) fails here, on a CPU machine. It runs in a
+subprocess: the interpreter tests set TRITON_INTERPRET, which must not leak into this import.
+Skipped where Triton is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r"""
+import inspect, json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mlaserve.ops import fp8_triton as K
+
+def signature(fn, pointers, floats=(), constexprs=()):
+    sig = {p: "i32" for p in inspect.signature(fn.fn).parameters}
+    sig.update(pointers)
+    sig.update({name: "fp32" for name in floats})
+    sig.update({name: "constexpr" for name in constexprs})
+    return sig
+
+fp8 = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "as_ptr": "*fp32", "bs_ptr": "*fp32"}
+tiles = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
+cases = []
+for bm, bn, out in ((16, 64, "*bf16"), (16, 64, "*fp32"), (64, 128, "*bf16")):
+    sig = signature(K._block_fp8_matmul_kernel, {**fp8, "c_ptr": out}, constexprs=(*tiles, "GROUP_M"))
+    cases.append((f"dense_{bm}x{bn}_{out[1:]}", K._block_fp8_matmul_kernel, sig,
+                  {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": 8}))
+for bm, bn in ((16, 64), (64, 128)):
+    ptrs = {**fp8, "c_ptr": "*bf16", "sorted_rows_ptr": "*i32", "block_expert_ptr": "*i32"}
+    sig = signature(K._grouped_block_fp8_matmul_kernel, ptrs, constexprs=tiles)
+    cases.append((f"grouped_{bm}x{bn}", K._grouped_block_fp8_matmul_kernel, sig,
+                  {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128}))
+sig = signature(K._per_token_group_quant_kernel,
+                {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+                floats=("fp8_max", "eps"), constexprs=("GROUP",))
+cases.append(("quant", K._per_token_group_quant_kernel, sig, {"GROUP": 128}))
+result = {}
+for arch in (90, 100):
+    for name, fn, sig, consts in cases:
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", arch, 32),
+                           options={"num_warps": 4, "num_stages": 4})
+        result[f"sm{arch}/{name}"] = [len(k.asm["cubin"]), k.metadata.shared]
+print(json.dumps(result))
+"""
+
+
+def test_kernels_compile_for_sm90_and_sm100() -> None:
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(result) == 2 * 6
+    for name, (cubin_bytes, shared) in result.items():
+        assert cubin_bytes > 0, name
+        assert shared <= 227 * 1024, f"{name}: {shared} B of shared memory"  # SM90/SM100 limit
