@@ -63,8 +63,9 @@ class DeepseekDecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]"""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        h, x = self.post_attention_layernorm.forward_with_residual(h, x)  # x += attn; h = norm(x)
+        return x + self.mlp(h)
 
 
 class DeepseekModel(nn.Module):

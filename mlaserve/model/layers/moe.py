@@ -31,6 +31,7 @@ from torch import nn
 from mlaserve.config import ModelConfig
 from mlaserve.model.layers.linear import NO_TP, TensorParallel, all_reduce, check_shape
 from mlaserve.model.layers.mlp import DeepseekMLP, silu_and_mul
+from mlaserve.ops import fused_ops_enabled
 
 __all__ = ["DeepseekMoE", "ExpertsImpl", "FusedExperts", "TopKRouter", "select_experts"]
 
@@ -112,11 +113,18 @@ class TopKRouter(nn.Module):
             self.e_score_correction_bias = nn.Parameter(
                 torch.empty(num_experts, dtype=torch.float32), requires_grad=False
             )
+        # On CUDA the whole selection is one Triton kernel (`mlaserve/ops/routing.py`, about 15
+        # small kernels fewer per layer); `select_experts` is its reference and the CPU path.
+        self.select = select_experts
+        if fused_ops_enabled(self.weight.device):
+            from mlaserve.ops.routing import fused_select_experts
+
+            self.select = fused_select_experts
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, K] fp32, ids [T, K] int64)"""
         c = self.config
-        return select_experts(
+        return self.select(
             F.linear(x.float(), self.weight),
             top_k=c.num_experts_per_tok,
             scoring_func=c.scoring_func,
