@@ -45,3 +45,9 @@ def fp8_within_one_step(got: torch.Tensor, want: torch.Tensor) -> None:
     bad = (g - w).abs() > step
     assert not bad.any(), f"{int(bad.sum())} values differ: {g[bad][:8]} vs {w[bad][:8]}"
     assert (g == w).float().mean() > 0.99
+
+
+def model_dtype(device: str) -> torch.dtype:
+    """bf16 on the GPU (the serving dtype). fp16 under the interpreter: it emulates bf16 casts
+    in numpy by truncating (fp32 -> bf16 rounds toward zero), fp16 it rounds correctly."""
+    return torch.bfloat16 if device == "cuda" else torch.float16
