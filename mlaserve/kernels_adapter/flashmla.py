@@ -78,6 +78,7 @@ class FlashMLABackend(AttentionBackend):
     # it for MTP verify up to a handful of tokens. A 1000-token "decode" trips its metadata
     # assertion (flash_fwd_mla_metadata.cu:64), which is why EXTEND never reaches it.
     max_uniform_q_len: ClassVar[int] = 8
+    accepts_written_kv: ClassVar[bool] = True  # its EXTEND path, the reference's, does too
 
     @classmethod
     def check_supported(
@@ -143,14 +144,15 @@ class FlashMLABackend(AttentionBackend):
         layer_id: int,
         q_nope: torch.Tensor,
         q_pe: torch.Tensor,
-        kv_c: torch.Tensor,
-        k_pe: torch.Tensor,
+        kv_c: torch.Tensor | None,
+        k_pe: torch.Tensor | None,
         batch: ForwardBatch,
     ) -> torch.Tensor:
         if not batch.mode.is_uniform:
             return self._extend.forward(layer_id, q_nope, q_pe, kv_c, k_pe, batch)
         pool = batch.kv_pool
-        pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)
+        if kv_c is not None:  # else the layer has written it (`accepts_written_kv`)
+            pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)
         num_tokens, num_heads, rank = q_nope.shape
         k_cache = pool.kv_buffers[layer_id].unsqueeze(2)  # [pages, 64, 1, 576]
         extra = {}

@@ -1,4 +1,5 @@
-"""Fused MLA prologue: the latent RMSNorm (kv_a_layernorm) and RoPE on k_pe and q_pe, one launch.
+"""Fused MLA prologue: the latent RMSNorm (kv_a_layernorm), RoPE on k_pe and q_pe and, optionally,
+the paged KV write (FP8 quantisation included), one launch.
 
     kv_c     [T, r]        model dtype, last dim contiguous (a split view of kv_a_proj's output)
     k_pe     [T, d_r]      model dtype, last dim contiguous (same)
@@ -7,6 +8,13 @@
     cos/sin  [T, d_r / 2]  fp32, YaRN attention factor applied (`RotaryEmbedding`)
     returns  kv_c_normed [T, r], k_pe_roped [T, d_r], q_pe_roped [T, H, d_r], new contiguous
              tensors in the model dtype (kv_c_normed in result_type(weight, kv_c))
+
+With `kv_cache` [num_pages, page_size, r + d_r] (the pool's layer buffer, fp8_e4m3 / bf16 /
+fp16 / fp32), `slot_mapping` [T] int64 and the layer's `kv_scale`, the token's row
+`[kv_c_normed | k_pe_roped]` is stored at its slot exactly as `kv_write.write_kv` (and
+`MLAKVPool.write`) stores it: rounded to the model dtype, divided by the scale in fp32 and
+saturated to +-448 for fp8, cast. kv_c_normed / k_pe_roped are then not returned (None): the
+cache is their only consumer on that path.
 
 Per token, the same math and roundings as `RMSNorm` and `apply_rope` (fp32 inside, one rounding
 at the end). RoPE's rotation pairs are interleaved `(x0, x1), ...` or halves
@@ -38,6 +46,14 @@ def _rope_pair(ptr, offs_half, mask, cos, sin, INTERLEAVED: tl.constexpr, HALF: 
 
 
 @triton.jit
+def _quantize(x, kv_scale, cache_ptr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Model-dtype values -> the cache dtype, as `MLAKVPool.quantize`."""
+    if FP8:
+        x = tl.clamp(x.to(tl.float32) / kv_scale, -FP8_MAX, FP8_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _mla_norm_rope_kernel(
     kv_c_ptr,
     k_pe_ptr,
@@ -48,6 +64,9 @@ def _mla_norm_rope_kernel(
     kv_c_out_ptr,
     k_pe_out_ptr,
     q_pe_out_ptr,
+    cache_ptr,
+    slot_ptr,
+    kv_scale,
     kv_c_stride,
     k_pe_stride,
     q_pe_stride_t,
@@ -61,8 +80,13 @@ def _mla_norm_rope_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    WRITE: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    if WRITE:
+        cache_row = cache_ptr + tl.load(slot_ptr + t).to(tl.int64) * (R + 2 * HALF)
 
     # Latent RMSNorm: fp32 normalize, round to the model dtype, then scale by the weight.
     offs = tl.arange(0, BLOCK_R)
@@ -72,8 +96,11 @@ def _mla_norm_rope_kernel(
     rstd = tl.rsqrt(tl.sum(cf * cf, axis=0) / R + eps)
     y = (cf * rstd).to(c.dtype).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    out_c_ty = kv_c_out_ptr.dtype.element_ty
-    tl.store(kv_c_out_ptr + t * R + offs, (w * y).to(out_c_ty), mask=mask)
+    c_out = (w * y).to(kv_c_out_ptr.dtype.element_ty)
+    if WRITE:
+        tl.store(cache_row + offs, _quantize(c_out, kv_scale, cache_ptr, FP8, FP8_MAX), mask=mask)
+    else:
+        tl.store(kv_c_out_ptr + t * R + offs, c_out, mask=mask)
 
     # RoPE on k_pe [d_r] and on every head of q_pe [H, d_r] with this token's cos/sin.
     offs_half = tl.arange(0, BLOCK_HALF)
@@ -83,10 +110,19 @@ def _mla_norm_rope_kernel(
     ko1, ko2 = _rope_pair(
         k_pe_ptr + t * k_pe_stride, offs_half, mask_half, cos, sin, INTERLEAVED, HALF
     )
-    k_out = k_pe_out_ptr + t * (2 * HALF)
     out_k_ty = k_pe_out_ptr.dtype.element_ty
-    tl.store(k_out + offs_half, ko1.to(out_k_ty), mask=mask_half)
-    tl.store(k_out + HALF + offs_half, ko2.to(out_k_ty), mask=mask_half)
+    ko1 = ko1.to(out_k_ty)
+    ko2 = ko2.to(out_k_ty)
+    if WRITE:
+        k_row = cache_row + R
+        ko1 = _quantize(ko1, kv_scale, cache_ptr, FP8, FP8_MAX)
+        ko2 = _quantize(ko2, kv_scale, cache_ptr, FP8, FP8_MAX)
+        tl.store(k_row + offs_half, ko1, mask=mask_half)
+        tl.store(k_row + HALF + offs_half, ko2, mask=mask_half)
+    else:
+        k_out = k_pe_out_ptr + t * (2 * HALF)
+        tl.store(k_out + offs_half, ko1, mask=mask_half)
+        tl.store(k_out + HALF + offs_half, ko2, mask=mask_half)
 
     offs_h = tl.arange(0, BLOCK_H)
     mask_q = (offs_h[:, None] < H) & mask_half[None, :]
@@ -109,8 +145,12 @@ def mla_norm_rope(
     cos: torch.Tensor,
     sin: torch.Tensor,
     interleaved: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (kv_a_layernorm(kv_c), rope(k_pe), rope(q_pe)); shapes in the module docstring."""
+    kv_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+    kv_scale: float = 1.0,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """-> (kv_a_layernorm(kv_c), rope(k_pe), rope(q_pe)); with `kv_cache`, the first two are
+    written to it at `slot_mapping` instead and returned as None. See the module docstring."""
     num_tokens, r = kv_c.shape
     _, num_heads, dr = q_pe.shape
     if dr % 2 or k_pe.shape != (num_tokens, dr) or cos.shape != (num_tokens, dr // 2):
@@ -120,11 +160,21 @@ def mla_norm_rope(
         )
     if any(t.stride(-1) != 1 for t in (kv_c, k_pe, q_pe, cos, sin)) or cos.stride() != sin.stride():
         raise ValueError("mla_norm_rope: every input needs a contiguous last dim")
-    kv_c_out = torch.empty(num_tokens, r, dtype=torch.result_type(weight, kv_c), device=kv_c.device)
-    k_pe_out = torch.empty(num_tokens, dr, dtype=k_pe.dtype, device=k_pe.device)
+    write = kv_cache is not None
+    if write and (
+        slot_mapping is None or kv_cache.shape[-1] != r + dr or not kv_cache.is_contiguous()
+    ):
+        raise ValueError(
+            f"mla_norm_rope: kv_cache needs slot_mapping and a contiguous [..., {r + dr}] buffer"
+        )
+    # On the write path the two outputs are never stored to: 1-row placeholders carry their
+    # dtypes (not 0 rows: an empty tensor's null pointer is refused by Triton's launcher).
+    rows = 1 if write else num_tokens
+    kv_c_out = torch.empty(rows, r, dtype=torch.result_type(weight, kv_c), device=kv_c.device)
+    k_pe_out = torch.empty(rows, dr, dtype=k_pe.dtype, device=k_pe.device)
     q_pe_out = torch.empty(num_tokens, num_heads, dr, dtype=q_pe.dtype, device=q_pe.device)
     if num_tokens == 0:
-        return kv_c_out, k_pe_out, q_pe_out
+        return (None, None, q_pe_out) if write else (kv_c_out, k_pe_out, q_pe_out)
     _mla_norm_rope_kernel[(num_tokens,)](
         kv_c,
         k_pe,
@@ -135,6 +185,9 @@ def mla_norm_rope(
         kv_c_out,
         k_pe_out,
         q_pe_out,
+        kv_cache if write else q_pe_out,
+        slot_mapping if write else q_pe_out,
+        float(kv_scale),
         kv_c.stride(0),
         k_pe.stride(0),
         q_pe.stride(0),
@@ -148,6 +201,9 @@ def mla_norm_rope(
         BLOCK_HALF=triton.next_power_of_2(dr // 2),
         BLOCK_H=triton.next_power_of_2(num_heads),
         INTERLEAVED=interleaved,
+        WRITE=write,
+        FP8=write and kv_cache.dtype == torch.float8_e4m3fn,
+        FP8_MAX=torch.finfo(torch.float8_e4m3fn).max,
         num_warps=4,
     )
-    return kv_c_out, k_pe_out, q_pe_out
+    return (None, None, q_pe_out) if write else (kv_c_out, k_pe_out, q_pe_out)
