@@ -7,7 +7,10 @@ Shapes: hidden 2048, 16 heads, latent 512 + rope 64 (qk_nope 128), 64 routed exp
 intermediate 2816, fp8 KV with page 64. Each op runs `--iters` times inside one CUDA graph; the
 replay is timed with CUDA events and divided by `--iters` (median of `--reps` replays), so the
 numbers are GPU time per call without launch overhead, as inside the captured decode step.
-`per_layer` sums what one MoE decode layer of V2-Lite runs (all but routing_v3, once each).
+`per_layer` sums what one MoE decode layer of V2-Lite runs with the fusions on: two add + norms
+(the residual add is fused into the next norm), the latent norm + RoPE + KV write, the q prep,
+the routing and the shared experts' SiLU-and-mul; the unfused column is the torch code each
+replaces (kv_write, latent_norm_rope and rms_norm alone are shown but not summed).
 
 Prints a table and one JSON line.
 """
@@ -129,6 +132,17 @@ def cases(
             apply_rope(q_pe, cos, sin, True),
         )
 
+    def ref_norm_rope_write():
+        c, k, qr = ref_norm_rope()
+        rows = pool.quantize(torch.cat([c, k], dim=-1), 0)
+        flat.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
+        return qr
+
+    def fused_norm_rope_write():
+        w = ref_latent_norm.weight
+        buf = pool.kv_buffers[0]
+        return mla_norm_rope(kv_c, k_pe, q_pe, w, 1e-6, cos, sin, True, buf, slots, 1.0)
+
     def ref_add_norm():
         s = res + x
         return ref_norm(s), s
@@ -140,15 +154,16 @@ def cases(
     gate_up = torch.randn(bs, 2 * SHARED_INTER, device=dev, dtype=bf16)
 
     return {
-        "kv_write": (ref_write, lambda: write_kv(pool.kv_buffers[0], slots, kv_c, k_pe, 1.0), 1),
+        "kv_write": (ref_write, lambda: write_kv(pool.kv_buffers[0], slots, kv_c, k_pe, 1.0), 0),
         "q_prep": (ref_q, lambda: prepare_q(q_latent, q_pe, torch.float8_e4m3fn), 1),
         "latent_norm_rope": (
             ref_norm_rope,
             lambda: mla_norm_rope(kv_c, k_pe, q_pe, ref_latent_norm.weight, 1e-6, cos, sin, True),
-            1,
+            0,
         ),
-        "rms_norm": (lambda: ref_norm(x), lambda: fused_norm(x), 1),
-        "add_rms_norm": (ref_add_norm, lambda: fused_norm.forward_with_residual(x, res), 1),
+        "latent_norm_rope_write": (ref_norm_rope_write, fused_norm_rope_write, 1),
+        "rms_norm": (lambda: ref_norm(x), lambda: fused_norm(x), 0),
+        "add_rms_norm": (ref_add_norm, lambda: fused_norm.forward_with_residual(x, res), 2),
         "routing_v2lite": (
             lambda: select_experts(logits, **V2LITE_ROUTER),
             lambda: fused_select_experts(logits, **V2LITE_ROUTER),
