@@ -33,7 +33,7 @@ def _write_kv_kernel(
     out_ptr,
     kv_c_stride,
     k_pe_stride,
-    inv_scale,
+    scale,
     R: tl.constexpr,
     DR: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -52,9 +52,9 @@ def _write_kv_kernel(
     mask_pe = offs_pe < DR
     pe = tl.load(k_pe_ptr + t * k_pe_stride + offs_pe, mask=mask_pe, other=0.0).to(tl.float32)
     if FP8:
-        # x / scale as the reference computes it (a true division, not x * (1 / scale)).
-        c = tl.clamp(c / inv_scale, -FP8_MAX, FP8_MAX)
-        pe = tl.clamp(pe / inv_scale, -FP8_MAX, FP8_MAX)
+        # x / scale rounded as torch rounds it (IEEE division; `/` may lower to an approximate one).
+        c = tl.clamp(tl.div_rn(c, scale), -FP8_MAX, FP8_MAX)
+        pe = tl.clamp(tl.div_rn(pe, scale), -FP8_MAX, FP8_MAX)
     tl.store(row + offs, c.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(row + R + offs_pe, pe.to(out_ptr.dtype.element_ty), mask=mask_pe)
 

@@ -49,7 +49,7 @@ def _rope_pair(ptr, offs_half, mask, cos, sin, INTERLEAVED: tl.constexpr, HALF: 
 def _quantize(x, kv_scale, cache_ptr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     """Model-dtype values -> the cache dtype, as `MLAKVPool.quantize`."""
     if FP8:
-        x = tl.clamp(x.to(tl.float32) / kv_scale, -FP8_MAX, FP8_MAX)
+        x = tl.clamp(tl.div_rn(x.to(tl.float32), kv_scale), -FP8_MAX, FP8_MAX)
     return x.to(cache_ptr.dtype.element_ty)
 
 
