@@ -13,6 +13,10 @@ tokens, causal among the new tokens:
     k_pe    [T, qk_rope_head_dim]    RoPE applied, shared by all heads
     returns [T, H, kv_lora_rank]     softmax(q.k * softmax_scale) @ c_kv, in the model dtype
 
+A backend with `accepts_written_kv = True` also takes `kv_c = k_pe = None`: the layer has
+already stored the new tokens' KV at `batch.slot_mapping` (on CUDA, fused into its latent
+RMSNorm + RoPE kernel, `mlaserve/ops/mla_norm_rope.py`), so the backend only attends.
+
 Query row i of a sequence with `q_len` new tokens and KV length `L` (= seq_lens[b]) sees keys
 `0 .. L - q_len + i` inclusive.
 
@@ -54,6 +58,8 @@ class AttentionBackend(ABC):
     max_uniform_q_len: ClassVar[int] = 16
     #: EXTEND batches go through `forward_extend_mha` (MHA form) instead of `forward`
     mha_extend: ClassVar[bool] = False
+    #: `forward` takes kv_c = k_pe = None when the layer has written the new KV itself
+    accepts_written_kv: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -108,11 +114,12 @@ class AttentionBackend(ABC):
         layer_id: int,
         q_nope: torch.Tensor,
         q_pe: torch.Tensor,
-        kv_c: torch.Tensor,
-        k_pe: torch.Tensor,
+        kv_c: torch.Tensor | None,
+        k_pe: torch.Tensor | None,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        """Write the new KV of `layer_id`, then attend. Shapes in the module docstring."""
+        """Write the new KV of `layer_id` (unless None: already written), then attend. Shapes
+        in the module docstring."""
 
     def forward_extend_mha(
         self,

@@ -29,6 +29,7 @@ import torch
 from mlaserve.kernels_adapter.base import AttentionBackend, BackendUnsupportedError
 from mlaserve.kernels_adapter.reference import ReferenceBackend
 from mlaserve.kv_cache.kv_pool import FP8_E4M3_MAX
+from mlaserve.ops import fused_ops_enabled
 
 if TYPE_CHECKING:
     from mlaserve.config import ModelConfig
@@ -77,6 +78,7 @@ class FlashMLABackend(AttentionBackend):
     # it for MTP verify up to a handful of tokens. A 1000-token "decode" trips its metadata
     # assertion (flash_fwd_mla_metadata.cu:64), which is why EXTEND never reaches it.
     max_uniform_q_len: ClassVar[int] = 8
+    accepts_written_kv: ClassVar[bool] = True  # its EXTEND path, the reference's, does too
 
     @classmethod
     def check_supported(
@@ -115,6 +117,12 @@ class FlashMLABackend(AttentionBackend):
         # descale is 1; the latent cache's own scale comes from the pool per layer.
         self._q_descale = torch.ones(1, dtype=torch.float32, device=self.device)
         self._extend = ReferenceBackend(model_config, *args, **kwargs)
+        # cat + clamp + cast of the query in one Triton kernel (`mlaserve/ops/q_prep.py`).
+        self._prepare_q = None
+        if fused_ops_enabled(self.device):
+            from mlaserve.ops.q_prep import prepare_q
+
+            self._prepare_q = prepare_q
 
     def prepare(self, batch: ForwardBatch) -> None:
         if not batch.mode.is_uniform:
@@ -136,23 +144,29 @@ class FlashMLABackend(AttentionBackend):
         layer_id: int,
         q_nope: torch.Tensor,
         q_pe: torch.Tensor,
-        kv_c: torch.Tensor,
-        k_pe: torch.Tensor,
+        kv_c: torch.Tensor | None,
+        k_pe: torch.Tensor | None,
         batch: ForwardBatch,
     ) -> torch.Tensor:
         if not batch.mode.is_uniform:
             return self._extend.forward(layer_id, q_nope, q_pe, kv_c, k_pe, batch)
         pool = batch.kv_pool
-        pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)
+        if kv_c is not None:  # else the layer has written it (`accepts_written_kv`)
+            pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)
         num_tokens, num_heads, rank = q_nope.shape
-        q = torch.cat([q_nope, q_pe], dim=-1).view(batch.bs, batch.q_len, num_heads, -1)
         k_cache = pool.kv_buffers[layer_id].unsqueeze(2)  # [pages, 64, 1, 576]
         extra = {}
         if self.is_fp8:
-            q = q.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
             extra = {"descale_q": self._q_descale, "descale_k": pool.k_scale_tensors[layer_id]}
+        q_dtype = torch.float8_e4m3fn if self.is_fp8 else torch.bfloat16
+        if self._prepare_q is not None:
+            q = self._prepare_q(q_nope, q_pe, q_dtype)
         else:
-            q = q.to(torch.bfloat16)
+            q = torch.cat([q_nope, q_pe], dim=-1)
+            if self.is_fp8:
+                q = q.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+            q = q.to(q_dtype)
+        q = q.view(batch.bs, batch.q_len, num_heads, -1)  # [bs, q_len, H, 576]
         out, _ = self._flash_mla.flash_mla_with_kvcache(
             q,
             k_cache,

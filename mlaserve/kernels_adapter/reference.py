@@ -34,6 +34,7 @@ class _Metadata:
 class ReferenceBackend(AttentionBackend):
     name: ClassVar[str] = "reference"
     supports_cuda_graph: ClassVar[bool] = True
+    accepts_written_kv: ClassVar[bool] = True
 
     def prepare(self, batch: ForwardBatch) -> None:
         q_len, device = batch.q_len, batch.seq_lens.device
@@ -64,12 +65,13 @@ class ReferenceBackend(AttentionBackend):
         layer_id: int,
         q_nope: torch.Tensor,
         q_pe: torch.Tensor,
-        kv_c: torch.Tensor,
-        k_pe: torch.Tensor,
+        kv_c: torch.Tensor | None,
+        k_pe: torch.Tensor | None,
         batch: ForwardBatch,
     ) -> torch.Tensor:
         meta: _Metadata = batch.attn_metadata
-        batch.kv_pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)
+        if kv_c is not None:  # else the layer has written it (`accepts_written_kv`)
+            batch.kv_pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)
         num_tokens, num_heads, rank = q_nope.shape
         q = torch.cat([q_nope, q_pe], dim=-1).float()  # [T, H, 576]
         if meta.token_index is None:

@@ -26,9 +26,12 @@ from collections.abc import Sequence
 
 import torch
 
+from mlaserve.ops import fused_ops_enabled
+
 __all__ = ["FP8_E4M3_MAX", "MLAKVPool"]
 
 FP8_E4M3_MAX = 448.0
+_FUSED_WRITE_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32)
 
 
 class MLAKVPool:
@@ -71,6 +74,13 @@ class MLAKVPool:
             torch.zeros(num_pages, page_size, self.dim, dtype=dtype, device=self.device)
             for _ in range(num_layers)
         ]
+        # On CUDA one Triton kernel does quantize + store (`mlaserve/ops/kv_write.py`); the torch
+        # path below is its reference and the CPU path. Chosen once, here.
+        self._fused_write = None
+        if fused_ops_enabled(self.device) and dtype in _FUSED_WRITE_DTYPES:
+            from mlaserve.ops.kv_write import write_kv
+
+            self._fused_write = write_kv
 
     @property
     def bytes_per_token(self) -> int:
@@ -93,6 +103,11 @@ class MLAKVPool:
         self, layer_id: int, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
     ) -> None:
         """Store new tokens. slot_mapping [T] int64; kv_c [T, kv_lora_rank]; k_pe [T, rope_dim]."""
+        if self._fused_write is not None:
+            self._fused_write(
+                self.kv_buffers[layer_id], slot_mapping, kv_c, k_pe, self.k_scales[layer_id]
+            )
+            return
         rows = self.quantize(torch.cat([kv_c, k_pe], dim=-1), layer_id)
         flat = self.kv_buffers[layer_id].view(-1, self.dim)
         if self.is_fp8:

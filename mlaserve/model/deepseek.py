@@ -4,6 +4,9 @@
     for each layer:  hidden += MLA(norm(hidden));  hidden += FFN(norm(hidden))
     return norm(hidden)                 # `model(batch)`;  logits = lm_head(hidden)
 
+Each `hidden += ...` is deferred into the next norm (`forward_residual`), which on CUDA is one
+fused add + RMSNorm kernel (`mlaserve/ops/rms_norm.py`); the roundings are the same.
+
 FFN is the dense SwiGLU MLP for the first `first_k_dense_replace` layers (and off the
 `moe_layer_freq` grid), the MoE elsewhere. Module and parameter names follow the HF
 checkpoints, except the fused `gate_up_proj` / stacked experts (see `loader.py`).
@@ -64,8 +67,28 @@ class DeepseekDecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]"""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out, residual = self.forward_residual(x, None, cos, sin, batch)
+        return residual + out
+
+    def forward_residual(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on input `x + residual` (`x` alone when residual is None), returned as the
+        pair (FFN output, residual stream before it) whose sum is the layer's output. The sum is
+        left to the next norm, which fuses it (`RMSNorm.forward_with_residual`): the same
+        roundings as adding first, one kernel fewer per norm on CUDA."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.forward_with_residual(x, residual)
+        h = self.self_attn(h, cos, sin, batch)
+        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
+        return self.mlp(h), residual
 
 
 class DeepseekModel(nn.Module):
@@ -92,9 +115,10 @@ class DeepseekModel(nn.Module):
         """-> [T, hidden] final-normed hidden states"""
         x = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary_emb(batch.positions)  # shared by all layers
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, batch)
-        return self.norm(x)
+            x, residual = layer.forward_residual(x, residual, cos, sin, batch)
+        return self.norm(x) if residual is None else self.norm.forward_with_residual(x, residual)[0]
 
 
 class DeepseekForCausalLM(nn.Module):

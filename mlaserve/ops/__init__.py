@@ -1,5 +1,39 @@
-"""Compute kernels with no knowledge of the model: FP8 block quantisation and block-scaled GEMMs.
+"""Compute kernels with no knowledge of the model: fused GPU kernels (Triton) for the decode
+step's glue (KV write, q preparation, RMSNorm + residual add, RoPE, MoE routing, SiLU-and-mul),
+and FP8 block quantisation with block-scaled GEMMs (`fp8_*.py`).
 
-A leaf package: it imports torch (and Triton where available) and nothing outside
-`mlaserve.ops`, so any layer may use it without creating an import cycle.
+Each op has one file with its kernel, its launcher and the shapes/dtypes/layouts it takes. The
+torch code in `mlaserve/model` and `mlaserve/kv_cache` is the reference every kernel is tested
+against, and stays the path on the CPU. Callers decide once, at construction, whether to use a
+fused op (`fused_ops_enabled(device)`), never per call. Every launcher is CUDA-graph safe: no
+host sync, outputs allocated with shapes that depend only on input shapes.
+
+This package imports nothing else from mlaserve, so every layer may depend on it.
 """
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+__all__ = ["fused_ops_enabled", "triton_available"]
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def fused_ops_enabled(device: torch.device | str) -> bool:
+    """Whether modules built for `device` use the fused kernels: CUDA with Triton installed.
+
+    `MLASERVE_FUSED_OPS=0` turns them off (an A/B switch for benchmarks and bisecting: the
+    unfused torch path is the reference). `MLASERVE_FUSED_OPS=1` also allows them off CUDA,
+    which only makes sense under `TRITON_INTERPRET=1` (CPU tests of the kernels)."""
+    flag = os.environ.get("MLASERVE_FUSED_OPS", "")
+    if flag == "0" or not triton_available():
+        return False
+    return torch.device(device).type == "cuda" or flag == "1"

@@ -30,6 +30,7 @@ from mlaserve.model.layers.linear import (
 )
 from mlaserve.model.layers.norm import RMSNorm
 from mlaserve.model.layers.rotary import apply_rope
+from mlaserve.ops import fused_ops_enabled
 
 if TYPE_CHECKING:
     from mlaserve.engine.forward_batch import ForwardBatch
@@ -91,6 +92,14 @@ class MLAAttention(nn.Module):
         self.o_proj = RowParallelLinear(h * self.v_head_dim, hidden, bias=bias, **kw)
         self.w_uk: torch.Tensor | None = None
         self.w_uv: torch.Tensor | None = None
+        # On CUDA the latent RMSNorm, both RoPEs and (for backends that accept it) the paged KV
+        # write run as one Triton kernel (`mlaserve/ops/mla_norm_rope.py`); the torch code in
+        # `forward` is its reference.
+        self._norm_rope = None
+        if fused_ops_enabled(self.kv_a_layernorm.weight.device):
+            from mlaserve.ops.mla_norm_rope import mla_norm_rope
+
+            self._norm_rope = mla_norm_rope
 
     def process_weights_after_loading(self) -> None:
         """Split kv_b_proj into the absorbed projections. Views, no copies: each head's matrix
@@ -122,12 +131,27 @@ class MLAAttention(nn.Module):
         kv_c, k_pe = self.kv_a_proj_with_mqa(x).split(
             [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
         )  # [T, r], [T, d_r]
-        kv_c = self.kv_a_layernorm(kv_c)
-        q_pe = apply_rope(q_pe, cos, sin, self.rope_interleaved)  # [T, H, d_r]
-        k_pe = apply_rope(k_pe, cos, sin, self.rope_interleaved)  # [T, d_r]
-
         backend = batch.attn_backend
-        if backend.mha_extend and not batch.mode.is_uniform:
+        mha = backend.mha_extend and not batch.mode.is_uniform
+        if self._norm_rope is not None:
+            norm, write = self.kv_a_layernorm, {}
+            if backend.accepts_written_kv and not mha:
+                # The kernel stores the KV row itself; kv_c / k_pe come back None.
+                pool = batch.kv_pool
+                write = {
+                    "kv_cache": pool.kv_buffers[self.layer_id],
+                    "slot_mapping": batch.slot_mapping,
+                    "kv_scale": pool.k_scales[self.layer_id],
+                }
+            kv_c, k_pe, q_pe = self._norm_rope(
+                kv_c, k_pe, q_pe, norm.weight, norm.eps, cos, sin, self.rope_interleaved, **write
+            )
+        else:
+            kv_c = self.kv_a_layernorm(kv_c)
+            q_pe = apply_rope(q_pe, cos, sin, self.rope_interleaved)  # [T, H, d_r]
+            k_pe = apply_rope(k_pe, cos, sin, self.rope_interleaved)  # [T, d_r]
+
+        if mha:
             q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, d_n + d_r]
             o = backend.forward_extend_mha(
                 self.layer_id, q, kv_c, k_pe, self.w_uk, self.w_uv, batch

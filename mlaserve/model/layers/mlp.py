@@ -13,6 +13,7 @@ from mlaserve.model.layers.linear import (
     RowParallelLinear,
     TensorParallel,
 )
+from mlaserve.ops import fused_ops_enabled
 
 __all__ = ["DeepseekMLP", "silu_and_mul"]
 
@@ -51,7 +52,13 @@ class DeepseekMLP(nn.Module):
             reduce_output=reduce_output,
             quant=quant,
         )
+        # One Triton kernel on CUDA (`mlaserve/ops/silu_and_mul.py`), the torch reference elsewhere.
+        self.act = silu_and_mul
+        if fused_ops_enabled(self.gate_up_proj.weight.device):
+            from mlaserve.ops.silu_and_mul import silu_and_mul as fused_silu_and_mul
+
+            self.act = fused_silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]"""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))

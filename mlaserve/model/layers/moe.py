@@ -37,6 +37,7 @@ from mlaserve.config import ModelConfig, QuantizationConfig
 from mlaserve.model.layers.fp8_linear import copy_block_rows, make_fp8_weight, needs_per_row_scales
 from mlaserve.model.layers.linear import NO_TP, TensorParallel, all_reduce, check_shape
 from mlaserve.model.layers.mlp import DeepseekMLP, silu_and_mul
+from mlaserve.ops import fused_ops_enabled
 from mlaserve.ops.fp8_grouped_gemm import grouped_block_fp8_linear
 
 __all__ = ["DeepseekMoE", "ExpertsImpl", "FusedExperts", "TopKRouter", "select_experts"]
@@ -119,11 +120,18 @@ class TopKRouter(nn.Module):
             self.e_score_correction_bias = nn.Parameter(
                 torch.empty(num_experts, dtype=torch.float32), requires_grad=False
             )
+        # On CUDA the whole selection is one Triton kernel (`mlaserve/ops/routing.py`, about 15
+        # small kernels fewer per layer); `select_experts` is its reference and the CPU path.
+        self.select = select_experts
+        if fused_ops_enabled(self.weight.device):
+            from mlaserve.ops.routing import fused_select_experts
+
+            self.select = fused_select_experts
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, K] fp32, ids [T, K] int64)"""
         c = self.config
-        return select_experts(
+        return self.select(
             F.linear(x.float(), self.weight),
             top_k=c.num_experts_per_tok,
             scoring_func=c.scoring_func,

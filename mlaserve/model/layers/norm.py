@@ -1,10 +1,17 @@
 """RMSNorm exactly as DeepSeek / transformers compute it: normalize in fp32, cast back to the
-input dtype, then scale by the weight (in the model dtype)."""
+input dtype, then scale by the weight (in the model dtype).
+
+Built on CUDA (with Triton), the module runs the fused kernels of `mlaserve/ops/rms_norm.py`
+(same roundings, one launch, and the residual add fused in `forward_with_residual`); the torch
+code here is their reference and the CPU path. The choice is made once, from the weight's
+device at construction (the loader builds modules on their final device)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from mlaserve.ops import fused_ops_enabled
 
 __all__ = ["RMSNorm"]
 
@@ -16,11 +23,29 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
+        self.fused = fused_ops_enabled(self.weight.device)
+        if self.fused:
+            from mlaserve.ops import rms_norm
+
+            self._rms_norm, self._add_rms_norm = rms_norm.rms_norm, rms_norm.add_rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., N] -> [..., N]"""
+        if self.fused:
+            return self._rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def forward_with_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual [T, N] -> (norm(x + residual), x + residual); the sum rounded to x's
+        dtype first, as the unfused `residual + x` is."""
+        if self.fused:
+            return self._add_rms_norm(x, residual, self.weight, self.eps)
+        s = residual + x
+        return self(s), s
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

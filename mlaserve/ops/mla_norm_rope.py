@@ -1,0 +1,209 @@
+"""Fused MLA prologue: the latent RMSNorm (kv_a_layernorm), RoPE on k_pe and q_pe and, optionally,
+the paged KV write (FP8 quantisation included), one launch.
+
+    kv_c     [T, r]        model dtype, last dim contiguous (a split view of kv_a_proj's output)
+    k_pe     [T, d_r]      model dtype, last dim contiguous (same)
+    q_pe     [T, H, d_r]   model dtype, last dim contiguous (a split view of q_b_proj's output)
+    weight   [r]           kv_a_layernorm's weight (params dtype)
+    cos/sin  [T, d_r / 2]  fp32, YaRN attention factor applied (`RotaryEmbedding`)
+    returns  kv_c_normed [T, r], k_pe_roped [T, d_r], q_pe_roped [T, H, d_r], new contiguous
+             tensors in the model dtype (kv_c_normed in result_type(weight, kv_c))
+
+With `kv_cache` [num_pages, page_size, r + d_r] (the pool's layer buffer, fp8_e4m3 / bf16 /
+fp16 / fp32), `slot_mapping` [T] int64 and the layer's `kv_scale`, the token's row
+`[kv_c_normed | k_pe_roped]` is stored at its slot exactly as `kv_write.write_kv` (and
+`MLAKVPool.write`) stores it: rounded to the model dtype, divided by the scale in fp32 and
+saturated to +-448 for fp8, cast. kv_c_normed / k_pe_roped are then not returned (None): the
+cache is their only consumer on that path.
+
+Per token, the same math and roundings as `RMSNorm` and `apply_rope` (fp32 inside, one rounding
+at the end). RoPE's rotation pairs are interleaved `(x0, x1), ...` or halves
+`(x_i, x_{i + d/2})`; the output is always `[x1 cos - x2 sin | x2 cos + x1 sin]` (the layout of
+`mlaserve/model/layers/rotary.py`). Replaces about 30 small kernels per layer (fp32 upcasts,
+strided slices, cat, casts) by one; one program per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["mla_norm_rope"]
+
+
+@triton.jit
+def _rope_pair(ptr, offs_half, mask, cos, sin, INTERLEAVED: tl.constexpr, HALF: tl.constexpr):
+    if INTERLEAVED:
+        x1 = tl.load(ptr + 2 * offs_half, mask=mask, other=0.0)
+        x2 = tl.load(ptr + 2 * offs_half + 1, mask=mask, other=0.0)
+    else:
+        x1 = tl.load(ptr + offs_half, mask=mask, other=0.0)
+        x2 = tl.load(ptr + HALF + offs_half, mask=mask, other=0.0)
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _quantize(x, kv_scale, cache_ptr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Model-dtype values -> the cache dtype, as `MLAKVPool.quantize`."""
+    if FP8:
+        x = tl.clamp(tl.div_rn(x.to(tl.float32), kv_scale), -FP8_MAX, FP8_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _mla_norm_rope_kernel(
+    kv_c_ptr,
+    k_pe_ptr,
+    q_pe_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    kv_c_out_ptr,
+    k_pe_out_ptr,
+    q_pe_out_ptr,
+    cache_ptr,
+    slot_ptr,
+    kv_scale,
+    kv_c_stride,
+    k_pe_stride,
+    q_pe_stride_t,
+    q_pe_stride_h,
+    cs_stride,
+    eps,
+    H,
+    R: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    WRITE: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    if WRITE:
+        cache_row = cache_ptr + tl.load(slot_ptr + t).to(tl.int64) * (R + 2 * HALF)
+
+    # Latent RMSNorm: fp32 normalize, round to the model dtype, then scale by the weight.
+    offs = tl.arange(0, BLOCK_R)
+    mask = offs < R
+    c = tl.load(kv_c_ptr + t * kv_c_stride + offs, mask=mask, other=0.0)
+    cf = c.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(cf * cf, axis=0) / R + eps)
+    y = (cf * rstd).to(c.dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    c_out = (w * y).to(kv_c_out_ptr.dtype.element_ty)
+    if WRITE:
+        tl.store(cache_row + offs, _quantize(c_out, kv_scale, cache_ptr, FP8, FP8_MAX), mask=mask)
+    else:
+        tl.store(kv_c_out_ptr + t * R + offs, c_out, mask=mask)
+
+    # RoPE on k_pe [d_r] and on every head of q_pe [H, d_r] with this token's cos/sin.
+    offs_half = tl.arange(0, BLOCK_HALF)
+    mask_half = offs_half < HALF
+    cos = tl.load(cos_ptr + t * cs_stride + offs_half, mask=mask_half, other=0.0)
+    sin = tl.load(sin_ptr + t * cs_stride + offs_half, mask=mask_half, other=0.0)
+    ko1, ko2 = _rope_pair(
+        k_pe_ptr + t * k_pe_stride, offs_half, mask_half, cos, sin, INTERLEAVED, HALF
+    )
+    out_k_ty = k_pe_out_ptr.dtype.element_ty
+    ko1 = ko1.to(out_k_ty)
+    ko2 = ko2.to(out_k_ty)
+    if WRITE:
+        k_row = cache_row + R
+        ko1 = _quantize(ko1, kv_scale, cache_ptr, FP8, FP8_MAX)
+        ko2 = _quantize(ko2, kv_scale, cache_ptr, FP8, FP8_MAX)
+        tl.store(k_row + offs_half, ko1, mask=mask_half)
+        tl.store(k_row + HALF + offs_half, ko2, mask=mask_half)
+    else:
+        k_out = k_pe_out_ptr + t * (2 * HALF)
+        tl.store(k_out + offs_half, ko1, mask=mask_half)
+        tl.store(k_out + HALF + offs_half, ko2, mask=mask_half)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_q = (offs_h[:, None] < H) & mask_half[None, :]
+    q_rows = q_pe_ptr + t * q_pe_stride_t + offs_h[:, None] * q_pe_stride_h
+    qo1, qo2 = _rope_pair(
+        q_rows, offs_half[None, :], mask_q, cos[None, :], sin[None, :], INTERLEAVED, HALF
+    )
+    q_out = q_pe_out_ptr + t * H * (2 * HALF) + offs_h[:, None] * (2 * HALF)
+    out_q_ty = q_pe_out_ptr.dtype.element_ty
+    tl.store(q_out + offs_half[None, :], qo1.to(out_q_ty), mask=mask_q)
+    tl.store(q_out + HALF + offs_half[None, :], qo2.to(out_q_ty), mask=mask_q)
+
+
+def mla_norm_rope(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    q_pe: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    kv_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+    kv_scale: float = 1.0,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """-> (kv_a_layernorm(kv_c), rope(k_pe), rope(q_pe)); with `kv_cache`, the first two are
+    written to it at `slot_mapping` instead and returned as None. See the module docstring."""
+    num_tokens, r = kv_c.shape
+    _, num_heads, dr = q_pe.shape
+    if dr % 2 or k_pe.shape != (num_tokens, dr) or cos.shape != (num_tokens, dr // 2):
+        raise ValueError(
+            f"mla_norm_rope: shapes kv_c {tuple(kv_c.shape)} k_pe {tuple(k_pe.shape)} "
+            f"q_pe {tuple(q_pe.shape)} cos {tuple(cos.shape)} do not agree"
+        )
+    if any(t.stride(-1) != 1 for t in (kv_c, k_pe, q_pe, cos, sin)) or cos.stride() != sin.stride():
+        raise ValueError("mla_norm_rope: every input needs a contiguous last dim")
+    write = kv_cache is not None
+    if write and (
+        slot_mapping is None or kv_cache.shape[-1] != r + dr or not kv_cache.is_contiguous()
+    ):
+        raise ValueError(
+            f"mla_norm_rope: kv_cache needs slot_mapping and a contiguous [..., {r + dr}] buffer"
+        )
+    # On the write path the two outputs are never stored to: 1-row placeholders carry their
+    # dtypes (not 0 rows: an empty tensor's null pointer is refused by Triton's launcher).
+    rows = 1 if write else num_tokens
+    kv_c_out = torch.empty(rows, r, dtype=torch.result_type(weight, kv_c), device=kv_c.device)
+    k_pe_out = torch.empty(rows, dr, dtype=k_pe.dtype, device=k_pe.device)
+    q_pe_out = torch.empty(num_tokens, num_heads, dr, dtype=q_pe.dtype, device=q_pe.device)
+    if num_tokens == 0:
+        return (None, None, q_pe_out) if write else (kv_c_out, k_pe_out, q_pe_out)
+    _mla_norm_rope_kernel[(num_tokens,)](
+        kv_c,
+        k_pe,
+        q_pe,
+        weight,
+        cos,
+        sin,
+        kv_c_out,
+        k_pe_out,
+        q_pe_out,
+        kv_cache if write else q_pe_out,
+        slot_mapping if write else q_pe_out,
+        float(kv_scale),
+        kv_c.stride(0),
+        k_pe.stride(0),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        cos.stride(0),
+        float(eps),
+        num_heads,
+        R=r,
+        HALF=dr // 2,
+        BLOCK_R=triton.next_power_of_2(r),
+        BLOCK_HALF=triton.next_power_of_2(dr // 2),
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        INTERLEAVED=interleaved,
+        WRITE=write,
+        FP8=write and kv_cache.dtype == torch.float8_e4m3fn,
+        FP8_MAX=torch.finfo(torch.float8_e4m3fn).max,
+        num_warps=4,
+    )
+    return (None, None, q_pe_out) if write else (kv_c_out, k_pe_out, q_pe_out)

@@ -1,0 +1,108 @@
+"""Fused RMSNorm and residual-add + RMSNorm, DeepSeek/transformers semantics.
+
+    rms_norm(x, w, eps)                  x [T, N] -> [T, N]
+    add_rms_norm(x, residual, w, eps)    -> (normed [T, N], new residual [T, N])
+
+with, per row, exactly the reference's roundings (`mlaserve/model/layers/norm.py`):
+
+    s = residual + x                     in the model dtype (rounded, as `x + residual` is)
+    y = (s.float() * rsqrt(mean(s.float()^2) + eps)).to(dtype)   normalize in fp32, round
+    out = (w * y)                        product in fp32, rounded to result_type(w, x)
+
+x / residual: bf16, fp16 or fp32, rows contiguous in the last dim (row stride free); w: [N] in
+the params dtype. Outputs are new contiguous tensors (inputs are never written: the captured
+graph's static buffers stay what the caller gave). One program per row; N <= 16384 (one block).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["add_rms_norm", "rms_norm"]
+
+_MAX_N = 16384
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    x_stride,
+    res_stride,
+    eps,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ADD: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
+    if ADD:
+        r = tl.load(res_ptr + row * res_stride + offs, mask=mask, other=0.0)
+        # Rounded to the model dtype, like the unfused `x + residual`.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * N + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    y = (xf * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n = x.shape[-1]
+    if n > _MAX_N:
+        raise ValueError(f"rms_norm: hidden size {n} above the one-block limit {_MAX_N}")
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"rms_norm: need [T, N] with a contiguous last dim, got {x.shape}")
+    out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+    res_out = (
+        torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+    )
+    if x.shape[0] == 0:
+        return out, res_out
+    if residual is not None and residual.stride(-1) != 1:
+        raise ValueError("add_rms_norm: residual needs a contiguous last dim")
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(x.shape[0],)](
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        res_out if res_out is not None else out,
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        float(eps),
+        N=n,
+        BLOCK=block,
+        ADD=residual is not None,
+        num_warps=min(max(block // 256, 1), 16),
+    )
+    return out, res_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, N] -> RMSNorm(x) * weight [T, N]."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (RMSNorm(x + residual) * weight, x + residual); x and residual [T, N], same dtype."""
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match "
+            f"x {tuple(x.shape)} {x.dtype}"
+        )
+    out, res_out = _launch(x, residual, weight, eps)
+    assert res_out is not None  # internal: ADD path allocates it
+    return out, res_out

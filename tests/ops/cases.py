@@ -1,0 +1,53 @@
+"""Where and at which shapes the kernel tests run: the GPU at serving shapes, or the CPU under
+Triton's interpreter at tiny ones (it runs each program in numpy, one at a time)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+gpu = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA"),
+    pytest.mark.skipif(not HAS_TRITON, reason="needs triton"),
+]
+interpreted = [
+    # With CUDA the kernels are compiled (see conftest.py) and the gpu cases cover them.
+    pytest.mark.skipif(HAS_CUDA, reason="the GPU cases run instead"),
+    pytest.mark.skipif(not HAS_TRITON, reason="needs triton (TRITON_INTERPRET=1 on the CPU)"),
+]
+
+# Decode batch sizes and an EXTEND-sized chunk.
+GPU_TOKENS = [1, 2, 7, 8, 31, 64, 2048]
+
+
+def gpu_case(*values: object) -> object:
+    return pytest.param(*values, "cuda", marks=gpu, id="cuda-" + "-".join(map(str, values)))
+
+
+def cpu_case(*values: object) -> object:
+    return pytest.param(
+        *values, "cpu", marks=interpreted, id="interp-" + "-".join(map(str, values))
+    )
+
+
+def fp8_within_one_step(got: torch.Tensor, want: torch.Tensor) -> None:
+    """e4m3 values agree exactly or differ by one representable step (3 mantissa bits), which
+    is how a tie rounded the other way would show up."""
+    g, w = got.float(), want.float()
+    assert not g.isnan().any()
+    step = torch.exp2(torch.floor(torch.log2(w.abs().clamp_min(2.0**-6))) - 3)
+    bad = (g - w).abs() > step
+    assert not bad.any(), f"{int(bad.sum())} values differ: {g[bad][:8]} vs {w[bad][:8]}"
+    assert (g == w).float().mean() > 0.99
+
+
+def model_dtype(device: str) -> torch.dtype:
+    """bf16 on the GPU (the serving dtype). fp16 under the interpreter: it emulates bf16 casts
+    in numpy by truncating (fp32 -> bf16 rounds toward zero), fp16 it rounds correctly."""
+    return torch.bfloat16 if device == "cuda" else torch.float16

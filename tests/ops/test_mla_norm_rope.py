@@ -1,0 +1,95 @@
+"""Fused latent RMSNorm + RoPE vs `RMSNorm` and `apply_rope`, for both pair layouts. Tolerance:
+one bf16 rounding (rtol 1.6e-2, atol 1e-2) on the normed latent; RoPE outputs rtol 1.6e-2,
+atol 2e-2 (fp32 products summed in a different order, then one rounding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlaserve.model.layers.norm import RMSNorm
+from mlaserve.model.layers.rotary import apply_rope
+from tests.ops.cases import GPU_TOKENS, cpu_case, fp8_within_one_step, gpu_case, model_dtype
+
+CASES = [gpu_case(t, i) for t in GPU_TOKENS for i in (True, False)] + [
+    cpu_case(2, True),
+    cpu_case(3, False),
+]
+
+
+@pytest.mark.parametrize("num_tokens,interleaved,device", CASES)
+def test_mla_norm_rope_matches_reference(num_tokens, interleaved, device, monkeypatch):
+    from mlaserve.ops.mla_norm_rope import mla_norm_rope
+
+    heads, rank, nope, rope = (16, 512, 128, 64) if device == "cuda" else (3, 16, 8, 8)
+    g = torch.Generator(device=device).manual_seed(num_tokens)
+    dt = model_dtype(device)
+    # Split views of the projections' outputs, as MLAAttention has them.
+    kv = (torch.randn(num_tokens, rank + rope, generator=g, device=device) * 2).to(dt)
+    kv_c, k_pe = kv.split([rank, rope], dim=-1)
+    q = (torch.randn(num_tokens, heads, nope + rope, generator=g, device=device) * 2).to(dt)
+    q_pe = q[..., nope:]
+    positions = torch.randint(0, 8192, (num_tokens,), generator=g, device=device)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rope, 2, device=device).float() / rope))
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    cos, sin = freqs.cos() * 1.1, freqs.sin() * 1.1  # an attention factor != 1
+    monkeypatch.setenv("MLASERVE_FUSED_OPS", "0")
+    with torch.device(device):
+        norm = RMSNorm(rank, 1e-6, params_dtype=dt)
+    norm.weight.normal_(1.0, 0.3, generator=g)
+
+    got_c, got_k, got_q = mla_norm_rope(kv_c, k_pe, q_pe, norm.weight, 1e-6, cos, sin, interleaved)
+    torch.testing.assert_close(got_c, norm(kv_c), rtol=1.6e-2, atol=1e-2)
+    tol = {"rtol": 1.6e-2, "atol": 2e-2}
+    torch.testing.assert_close(got_k, apply_rope(k_pe, cos, sin, interleaved), **tol)
+    torch.testing.assert_close(got_q, apply_rope(q_pe, cos, sin, interleaved), **tol)
+
+
+FP8 = torch.float8_e4m3fn
+WRITE_CASES = [gpu_case(t, kv) for t in GPU_TOKENS for kv in (FP8, "model")] + [
+    cpu_case(3, "model")  # no fp8 under the interpreter (see test_kv_write.py)
+]
+
+
+@pytest.mark.parametrize("num_tokens,kv_dtype,device", WRITE_CASES)
+def test_mla_norm_rope_writes_the_cache_like_the_pool(num_tokens, kv_dtype, device, monkeypatch):
+    """With `kv_cache`, the kernel stores exactly what `MLAKVPool.write` (torch path) stores for
+    the kernel's own normed/roped outputs, at the slots, and nothing else (NaN-poisoned rows).
+    Tolerance: bytes equal (fp8: one e4m3 step for < 1% of values, a tie)."""
+    from mlaserve.kv_cache.kv_pool import MLAKVPool
+    from mlaserve.ops.mla_norm_rope import mla_norm_rope
+
+    heads, rank, nope, rope, page = (16, 512, 128, 64, 64) if device == "cuda" else (2, 16, 8, 8, 4)
+    dt = model_dtype(device)
+    kv_dtype = dt if kv_dtype == "model" else kv_dtype
+    g = torch.Generator(device=device).manual_seed(7 * num_tokens)
+    kv = (torch.randn(num_tokens, rank + rope, generator=g, device=device) * 2).to(dt)
+    kv_c, k_pe = kv.split([rank, rope], dim=-1)
+    q = (torch.randn(num_tokens, heads, nope + rope, generator=g, device=device) * 2).to(dt)
+    q_pe = q[..., nope:]
+    angles = torch.rand(num_tokens, rope // 2, generator=g, device=device) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    weight = (torch.randn(rank, generator=g, device=device) * 0.3 + 1).to(dt)
+    scale = 0.05  # pushes some values past e4m3's 448: the saturation is exercised
+
+    monkeypatch.setenv("MLASERVE_FUSED_OPS", "0")
+    pages = 2 * num_tokens // page + 3
+    pools = [MLAKVPool(1, pages, page, rank, rope, kv_dtype, device, k_scale=scale) for _ in "ab"]
+    for pool in pools:
+        pool.kv_buffers[0].view(torch.uint8).fill_(0xFF)  # NaN
+    slots = torch.randperm(pages * page - 1, generator=g, device=device)[:num_tokens] + 1
+    want_c, want_k, want_q = mla_norm_rope(kv_c, k_pe, q_pe, weight, 1e-6, cos, sin, True)
+    pools[1].write(0, slots, want_c, want_k)
+    none_c, none_k, got_q = mla_norm_rope(
+        kv_c, k_pe, q_pe, weight, 1e-6, cos, sin, True, pools[0].kv_buffers[0], slots, scale
+    )
+    assert none_c is None and none_k is None
+    torch.testing.assert_close(got_q, want_q, rtol=0, atol=0)
+    got, want = (p.kv_buffers[0].view(-1, rank + rope) for p in pools)
+    written = torch.zeros(got.shape[0], dtype=torch.bool, device=device)
+    written[slots] = True
+    assert got[~written].float().isnan().all(), "a row that was not written changed"
+    if kv_dtype == FP8:
+        fp8_within_one_step(got[slots], want[slots])
+    else:
+        torch.testing.assert_close(got[slots], want[slots], rtol=0, atol=0)

@@ -1,0 +1,54 @@
+"""Fused RMSNorm and residual-add + RMSNorm vs `RMSNorm`'s torch path. Tolerance: the residual
+sum is exact (one rounding, as torch's); the normed output within one bf16 rounding
+(rtol 1.6e-2, atol 1e-2: the kernel's sum of squares is ordered differently than torch's mean,
+which can move a value across a rounding boundary)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlaserve.model.layers.norm import RMSNorm
+from tests.ops.cases import GPU_TOKENS, cpu_case, gpu_case, model_dtype
+
+CASES = [gpu_case(t, n) for t in GPU_TOKENS for n in (2048, 512, 1536)] + [
+    cpu_case(3, 48),
+    cpu_case(1, 40),
+]
+TOL = {"rtol": 1.6e-2, "atol": 1e-2}
+
+
+def _norms(hidden: int, device: str, monkeypatch) -> tuple[RMSNorm, RMSNorm]:
+    pair = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("MLASERVE_FUSED_OPS", flag)
+        with torch.device(device):
+            norm = RMSNorm(hidden, 1e-6, params_dtype=model_dtype(device))
+        norm.weight.normal_(1.0, 0.3)
+        pair.append(norm)
+    pair[1].weight.copy_(pair[0].weight)
+    assert pair[0].fused and not pair[1].fused
+    return pair[0], pair[1]
+
+
+@pytest.mark.parametrize("num_tokens,hidden,device", CASES)
+def test_rms_norm_matches_reference(num_tokens, hidden, device, monkeypatch):
+    fused, ref = _norms(hidden, device, monkeypatch)
+    g = torch.Generator(device=device).manual_seed(hidden + num_tokens)
+    x = (torch.randn(num_tokens, hidden, generator=g, device=device) * 3).to(model_dtype(device))
+    torch.testing.assert_close(fused(x), ref(x), **TOL)
+
+
+@pytest.mark.parametrize("num_tokens,hidden,device", CASES)
+def test_add_rms_norm_matches_reference(num_tokens, hidden, device, monkeypatch):
+    fused, ref = _norms(hidden, device, monkeypatch)
+    g = torch.Generator(device=device).manual_seed(hidden * num_tokens)
+    x = (torch.randn(num_tokens, hidden, generator=g, device=device) * 3).to(model_dtype(device))
+    residual = (torch.randn(num_tokens, hidden, generator=g, device=device) * 10).to(
+        model_dtype(device)
+    )
+    out, new_residual = fused.forward_with_residual(x, residual)
+    want_out, want_residual = ref.forward_with_residual(x, residual)
+    torch.testing.assert_close(new_residual, want_residual, rtol=0, atol=0)
+    torch.testing.assert_close(out, want_out, **TOL)
+    assert not torch.equal(residual, new_residual)  # inputs left alone, a new sum returned
