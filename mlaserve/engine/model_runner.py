@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 # Without an explicit size, a CPU KV pool takes at most this much host memory.
 CPU_KV_CACHE_BYTES = 2 << 30
+NONFINITE_LOGITS = "the model produced NaN or infinite logits for this request"
 
 
 @dataclass
@@ -41,6 +42,9 @@ class StepResult:
     ranks: list[int] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # Per row: None, or why the row produced no token (e.g. NaN/inf logits). The engine finishes
+    # such a request with that error instead of appending a token.
+    errors: list[str | None] | None = None
 
 
 class ModelRunner:
@@ -186,7 +190,11 @@ class ModelRunner:
             eos_token_ids=eos_token_ids,
         )
         out = self.sampler(logits, sb)
-        result = StepResult(token_ids=out.token_ids.tolist())  # the step's one host sync
+        # The step's one host sync: sampled ids and the per-row finite flags in one copy.
+        ids, finite = torch.stack((out.token_ids, out.finite.to(torch.int64))).tolist()
+        result = StepResult(token_ids=ids)
+        if not all(finite):
+            result.errors = [None if ok else NONFINITE_LOGITS for ok in finite]
         if any(r.params.logprobs is not None for r in sampling):
             result.logprobs = out.logprobs.tolist()
             result.ranks = out.ranks.tolist()

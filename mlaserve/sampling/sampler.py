@@ -33,6 +33,10 @@ class SamplerOutput(NamedTuple):
     # K = batch.max_num_logprobs (the widest request; narrower rows slice [:k]). None if K is 0.
     top_ids: torch.Tensor | None  # [n, K] int64, best first
     top_logprobs: torch.Tensor | None  # [n, K] float32
+    # [n] bool: every raw logit of the row is finite. A NaN/inf row (a numerical fault upstream)
+    # samples garbage; the caller turns it into a per-request error. Computed on device and
+    # meant to travel to the host in the same copy as token_ids: no extra sync.
+    finite: torch.Tensor | None = None
 
 
 class Sampler:
@@ -44,6 +48,7 @@ class Sampler:
                 f"got {tuple(logits.shape)}"
             )
         logits = logits.float()
+        finite = torch.isfinite(logits).all(dim=-1)
         x = apply_min_tokens(logits, batch)
         if batch.use_penalties:
             x = apply_penalties(x, batch)
@@ -53,7 +58,7 @@ class Sampler:
             token_ids = sample(x, batch)
             if batch.any_greedy:
                 token_ids = torch.where(batch.is_greedy, x.argmax(dim=-1), token_ids)
-        return _raw_logprobs(logits, token_ids, batch.max_num_logprobs)
+        return _raw_logprobs(logits, token_ids, batch.max_num_logprobs)._replace(finite=finite)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -19,6 +19,8 @@ from pydantic import (
     model_serializer,
 )
 
+from mlaserve.sampling_params import MAX_TEMPERATURE
+
 __all__ = [
     "MAX_LOGPROBS",
     "MAX_N",
@@ -72,7 +74,7 @@ class SamplingRequest(_Body):
     model: str | None = Field(None, description="Served model name; defaults to the only one.")
     n: int = Field(1, ge=1, le=MAX_N)
     max_tokens: int | None = Field(None, ge=1)
-    temperature: FiniteFloat | None = Field(None, ge=0.0)
+    temperature: FiniteFloat | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: FiniteFloat | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables top-k.")
     min_p: FiniteFloat | None = Field(None, ge=0.0, le=1.0)
