@@ -81,7 +81,8 @@ def test_delta_outputs_add_up_to_the_cumulative_output(engine: LLMEngine) -> Non
 
 
 def test_aborts_are_constant_time(engine: LLMEngine) -> None:
-    """Aborting n queued requests costs O(n), not O(n^2): 8x the requests, < 16x the time."""
+    """Aborting n queued requests costs O(n), not O(n^2): 16x the requests take < 100x the
+    time (list/deque removal: ~256x)."""
     params = SamplingParams(max_tokens=1)
 
     def abort_all(n: int) -> float:
@@ -98,6 +99,6 @@ def test_aborts_are_constant_time(engine: LLMEngine) -> None:
         return elapsed
 
     abort_all(500)  # warm-up
-    small = min(abort_all(2_500) for _ in range(3))
-    large = min(abort_all(20_000) for _ in range(3))
-    assert large < 16 * small, (small, large)
+    small = min(abort_all(1_000) for _ in range(3))
+    large = min(abort_all(16_000) for _ in range(3))
+    assert large < 100 * small, (small, large)
