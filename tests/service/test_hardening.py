@@ -74,7 +74,7 @@ def _bodies() -> list[tuple[str, bytes, set[int]]]:
 @pytest.fixture(scope="module")
 def big_server(model_dir, tmp_path_factory):
     proc = start_server(model_dir, tmp_path_factory.mktemp("big-server") / "server.log",
-                        "--max-prompt-tokens-per-request", "4096")  # fmt: skip
+                        "--max-prompt-tokens-per-request", "300")  # fmt: skip
     try:
         proc.wait_ready()
         yield proc
@@ -132,13 +132,18 @@ def test_health_answers_within_100ms_while_huge_requests_are_refused(big_server,
 
 
 def test_prompt_token_budget_is_checked_before_and_while_tokenizing(big_server) -> None:
-    # 3 x ~1900 tokens: each prompt fits, together they break the 4096 budget.
-    prompts = ["def f(x):\n    return [x, x]\n" * 190] * 3
-    r = big_server.post("/v1/completions", json={"prompt": prompts, "max_tokens": 1})
+    # Three prompts that each fit the context (256) but together break the budget (300).
+    text = "x = [1, 2, 3]\n"
+    while (n := big_server.post("/tokenize", json={"prompt": text}).json()["count"]) < 110:
+        text += "x = [1, 2, 3]\n"
+    assert n < 250
+    r = big_server.post("/v1/completions", json={"prompt": [text] * 3, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_tokens", r.text
-    r = big_server.post("/v1/completions", json={"prompt": [[5] * 2000] * 3, "max_tokens": 1})
+    r = big_server.post("/v1/completions", json={"prompt": [[5] * n] * 3, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_tokens", r.text
-    assert big_server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).is_success
+    assert big_server.post(
+        "/v1/completions", json={"prompt": [text] * 2, "max_tokens": 1}
+    ).is_success
 
 
 # ----- an engine thread that dies takes the process down (own process) -----
