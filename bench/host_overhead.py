@@ -16,6 +16,10 @@ last ten steps (~`--output-len` tokens), and the growth between them, per output
 
 On CPU the forward is host work too, but it is excluded all the same: the figure is the part of
 a step that a CUDA-graph replay cannot hide. Prints a table and one JSON line. Not a test.
+
+`--fake-forward` replaces the model forward by random logits of the right shape: the host work
+measured is unchanged (the sampler, the D2H copy and everything around them still run), but a
+CPU run of 64 x 2000 tokens then takes minutes instead of hours. Results say which was used.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -59,14 +64,24 @@ class _Clock:
         return timed
 
 
-def run(engine: LLMEngine, kind: RequestOutputKind, streams: int, output_len: int) -> dict:
+def run(
+    engine: LLMEngine, kind: RequestOutputKind, streams: int, output_len: int, fake_forward: bool
+) -> dict:
     clock = _Clock(engine.runner.device)
     runner = engine.runner
+    vocab = engine.model_config.vocab_size
     # Bench-only instrumentation: time the device work; what is left of a step is host work.
     sampler = runner.sampler
-    runner.forward = clock.wrap(type(runner).forward.__get__(runner))
+    forward = type(runner).forward.__get__(runner)
+    if fake_forward:
+        gen = torch.Generator(device=runner.device).manual_seed(0)
+
+        def forward(batch: Any) -> torch.Tensor:
+            rows = batch.logits_indices.shape[0]
+            return torch.randn(rows, vocab, generator=gen, device=runner.device) * 4
+
+    runner.forward = clock.wrap(forward)
     runner.sampler = clock.wrap(sampler)
-    vocab = engine.model_config.vocab_size
     params = SamplingParams(
         max_tokens=output_len, temperature=0.8, seed=1, ignore_eos=True, logprobs=1,
         stop=["\x00never\x00"], output_kind=kind,
@@ -87,6 +102,8 @@ def run(engine: LLMEngine, kind: RequestOutputKind, streams: int, output_len: in
         if outputs:
             host_ms.append((total - clock.device_s) * 1e3)
             lengths.append(max(o.metrics.num_generation_tokens for o in outputs))
+            if len(host_ms) % 250 == 0:
+                print(f"  {kind.name.lower()}: step {len(host_ms)}", file=sys.stderr, flush=True)
     del runner.forward  # back to the class's
     runner.sampler = sampler
     early = [ms for ms, n in zip(host_ms, lengths, strict=True) if 6 <= n <= 15]
@@ -107,6 +124,7 @@ def main() -> None:
         "--kinds", nargs="+", choices=sorted(KINDS), default=["delta", "cumulative"]
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--fake-forward", action="store_true", help="random logits, no model")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -116,15 +134,20 @@ def main() -> None:
         kwargs["model"] = args.model
     engine = LLMEngine(EngineConfig(**kwargs))
     engine.warmup()
-    rows = [run(engine, KINDS[k], args.streams, args.output_len) for k in args.kinds]
+    rows = [
+        run(engine, KINDS[k], args.streams, args.output_len, args.fake_forward) for k in args.kinds
+    ]
     n = args.output_len
-    print(f"host time per step, {args.streams} streams, device {engine.runner.device}")
+    forward = "fake (random logits)" if args.fake_forward else "the model"
+    print(f"host time per step, {args.streams} streams, device {engine.runner.device}, "
+          f"forward: {forward}")  # fmt: skip
     print(f"{'kind':<12}{'at 10 (ms)':>12}{f'at {n} (ms)':>14}{'growth':>9}")
     for r in rows:
         at_n = r[f"host_ms_at_{n}"]
         print(f"{r['kind']:<12}{r['host_ms_at_10']:>12.3f}{at_n:>14.3f}{r['growth_pct']:>8.1f}%")
     print(json.dumps({"bench": "host_overhead", "streams": args.streams, "output_len": n,
-                      "device": str(engine.runner.device), "results": rows}))  # fmt: skip
+                      "device": str(engine.runner.device), "fake_forward": args.fake_forward,
+                      "results": rows}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import torch
 
 from mlaserve.config import EngineConfig
 from mlaserve.llm_engine import LLMEngine
-from mlaserve.sampling_params import RequestOutputKind, SamplingParams
+from mlaserve.sampling_params import SamplingParams
 
 POISON = 7  # a token id whose embedding the NaN test overwrites
 
@@ -59,6 +59,8 @@ def test_nonfinite_logits_fail_only_their_request(engine: LLMEngine, bad: float)
 
 
 def test_delta_outputs_add_up_to_the_cumulative_output(engine: LLMEngine) -> None:
+    from mlaserve.sampling_params import RequestOutputKind  # new in issue 13
+
     base = dict(max_tokens=24, temperature=0.8, seed=3, logprobs=2, stop=["e", "("])
     engine.add_request("cum", [1, 2, 3], SamplingParams(**base))
     engine.add_request(

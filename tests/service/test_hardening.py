@@ -14,7 +14,6 @@ import time
 import httpx
 import pytest
 
-from mlaserve.service.cli import SERVICE_THREADS, resolve_torch_threads
 from tests.service.server_process import REPO_ROOT, ServerProcess, free_port, start_server
 
 GREEDY_STOP = {"temperature": 0, "max_tokens": 24, "ignore_eos": True, "stop": ["qqqqzz", "\n\n\n"]}
@@ -199,6 +198,8 @@ def test_engine_thread_death_fails_open_requests_and_exits_1(model_dir, tmp_path
 
 # ----- torch threads -----
 def test_torch_threads_come_from_the_cpu_count_unless_set() -> None:
+    from mlaserve.service.cli import SERVICE_THREADS, resolve_torch_threads  # new in issue 13
+
     cpus = len(os.sched_getaffinity(0))
     assert resolve_torch_threads(None, {}) == max(1, cpus - SERVICE_THREADS)
     assert resolve_torch_threads(3, {}) == 3
