@@ -41,12 +41,25 @@ from mlaserve.sampling_params import RequestOutputKind, SamplingParams
 KINDS = {"delta": RequestOutputKind.DELTA, "cumulative": RequestOutputKind.CUMULATIVE}
 
 
+PHASES = ("schedule", "build_host_batch", "make_batch", "postprocess")
+
+
 class _Clock:
     """Accumulates the time spent in wrapped callables during one step."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.device_s = 0.0
+        self.phase_s = dict.fromkeys(PHASES, 0.0)
+
+    def phase(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.phase_s[name] += time.perf_counter() - t0
+            return out
+
+        return timed
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -82,6 +95,14 @@ def run(
 
     runner.forward = clock.wrap(forward)
     runner.sampler = clock.wrap(sampler)
+    scheduler = engine.scheduler
+    scheduler.schedule = clock.phase("schedule", type(scheduler).schedule.__get__(scheduler))
+    runner.build_host_batch = clock.phase(
+        "build_host_batch", type(runner).build_host_batch.__get__(runner)
+    )
+    runner.make_batch = clock.phase("make_batch", type(runner).make_batch.__get__(runner))
+    engine._postprocess = clock.phase("postprocess", type(engine)._postprocess.__get__(engine))
+    phases: list[dict[str, float]] = []
     params = SamplingParams(
         max_tokens=output_len, temperature=0.8, seed=1, ignore_eos=True, logprobs=1,
         stop=["\x00never\x00"], output_kind=kind,
@@ -94,6 +115,7 @@ def run(
     lengths: list[int] = []
     while engine.has_unfinished_requests():
         clock.device_s = 0.0
+        clock.phase_s = dict.fromkeys(PHASES, 0.0)
         clock.sync()
         t0 = time.perf_counter()
         outputs = engine.step()
@@ -101,17 +123,25 @@ def run(
         total = time.perf_counter() - t0
         if outputs:
             host_ms.append((total - clock.device_s) * 1e3)
+            phases.append({k: v * 1e3 for k, v in clock.phase_s.items()})
             lengths.append(max(o.metrics.num_generation_tokens for o in outputs))
             if len(host_ms) % 250 == 0:
                 print(f"  {kind.name.lower()}: step {len(host_ms)}", file=sys.stderr, flush=True)
-    del runner.forward  # back to the class's
+    del runner.forward, runner.build_host_batch, runner.make_batch  # back to the class's
+    del scheduler.schedule, engine._postprocess
     runner.sampler = sampler
     early = [ms for ms, n in zip(host_ms, lengths, strict=True) if 6 <= n <= 15]
     late = host_ms[-10:]
     e, lt = statistics.median(early), statistics.median(late)
+    early_steps = [i for i, n in enumerate(lengths) if 6 <= n <= 15]
+
+    def phase_ms(steps: list[int]) -> dict[str, float]:
+        return {k: round(statistics.median(phases[i][k] for i in steps), 3) for k in PHASES}
+
     return {"kind": kind.name.lower(), "host_ms_at_10": round(e, 3),
             f"host_ms_at_{output_len}": round(lt, 3), "growth_pct": round(100 * (lt / e - 1), 1),
-            "steps": len(host_ms)}  # fmt: skip
+            "steps": len(host_ms), "phases_ms_at_10": phase_ms(early_steps),
+            f"phases_ms_at_{output_len}": phase_ms(list(range(len(host_ms) - 10, len(host_ms))))}  # fmt: skip
 
 
 def main() -> None:
@@ -145,6 +175,9 @@ def main() -> None:
     for r in rows:
         at_n = r[f"host_ms_at_{n}"]
         print(f"{r['kind']:<12}{r['host_ms_at_10']:>12.3f}{at_n:>14.3f}{r['growth_pct']:>8.1f}%")
+        for phase in PHASES:
+            a, b = r["phases_ms_at_10"][phase], r[f"phases_ms_at_{n}"][phase]
+            print(f"  {phase:<18}{a:>8.3f}{b:>14.3f}")
     print(json.dumps({"bench": "host_overhead", "streams": args.streams, "output_len": n,
                       "device": str(engine.runner.device), "fake_forward": args.fake_forward,
                       "results": rows}))  # fmt: skip
