@@ -19,7 +19,7 @@ from mlaserve.engine.scheduler import Scheduler, SchedulerOutput
 from mlaserve.graph_runner import CaptureReport, CompileWatch, CudaGraphRunner
 from mlaserve.kv_cache import PageAllocator
 from mlaserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from mlaserve.sampling_params import SamplingParams
+from mlaserve.sampling_params import RequestOutputKind, SamplingParams
 from mlaserve.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_holdback
 
 __all__ = ["EngineStats", "InvalidRequestError", "LLMEngine"]
@@ -163,8 +163,8 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
             num_free_pages=self.allocator.num_free_pages,
             num_total_pages=self.allocator.num_usable_pages,
             num_graph_replays=self.graphs.num_replays,
@@ -209,11 +209,21 @@ class LLMEngine:
         now = time.time()
         outputs = []
         sampling = [s.request for s in scheduled.scheduled if s.samples]
+        errors = result.errors
         for i, request in enumerate(sampling):
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
-            new_text = self._append_token(request, i, result, now)
-            outputs.append(self._make_output(request, new_text, now))
+            error = errors[i] if errors is not None else None
+            if error is not None:
+                # A wrong token is worse than none: end the request, say why, append nothing.
+                logger.warning("request %s failed: %s", request.request_id, error)
+                self._finish(request, FinishReason.ABORT, None)
+                out = self._make_output(request, "", now, num_new=0, error=error)
+            else:
+                new_text = self._append_token(request, i, result, now)
+                out = self._make_output(request, new_text, now)
+            if out is not None:
+                outputs.append(out)
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
         for s in scheduled.scheduled:
@@ -280,15 +290,38 @@ class LLMEngine:
                 entry.setdefault(t, Logprob(lp, rank, piece(t)))
         return entry
 
-    def _make_output(self, request: Request, new_text: str, now: float) -> RequestOutput:
+    def _make_output(
+        self,
+        request: Request,
+        new_text: str,
+        now: float,
+        num_new: int = 1,
+        error: str | None = None,
+    ) -> RequestOutput | None:
+        """This step's output of `request`, shaped by its `output_kind`: DELTA and FINAL_ONLY
+        keep the per-step host work O(new tokens); CUMULATIVE copies everything so far."""
         m = request.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-        m.last_token_time = now
+        if num_new:
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
         m.num_generation_tokens = request.num_output_tokens
         if request.is_finished:
             m.finished_time = now
-        reason = request.finish_reason
+        kind = request.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not request.is_finished:
+            return None
+        token_ids, logprobs = request.output_token_ids, request.logprobs
+        if kind is RequestOutputKind.DELTA:
+            text = new_text
+            token_ids = token_ids[len(token_ids) - num_new :]
+            if logprobs is not None:
+                logprobs = logprobs[len(logprobs) - num_new :]
+        else:
+            text = request.output_text
+            token_ids = list(token_ids)
+            logprobs = list(logprobs) if logprobs is not None else None
+        reason = "error" if error is not None else request.finish_reason
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -296,20 +329,21 @@ class LLMEngine:
             outputs=[
                 CompletionOutput(
                     index=0,
-                    text=request.output_text,
-                    token_ids=list(request.output_token_ids),
+                    text=text,
+                    token_ids=token_ids,
                     cumulative_logprob=(
                         request.cumulative_logprob if request.logprobs is not None else None
                     ),
-                    logprobs=list(request.logprobs) if request.logprobs is not None else None,
-                    finish_reason=reason.value if reason is not None else None,
+                    logprobs=logprobs,
+                    finish_reason=str(reason) if reason is not None else None,
                     stop_reason=request.stop_reason,
                 )
             ],
             finished=request.is_finished,
             metrics=m,
-            num_new_tokens=1,
+            num_new_tokens=num_new,
             new_text=new_text,
+            error=error,
         )
 
     def __repr__(self) -> str:

@@ -18,16 +18,21 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
+    """With `RequestOutputKind.CUMULATIVE` (the default) `text`, `token_ids` and `logprobs` hold
+    everything generated so far; with DELTA only what this output adds (concatenated in order,
+    the deltas give the final output); with FINAL_ONLY, the whole output once, at the end."""
+
     index: int
-    # Cumulative generated text (stop strings removed unless asked to keep them). While the
-    # request runs, its tail may still turn into a stop string and be cut: stream
-    # `RequestOutput.new_text` deltas, not slices of this field.
+    # Generated text (stop strings removed unless asked to keep them). While the request runs,
+    # the tail of a cumulative text may still turn into a stop string and be cut: stream
+    # `RequestOutput.new_text` (or DELTA outputs), not slices of this field.
     text: str
-    token_ids: list[int]  # cumulative generated token ids
+    token_ids: list[int]  # generated token ids
     cumulative_logprob: float | None = None
     # One dict per generated token: {token_id: Logprob} holding the chosen token and the top-N.
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    # "stop" | "length" | "abort" | "error" (see RequestOutput.error); None while running
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @property
@@ -62,3 +67,6 @@ class RequestOutput:
     num_new_tokens: int = 0
     new_text: str = ""
     extra: dict = field(default_factory=dict)
+    # Set when the request failed (finish_reason "error"), e.g. its logits held NaN or inf: the
+    # reason, for the caller to report. The output holds no token from the failed step.
+    error: str | None = None

@@ -3,17 +3,44 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_LOGPROBS", "SAMPLING_EPS", "SamplingParams", "SamplingParamsError"]
+__all__ = [
+    "MAX_LOGPROBS",
+    "MAX_TEMPERATURE",
+    "SAMPLING_EPS",
+    "RequestOutputKind",
+    "SamplingParams",
+    "SamplingParamsError",
+]
 
 # Most alternatives a request may ask for per token (vLLM's default `--max-logprobs`).
 MAX_LOGPROBS = 20
 # Temperatures below this are treated as greedy (vLLM's `_SAMPLING_EPS`): dividing logits by a
 # tiny temperature only overflows, and the result is argmax anyway.
 SAMPLING_EPS = 1e-5
+# Highest temperature accepted. The sampler divides float32 logits by it: from ~3.4e38 up the
+# temperature itself is inf in float32, the min_tokens ban (-inf / inf) becomes NaN and argmax
+# picks that NaN. Long before that the distribution is uniform to float32 precision, so a
+# modest bound loses nothing (OpenAI accepts [0, 2]).
+MAX_TEMPERATURE = 100.0
+
+
+class RequestOutputKind(enum.Enum):
+    """What each `RequestOutput` of a request carries (vLLM's names).
+
+    CUMULATIVE: everything so far (text, token ids, logprobs), copied every step: O(length) host
+    work per step, kept as the offline default for vLLM compatibility. DELTA: only what this
+    step added; the caller assembles the whole output (O(new tokens) per step). FINAL_ONLY: one
+    cumulative output when the request finishes, nothing before.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class SamplingParamsError(ValueError):
@@ -39,12 +66,13 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, low=1)
-        _check_float("temperature", self.temperature, low=0.0)
+        _check_float("temperature", self.temperature, low=0.0, high=MAX_TEMPERATURE)
         _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _check_int("top_k", self.top_k, low=-1)
         if self.top_k == -1:
@@ -67,6 +95,10 @@ class SamplingParams:
             )
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise SamplingParamsError(
+                f"output_kind: must be a RequestOutputKind, got {self.output_kind!r}"
+            )
 
     @property
     def is_greedy(self) -> bool:

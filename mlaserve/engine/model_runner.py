@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 # Without an explicit size, a CPU KV pool takes at most this much host memory.
 CPU_KV_CACHE_BYTES = 2 << 30
+NONFINITE_LOGITS = "the model produced NaN or infinite logits for this request"
 
 
 @dataclass
@@ -42,6 +43,9 @@ class StepResult:
     ranks: list[int] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # Per row: None, or why the row produced no token (e.g. NaN/inf logits). The engine finishes
+    # such a request with that error instead of appending a token.
+    errors: list[str | None] | None = None
 
 
 class ModelRunner:
@@ -104,7 +108,7 @@ class ModelRunner:
             config.max_num_seqs, model_config.vocab_size, self.device, eos_token_ids
         )
         # The step's one device->host transfer: sampled ids into pinned memory, then one wait.
-        rows = config.max_num_seqs * 16  # room for k+1 rows per sequence with speculation
+        rows = config.max_num_seqs * 32  # room for several values per row (ids, flags, k+1)
         self._ids_host = torch.empty(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._ids_ready = torch.cuda.Event() if self.device.type == "cuda" else None
         self.num_host_waits = 0  # how often a step waited on the device (tests count it)
@@ -183,10 +187,11 @@ class ModelRunner:
         hidden = self.model(batch)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
-    def _read_back(self, token_ids: torch.Tensor) -> list[int]:
-        """One pinned non-blocking copy and one wait on its event: the accounted sync."""
-        host = self._ids_host[: token_ids.shape[0]]
-        host.copy_(token_ids, non_blocking=True)
+    def _read_back(self, values: torch.Tensor) -> list:
+        """One pinned non-blocking copy and one wait on its event: the accounted sync.
+        values: int64 [n] or [r, n] (several per-row results read back together)."""
+        host = self._ids_host[: values.numel()].view(values.shape)
+        host.copy_(values, non_blocking=True)
         if self._ids_ready is not None:
             self._ids_ready.record()
             self._ids_ready.synchronize()
@@ -207,7 +212,11 @@ class ModelRunner:
         sb = slots.batch([r.slot for r in sampling], [r.num_output_tokens for r in sampling])
         out = self.sampler(logits, sb)
         slots.record(sb.slots, out.token_ids)
-        result = StepResult(token_ids=self._read_back(out.token_ids))
+        # The step's one host sync: sampled ids and the per-row finite flags in one copy.
+        ids, finite = self._read_back(torch.stack((out.token_ids, out.finite.to(torch.int64))))
+        result = StepResult(token_ids=ids)
+        if not all(finite):
+            result.errors = [None if ok else NONFINITE_LOGITS for ok in finite]
         if any(r.params.logprobs is not None for r in sampling):
             result.logprobs = out.logprobs.tolist()
             result.ranks = out.ranks.tolist()

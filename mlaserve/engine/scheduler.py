@@ -77,33 +77,60 @@ class Scheduler:
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # Oldest first. Finished/aborted requests are removed lazily (see `finish`): the
+        # counters say how many finished ones each still holds.
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Free sequence slots (the last freed is reused first). A running request holds one, so
         # len(running) < max_num_seqs means one is free.
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._num_finished_waiting = 0
+        self._num_finished_running = 0
 
     # ----- queue management -----
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    @property
+    def num_running(self) -> int:
+        return len(self.running) - self._num_finished_running
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) - self._num_finished_waiting
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.num_running > 0 or self.num_waiting > 0
 
     def finish(self, request: Request) -> None:
-        """Release a finished or aborted request's pages and forget it."""
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        """Release a finished or aborted request's pages now; forget it in O(1).
+
+        Removing it from `running`/`waiting` here would be O(n) per call (a thousand aborts at
+        once: O(n^2)). It is marked FINISHED instead and dropped by the next `schedule()`, which
+        walks the running list anyway; a finished waiting request is dropped when it reaches
+        the front of the queue. Order (oldest first) is unchanged.
+        """
+        if request.status is RequestStatus.RUNNING:
+            self._num_finished_running += 1
+        elif request.status is RequestStatus.WAITING:
+            self._num_finished_waiting += 1
         self._free_pages(request)
         self._free_slot(request)
         request.status = RequestStatus.FINISHED
+
+    def _drop_finished(self) -> None:
+        if self._num_finished_running:
+            self.running = [r for r in self.running if not r.is_finished]
+            self._num_finished_running = 0
+        while self.waiting and self.waiting[0].is_finished:
+            self.waiting.popleft()
+            self._num_finished_waiting -= 1
 
     # ----- scheduling -----
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self._drop_finished()
 
         # 1) Running requests, oldest first; preempt the newest when pages run out.
         i = 0
@@ -128,6 +155,10 @@ class Scheduler:
             if out.preempted:
                 break
             request = self.waiting[0]
+            if request.is_finished:  # aborted while waiting
+                self.waiting.popleft()
+                self._num_finished_waiting -= 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._reserve(request, num_new):
                 break

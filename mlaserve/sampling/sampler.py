@@ -42,6 +42,10 @@ class SamplerOutput(NamedTuple):
     # K = batch.max_num_logprobs (the widest request; narrower rows slice [:k]). None if K is 0.
     top_ids: torch.Tensor | None  # [n, K] int64, best first
     top_logprobs: torch.Tensor | None  # [n, K] float32
+    # [n] bool: every raw logit of the row is finite. A NaN/inf row (a numerical fault upstream)
+    # samples garbage; the caller turns it into a per-request error. Computed on device and
+    # meant to travel to the host in the same copy as token_ids: no extra sync.
+    finite: torch.Tensor | None = None
 
 
 class Sampler:
@@ -60,9 +64,19 @@ class Sampler:
             token_ids = sample(x, batch)
             if batch.any_greedy:
                 token_ids = torch.where(batch.is_greedy, x.argmax(dim=-1), token_ids)
+        finite = _finite_rows(logits, token_ids, batch.all_greedy)
         if not batch.need_logprobs:
-            return SamplerOutput(token_ids, None, None, None, None)
-        return _raw_logprobs(logits, token_ids, batch.max_num_logprobs)
+            return SamplerOutput(token_ids, None, None, None, None, finite)
+        return _raw_logprobs(logits, token_ids, batch.max_num_logprobs)._replace(finite=finite)
+
+
+def _finite_rows(logits: torch.Tensor, token_ids: torch.Tensor, all_greedy: bool) -> torch.Tensor:
+    """[n] bool: the row's logits are all finite (NaN/inf become a per-request error, never a
+    token). Greedy batches need no extra pass over [n, V]: argmax propagates NaN (and picks
+    +inf), so the chosen logit is finite exactly when the row is (an all -inf row too)."""
+    if all_greedy:
+        return torch.isfinite(logits.gather(1, token_ids.unsqueeze(1)).squeeze(1))
+    return torch.isfinite(logits).all(dim=-1)
 
 
 def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

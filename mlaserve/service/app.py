@@ -31,6 +31,7 @@ from mlaserve.service.chat import Chat, render_chat
 from mlaserve.service.completions import Completions
 from mlaserve.service.errors import BadRequestError, install_error_handlers
 from mlaserve.service.protocol import (
+    MAX_PROMPTS,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -73,6 +74,8 @@ def build_app(
     api_key: str | None = None,
     max_request_bytes: int = 8 * 1024 * 1024,
     shutdown_timeout: float = 30.0,
+    max_prompts_per_request: int = MAX_PROMPTS,
+    max_prompt_tokens_per_request: int = 131072,
 ) -> FastAPI:
     """The app that serves `engine`; the engine thread starts with the app's lifespan."""
 
@@ -84,10 +87,21 @@ def build_app(
 
     app = FastAPI(title="mlaserve", version=server_version(), lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimitMiddleware, max_request_bytes=max_request_bytes)
+    # Commas bound the JSON values a body holds: every prompt token (as an id, or as at least
+    # one character of text) plus the prompts themselves, plus room for the other fields.
+    max_json_values = max_prompt_tokens_per_request + 2 * max_prompts_per_request + 4096
+    app.add_middleware(
+        BodySizeLimitMiddleware,
+        max_request_bytes=max_request_bytes,
+        max_json_values=max_json_values,
+    )
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)  # outermost: before any body
-    serving = Serving(engine)
+    serving = Serving(
+        engine,
+        max_prompts_per_request=max_prompts_per_request,
+        max_prompt_tokens_per_request=max_prompt_tokens_per_request,
+    )
     completions, chat = Completions(serving), Chat(serving)
     created = int(time.time())
 
@@ -128,10 +142,15 @@ def build_app(
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise BadRequestError("give exactly one of prompt and messages", param="prompt")
-        if body.messages is not None:
-            tokens = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt)
+        messages, prompt = body.messages, body.prompt
+        if messages is not None:
+            tokens = await serving.run_tokenizer(
+                lambda tok: render_chat(tok, messages, body.add_generation_prompt)
+            )
         else:
-            tokens = list(engine.tokenizer.encode(body.prompt, body.add_special_tokens))
+            tokens = await serving.run_tokenizer(
+                lambda tok: tok.encode(prompt, body.add_special_tokens)
+            )
         return TokenizeResponse(
             count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens
         )
@@ -148,7 +167,8 @@ def build_app(
                 param="tokens",
                 code="invalid_value",
             )
-        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+        text = await serving.run_tokenizer(lambda tok: tok.decode(body.tokens))
+        return DetokenizeResponse(prompt=text)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -7,7 +7,13 @@ steps, calls `step()` while there is work, blocks on the queue when idle (no bus
 hands each step's outputs back with one `loop.call_soon_threadsafe`, where they are routed to
 the `RequestStream` of the HTTP request that owns them.
 
-If the thread dies, every in-flight stream raises `EngineDeadError` and /health turns 503.
+If the thread dies, every in-flight stream raises `EngineDeadError`, /health turns 503 and
+`on_fatal` is called (the CLI then exits non-zero so that an orchestrator restarts the server).
+
+Shutdown: `begin_drain` (SIGTERM) stops admitting and arms a `shutdown_timeout` deadline; what is
+still running then is aborted and its streams raise `ServerShutdownError`, so that every open
+response ends on its own terms (an SSE error event and `[DONE]`, or a 503 body) before uvicorn's
+own, later, graceful-shutdown timeout would cut the connections.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlaserve.service.metrics import Metrics
 from mlaserve.service.request_stream import RequestStream, SubRequest
+from mlaserve.service.tokenizer_worker import TokenizerWorker
 
 if TYPE_CHECKING:
     from mlaserve.config import EngineConfig
@@ -40,6 +47,7 @@ __all__ = [
     "EngineState",
     "QueueFullError",
     "RequestStream",
+    "ServerShutdownError",
     "SubRequest",
 ]
 
@@ -59,9 +67,17 @@ class EngineState(enum.StrEnum):
 class EngineDeadError(RuntimeError):
     """The engine thread is gone; nothing more will come out of it."""
 
+    code = "engine_dead"
+
 
 class EngineNotReadyError(RuntimeError):
     """The engine is loading, warming up, draining or stopped."""
+
+
+class ServerShutdownError(RuntimeError):
+    """The request was still running when the shutdown timeout expired; it was aborted."""
+
+    code = "server_shutdown"
 
 
 class QueueFullError(RuntimeError):
@@ -92,9 +108,18 @@ class AsyncEngine:
         metrics: Metrics | None = None,
         engine_factory: Callable[[EngineConfig], LLMEngine] | None = None,
         on_load_error: Callable[[BaseException], None] | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+        shutdown_timeout: float = 30.0,
+        tokenizer_queue: int = 64,
+        torch_threads: int | None = None,
     ) -> None:
         self.config = config
         self.max_queue = max_queue
+        self.shutdown_timeout = shutdown_timeout
+        self.tokenizer_worker = TokenizerWorker(tokenizer_queue)
+        self._on_fatal = on_fatal
+        self.torch_threads = torch_threads  # set on the engine thread (OpenMP: per thread)
+        self._drain_deadline: asyncio.TimerHandle | None = None
         self.metrics = metrics if metrics is not None else Metrics()
         self._engine_factory = engine_factory
         self._on_load_error = on_load_error
@@ -106,7 +131,7 @@ class AsyncEngine:
         self.max_num_seqs = 0
         self.vocab_size = 0  # the model's (logits may be wider than the tokenizer)
         self.tokenizer_vocab_size = 0
-        self.tokenizer: Tokenizer  # the event loop's own copy (HF tokenizers: one per thread)
+        self.tokenizer: Tokenizer  # the tokenizer worker's copy: only call it through the worker
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders "accepting?" + put against "dead" + drain
         self._thread: threading.Thread | None = None
@@ -137,19 +162,48 @@ class AsyncEngine:
         self._thread.start()
 
     def begin_drain(self) -> None:
-        """Stop admitting requests; the ones in flight go on. Safe from a signal handler."""
+        """Stop admitting requests; the ones in flight go on for `shutdown_timeout` seconds, then
+        are aborted with ServerShutdownError. Safe from a signal handler."""
         if self.state in (EngineState.READY, EngineState.LOADING, EngineState.WARMING_UP):
             self.state = EngineState.DRAINING
+        if self._loop is not None and self._drain_deadline is None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed already
+                self._loop.call_soon_threadsafe(self._arm_drain_deadline)
+
+    def _arm_drain_deadline(self) -> None:
+        if self._drain_deadline is None and self._loop is not None:
+            self._drain_deadline = self._loop.call_later(self.shutdown_timeout, self._drain_expired)
+
+    def _drain_expired(self) -> None:
+        if not self._streams:
+            return
+        ids = list(self._streams)
+        logger.warning(
+            "shutdown timeout (%.1f s) expired: aborting %d unfinished requests",
+            self.shutdown_timeout,
+            len(ids),
+        )
+        self._fail_all(
+            ServerShutdownError(
+                f"the server is shutting down: the request did not finish within the "
+                f"shutdown timeout ({self.shutdown_timeout:g} s)"
+            )
+        )
+        if self.state is not EngineState.DEAD:
+            self._commands.put(_Abort(ids))
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Abort whatever is still running, stop the thread and fail the remaining streams."""
         self.begin_drain()
+        if self._drain_deadline is not None:
+            self._drain_deadline.cancel()
         self._commands.put(_STOP)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
         if self.state is not EngineState.DEAD:
             self.state = EngineState.STOPPED
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._fail_all(ServerShutdownError("the server is shutting down"))
+        self.tokenizer_worker.shutdown()
 
     # ----- requests (event loop) -----
     async def add(self, requests: list[SubRequest], arrival_time: float) -> RequestStream:
@@ -232,14 +286,20 @@ class AsyncEngine:
         try:
             self._serve(engine)
         except BaseException as e:
-            logger.exception("the engine thread died")
+            logger.exception("the engine thread died; failing every open request")
             self._die(e)
+            if self._on_fatal is not None:
+                self._on_fatal(e)
 
     def _load(self) -> LLMEngine:
         if self._engine_factory is None:
             from mlaserve.llm_engine import LLMEngine
 
             self._engine_factory = LLMEngine
+        if self.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(self.torch_threads)
         t0 = time.perf_counter()
         logger.info("loading weights from %s", self.config.model_path)
         engine = self._engine_factory(self.config)
@@ -250,7 +310,9 @@ class AsyncEngine:
         self.max_num_seqs = engine.config.max_num_seqs
         self.vocab_size = engine.model_config.vocab_size
         self.tokenizer_vocab_size = engine.tokenizer.vocab_size
+        _ = engine.tokenizer.max_piece_chars  # computed here, once, and copied along
         self.tokenizer = _private_copy(engine.tokenizer)
+        self.tokenizer_worker.bind(self.tokenizer)
         self.metrics.bind_model(self.model_name)
         if self.state is EngineState.LOADING:
             self.state = EngineState.WARMING_UP
@@ -338,7 +400,7 @@ class AsyncEngine:
 
 
 def _private_copy(tokenizer: Tokenizer) -> Tokenizer:
-    """A copy for the event loop: HF fast tokenizers raise "Already borrowed" when two threads
+    """A copy for the tokenizer worker: HF fast tokenizers raise "Already borrowed" when two threads
     use one instance and one of them changes its truncation or padding settings."""
     try:
         return copy.deepcopy(tokenizer)

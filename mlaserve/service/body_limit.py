@@ -2,6 +2,14 @@
 
 A declared `Content-Length` over the limit is refused at once; a chunked body is counted as it
 arrives and refused as soon as it crosses the limit.
+
+Size is not the only cost: parsing and validating JSON is paid per value, on the event loop and
+under the GIL (a thread would not help), so 8 MiB of `[1],` takes seconds and stalls every other
+request, /health included. A body is therefore also refused (413) once it holds more than
+`max_json_values` commas, counted as the bytes arrive (`bytes.count`: milliseconds for 8 MiB),
+before anything is parsed. Commas inside strings count too: telling them apart would need a
+scan that costs what the parse does. The limit is derived from the prompt-token limit, well above
+what any acceptable request needs.
 """
 
 from __future__ import annotations
@@ -19,34 +27,48 @@ __all__ = ["BodySizeLimitMiddleware"]
 class _BodyTooLarge(HTTPException):
     """An HTTPException, so FastAPI's body parser re-raises it instead of answering 400."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"request body exceeds the limit of {limit} bytes")
+    def __init__(self, message: str) -> None:
+        super().__init__(413, message)
 
 
 class BodySizeLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_request_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_request_bytes: int, max_json_values: int | None = None
+    ) -> None:
         self.app = app
         self.max_request_bytes = max_request_bytes
+        self.max_json_values = max_json_values
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        too_large = f"request body exceeds the limit of {self.max_request_bytes} bytes"
         if declared is not None and declared.isdigit() and int(declared) > self.max_request_bytes:
-            await self._reject(send)
+            await self._reject(send, too_large)
             return
 
         received = 0
+        commas = 0
+        max_commas = self.max_json_values
         response_started = False
 
         async def counting_receive() -> Message:
-            nonlocal received
+            nonlocal received, commas
             message = await receive()
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
+                chunk = message.get("body", b"")
+                received += len(chunk)
                 if received > self.max_request_bytes:
-                    raise _BodyTooLarge(self.max_request_bytes)
+                    raise _BodyTooLarge(too_large)
+                if max_commas is not None:
+                    commas += chunk.count(b",")
+                    if commas > max_commas:
+                        raise _BodyTooLarge(
+                            f"request body holds more than {max_commas} JSON values (commas, "
+                            "strings included); see max_prompt_tokens_per_request"
+                        )
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -56,12 +78,11 @@ class BodySizeLimitMiddleware:
 
         try:
             await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
+        except _BodyTooLarge as e:
             if not response_started:
-                await self._reject(send)
+                await self._reject(send, e.detail)
 
-    async def _reject(self, send: Send) -> None:
-        message = f"request body exceeds the limit of {self.max_request_bytes} bytes"
+    async def _reject(self, send: Send, message: str) -> None:
         body = json.dumps(error_body(message, "invalid_request_error", None, "request_too_large"))
         await send(
             {

@@ -16,7 +16,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlaserve.outputs import RequestOutput
-from mlaserve.service.async_engine import EngineDeadError
 from mlaserve.service.errors import BadRequestError
 from mlaserve.service.logprobs import chat_logprobs
 from mlaserve.service.protocol import (
@@ -30,7 +29,7 @@ from mlaserve.service.protocol import (
     ChatResponseMessage,
 )
 from mlaserve.service.request_stream import RequestStream
-from mlaserve.service.serving import ClientDisconnected, Fanout, Serving, sse_frame
+from mlaserve.service.serving import STREAM_ERRORS, ClientDisconnected, Fanout, Serving, sse_frame
 
 if TYPE_CHECKING:
     from mlaserve.tokenizer import Tokenizer
@@ -39,17 +38,30 @@ __all__ = ["Chat", "render_chat"]
 
 
 def render_chat(
-    tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True
+    tokenizer: Tokenizer,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    max_tokens: int | None = None,
 ) -> list[int]:
-    """Token ids of `messages` through the chat template; a template error is the client's."""
+    """Token ids of `messages` through the chat template; a template error is the client's.
+    With `max_tokens`, a rendered prompt that surely has more tokens is refused before it is
+    encoded. Runs on the tokenizer thread (`Serving.run_tokenizer`)."""
     plain = [
         {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         for m in messages
     ]
     try:
-        return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.render_chat_template(plain, add_generation_prompt=add_generation_prompt)
     except ValueError as e:  # ChatTemplateError: no template, or the template raised
         raise BadRequestError(str(e), param="messages", code="invalid_value") from None
+    if max_tokens is not None and tokenizer.min_num_tokens(text) > max_tokens:
+        raise BadRequestError(
+            f"messages: the rendered prompt has at least {tokenizer.min_num_tokens(text)} tokens "
+            f"(limit {max_tokens})",
+            param="messages",
+            code="invalid_value",
+        )
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 class Chat:
@@ -70,7 +82,17 @@ class Chat:
                              "requires logprobs=true")  # fmt: skip
         s.reject_unsupported("stream_options", req.stream_options is not None and not req.stream,
                              "requires stream=true")  # fmt: skip
-        prompt = render_chat(s.engine.tokenizer, req.messages)
+        s.check_sequences(1, req.n)
+        limit_tokens = min(s.engine.max_model_len - 1, s.max_prompt_tokens)
+        prompt = await s.run_tokenizer(
+            lambda tok: render_chat(tok, req.messages, max_tokens=limit_tokens)
+        )
+        if len(prompt) > s.max_prompt_tokens:
+            raise BadRequestError(
+                f"messages: {len(prompt)} prompt tokens exceed the limit of {s.max_prompt_tokens}",
+                param="messages",
+                code="too_many_tokens",
+            )
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         limit = req.max_completion_tokens or req.max_tokens
         max_model_len = s.engine.max_model_len
@@ -93,7 +115,7 @@ class Chat:
             created=fanout.created,
             model=model,
             choices=sorted(choices, key=lambda c: c.index),
-            usage=fanout.usage(finals),
+            usage=fanout.usage(sum(len(o.outputs[0].token_ids) for o in finals.values())),
         )
         return JSONResponse(response.model_dump(mode="json"))
 
@@ -118,9 +140,7 @@ class Chat:
         stream: RequestStream,
         num_logprobs: int | None,
     ) -> AsyncIterator[str]:
-        sent_chars: dict[str, int] = defaultdict(int)
-        sent_tokens: dict[str, int] = defaultdict(int)
-        finals: dict[str, RequestOutput] = {}
+        sent_tokens: dict[str, int] = defaultdict(int)  # generated, per choice
         want_logprobs = num_logprobs is not None
 
         def chunk(choices: list[ChatChunkChoice], **extra: object) -> str:
@@ -134,27 +154,30 @@ class Chat:
                 index = fanout.index_of(sub.request_id)
                 role = ChatDelta(role="assistant", content="")
                 yield chunk([ChatChunkChoice(index=index, delta=role)])
-            async for out in stream:
+            async for out in stream:  # DELTA outputs: this step's tokens only
                 rid, c = out.request_id, out.outputs[0]
-                finals[rid] = out
-                text = out.new_text  # c.text may still end in a partial stop string
-                new_ids = c.token_ids[sent_tokens[rid] :]
-                if not (text or out.finished or (want_logprobs and new_ids)):
+                index = fanout.index_of(rid)
+                if out.error is not None:
+                    yield self.serving.error_frame(
+                        f"choice {index}: {out.error}", "generation_failed"
+                    )
+                    continue
+                text = out.new_text
+                sent_tokens[rid] += len(c.token_ids)  # counted in usage even if not sent now
+                if not (text or out.finished or (want_logprobs and c.token_ids)):
                     continue  # e.g. a token that ends inside a multi-byte character
                 logprobs = None
                 if num_logprobs is not None and c.logprobs is not None:
-                    logprobs = chat_logprobs(new_ids, c.logprobs[sent_tokens[rid] :], num_logprobs)
-                sent_chars[rid] += len(text)
-                sent_tokens[rid] = len(c.token_ids)
+                    logprobs = chat_logprobs(c.token_ids, c.logprobs, num_logprobs)
                 choice = ChatChunkChoice(
-                    index=fanout.index_of(rid),
+                    index=index,
                     delta=ChatDelta(content=text),
                     logprobs=logprobs,
                     finish_reason=c.finish_reason if out.finished else None,
                 )
                 yield chunk([choice])
             if req.include_usage_in_stream:
-                yield chunk([], usage=fanout.usage(finals))
-        except EngineDeadError as e:
+                yield chunk([], usage=fanout.usage(sum(sent_tokens.values())))
+        except STREAM_ERRORS as e:
             yield self.serving.error_frame(e)
         yield sse_frame("[DONE]")

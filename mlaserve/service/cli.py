@@ -2,8 +2,11 @@
 
 The HTTP server comes up first (so /health and /ready answer while the weights load); the
 engine thread loads and warms up the model, then /ready turns 200. SIGTERM or SIGINT stops
-admitting requests, lets in-flight ones finish for up to `--shutdown-timeout` seconds, aborts
-the rest and exits 0. A model that fails to load exits 1; a bad option exits 2.
+admitting requests, lets in-flight ones finish for up to `--shutdown-timeout` seconds, then
+ends every open response itself (an SSE error event `server_shutdown` and `[DONE]`, or a 503
+body) and exits 0. A model that fails to load exits 1, and so does an engine thread that dies
+while serving (after failing the open requests), so that an orchestrator restarts the server;
+a bad option exits 2.
 """
 
 from __future__ import annotations
@@ -23,9 +26,30 @@ from mlaserve.service.app import build_app, server_version
 from mlaserve.service.async_engine import AsyncEngine
 from mlaserve.service.settings import CONFIG_ENV, ServerConfig, Settings, load_settings, options
 
-__all__ = ["build_parser", "main", "serve"]
+__all__ = ["build_parser", "main", "resolve_torch_threads", "serve"]
 
 logger = logging.getLogger("mlaserve.service")
+
+# Threads of the server's own besides the engine's: the event loop and the tokenizer worker.
+SERVICE_THREADS = 2
+# uvicorn's graceful-shutdown timeout runs this much longer than ours, so that the engine ends
+# the open responses (error event + [DONE]) before uvicorn would cancel them mid-body.
+UVICORN_SHUTDOWN_MARGIN_S = 5.0
+
+
+def resolve_torch_threads(flag: int | None, environ: dict[str, str] | os._Environ) -> int | None:
+    """The torch intra-op thread count to set: the flag; else None (keep torch's choice) when
+    OMP_NUM_THREADS is set; else the CPUs this process may use minus the service's threads.
+    Unset, torch takes every core of the machine, which under contention is ~10x slower."""
+    if flag is not None:
+        return flag
+    if environ.get("OMP_NUM_THREADS"):
+        return None
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus - SERVICE_THREADS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,30 +131,41 @@ def serve(settings: Settings) -> int:
     for warning in settings.warnings:
         logger.warning(warning)
 
+    threads = resolve_torch_threads(server_cfg.torch_threads, os.environ)
+    logger.info("torch intra-op threads: %s", threads if threads is not None else "OMP_NUM_THREADS")
+
     exit_code = 0
     server: _Server | None = None
 
-    def on_load_error(_: BaseException) -> None:  # engine thread
+    def on_engine_error(_: BaseException) -> None:  # engine thread; the cause is logged there
         nonlocal exit_code
         exit_code = 1
         if server is not None:
             server.should_exit = True  # uvicorn's main loop polls it
 
     engine = AsyncEngine(
-        settings.engine, max_queue=server_cfg.max_queue, on_load_error=on_load_error
+        settings.engine,
+        max_queue=server_cfg.max_queue,
+        on_load_error=on_engine_error,
+        on_fatal=on_engine_error,
+        shutdown_timeout=server_cfg.shutdown_timeout,
+        tokenizer_queue=server_cfg.tokenizer_queue,
+        torch_threads=threads,
     )
     app = build_app(
         engine,
         api_key=server_cfg.api_key,
         max_request_bytes=server_cfg.max_request_bytes,
         shutdown_timeout=server_cfg.shutdown_timeout,
+        max_prompts_per_request=server_cfg.max_prompts_per_request,
+        max_prompt_tokens_per_request=server_cfg.max_prompt_tokens_per_request,
     )
     config = uvicorn.Config(
         app,
         host=server_cfg.host,
         port=server_cfg.port,
         log_level=server_cfg.log_level,
-        timeout_graceful_shutdown=server_cfg.shutdown_timeout,
+        timeout_graceful_shutdown=server_cfg.shutdown_timeout + UVICORN_SHUTDOWN_MARGIN_S,
         lifespan="on",
     )
     server = _Server(config, on_exit=engine.begin_drain)

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlaserve.outputs import RequestOutput
-from mlaserve.service.async_engine import EngineDeadError
 from mlaserve.service.errors import BadRequestError
 from mlaserve.service.logprobs import completion_logprobs
 from mlaserve.service.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from mlaserve.service.request_stream import RequestStream
-from mlaserve.service.serving import ClientDisconnected, Fanout, Serving, sse_frame
+from mlaserve.service.serving import STREAM_ERRORS, ClientDisconnected, Fanout, Serving, sse_frame
 
 __all__ = ["Completions"]
 
@@ -37,7 +36,9 @@ class Completions:
         s.reject_unsupported("logit_bias", bool(req.logit_bias))
         s.reject_unsupported("stream_options", req.stream_options is not None and not req.stream,
                              "requires stream=true")  # fmt: skip
-        prompts = self._tokenize(req.prompt)
+        raw_prompts = self._prompts(req.prompt)
+        s.check_sequences(len(raw_prompts), req.n)  # before any tokenizing
+        prompts = await s.tokenize(raw_prompts)
         max_model_len = s.engine.max_model_len
 
         def max_tokens(prompt: list[int]) -> int:
@@ -61,19 +62,20 @@ class Completions:
             created=fanout.created,
             model=model,
             choices=sorted(choices, key=lambda c: c.index),
-            usage=fanout.usage(finals),
+            usage=fanout.usage(sum(len(o.outputs[0].token_ids) for o in finals.values())),
         )
         return JSONResponse(response.model_dump(mode="json"))
 
-    def _tokenize(self, prompt: str | list) -> list[list[int]]:
+    @staticmethod
+    def _prompts(prompt: str | list) -> Sequence[str | list[int]]:
+        """The request's prompts, untokenized (a list of token ids is one prompt)."""
         if isinstance(prompt, str):
-            prompt = [prompt]
+            return [prompt]
         if not prompt:
             raise BadRequestError("prompt: must not be empty", param="prompt", code="invalid_value")
         if isinstance(prompt[0], int):
-            return [list(prompt)]
-        tokenizer = self.serving.engine.tokenizer
-        return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+            return [prompt]
+        return prompt
 
     @staticmethod
     def _choice(index: int, out: RequestOutput, num_logprobs: int | None) -> CompletionChoice:
@@ -88,9 +90,11 @@ class Completions:
     async def _frames(
         self, req: CompletionRequest, model: str, fanout: Fanout, stream: RequestStream
     ) -> AsyncIterator[str]:
-        sent_chars: dict[str, int] = defaultdict(int)
-        sent_tokens: dict[str, int] = defaultdict(int)
-        finals: dict[str, RequestOutput] = {}
+        # Per choice: tokens sent, and where the next token starts in the choice's text (the
+        # sum of the sent tokens' lengths, as in the non-streamed response; NOT the characters
+        # sent, which lag behind by the stop-string holdback).
+        sent_tokens: dict[str, int] = defaultdict(int)  # generated, per choice
+        text_offsets: dict[str, int] = defaultdict(int)
         want_logprobs = req.logprobs is not None
 
         def chunk(choices: list[CompletionChoice], **extra: object) -> str:
@@ -100,27 +104,32 @@ class Completions:
             return sse_frame(body.model_dump_json())
 
         try:
-            async for out in stream:
+            async for out in stream:  # DELTA outputs: this step's tokens only
                 rid, c = out.request_id, out.outputs[0]
-                finals[rid] = out
-                text = out.new_text  # c.text may still end in a partial stop string
-                new_ids = c.token_ids[sent_tokens[rid] :]
-                if not (text or out.finished or (want_logprobs and new_ids)):
+                index = fanout.index_of(rid)
+                if out.error is not None:
+                    yield self.serving.error_frame(
+                        f"choice {index}: {out.error}", "generation_failed"
+                    )
+                    continue
+                text = out.new_text
+                sent_tokens[rid] += len(c.token_ids)  # counted in usage even if not sent now
+                if not (text or out.finished or (want_logprobs and c.token_ids)):
                     continue  # e.g. a token that ends inside a multi-byte character
                 logprobs = None
                 if req.logprobs is not None and c.logprobs is not None:
-                    entries = c.logprobs[sent_tokens[rid] :]
-                    logprobs = completion_logprobs(new_ids, entries, req.logprobs, sent_chars[rid])
-                sent_chars[rid] += len(text)
-                sent_tokens[rid] = len(c.token_ids)
+                    logprobs = completion_logprobs(
+                        c.token_ids, c.logprobs, req.logprobs, text_offsets[rid]
+                    )
+                    if logprobs.tokens:
+                        text_offsets[rid] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                 finish_reason = c.finish_reason if out.finished else None
                 choice = CompletionChoice(
-                    index=fanout.index_of(rid), text=text, logprobs=logprobs,
-                    finish_reason=finish_reason,
-                )  # fmt: skip
+                    index=index, text=text, logprobs=logprobs, finish_reason=finish_reason
+                )
                 yield chunk([choice])
             if req.include_usage_in_stream:
-                yield chunk([], usage=fanout.usage(finals))
-        except EngineDeadError as e:
+                yield chunk([], usage=fanout.usage(sum(sent_tokens.values())))
+        except STREAM_ERRORS as e:
             yield self.serving.error_frame(e)
         yield sse_frame("[DONE]")

@@ -104,6 +104,8 @@ def _param(loc: tuple | list) -> str | None:
                 parts.append(str(part))
         elif part != "body" and part.isidentifier() and part not in _TYPE_TAGS:
             parts.append(part)
+        elif parts and not part.isidentifier():
+            break  # a union member's tag: the field itself is what the client got wrong
     return ".".join(parts) or None
 
 

@@ -14,10 +14,14 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     SerializerFunctionWrapHandler,
+    Tag,
     model_serializer,
 )
+
+from mlaserve.sampling_params import MAX_TEMPERATURE
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -40,6 +44,10 @@ MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20  # top-logprobs per token (OpenAI's limit)
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
+# Hard ceilings of the schema (the server's own limits, `--max-prompts-per-request` and
+# `--max-prompt-tokens-per-request`, may only be lower): what a body may hold at all.
+MAX_PROMPTS = 2048
+MAX_PROMPT_TOKENS = 1 << 20
 
 
 def _encodable(text: str) -> str:
@@ -72,7 +80,7 @@ class SamplingRequest(_Body):
     model: str | None = Field(None, description="Served model name; defaults to the only one.")
     n: int = Field(1, ge=1, le=MAX_N)
     max_tokens: int | None = Field(None, ge=1)
-    temperature: FiniteFloat | None = Field(None, ge=0.0)
+    temperature: FiniteFloat | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: FiniteFloat | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables top-k.")
     min_p: FiniteFloat | None = Field(None, ge=0.0, le=1.0)
@@ -102,8 +110,40 @@ class SamplingRequest(_Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def _prompt_form(value: Any) -> str | None:
+    """Which form a prompt has, from its first element: only that member of the union is
+    validated. Trying every member (pydantic's default) builds one error per element of the
+    forms that do not match: over a second for a body full of tiny prompts."""
+    if isinstance(value, str):
+        return "str"
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else 0
+    if isinstance(first, str):
+        return "list[str]"
+    if isinstance(first, list):
+        return "list[list[int]]"
+    return "list[int]"
+
+
+TokenIds = Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKENS)]
+# Tags are not identifiers, so error locations name the field alone ("prompt.3").
+Prompt = Annotated[
+    Annotated[Text, Tag("str")]
+    | Annotated[list[Text], Field(max_length=MAX_PROMPTS), Tag("list[str]")]
+    | Annotated[TokenIds, Tag("list[int]")]
+    | Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS), Tag("list[list[int]]")],
+    Discriminator(
+        _prompt_form,
+        custom_error_type="invalid_prompt",
+        custom_error_message="Input should be a string, a list of strings, a list of token ids "
+        "or a list of lists of token ids",
+    ),
+]
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]] = Field(
+    prompt: Prompt = Field(
         description="A string, a list of strings, a list of token ids, or a list of such lists."
     )
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

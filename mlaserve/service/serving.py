@@ -6,6 +6,12 @@ a request is reproducible on its own). Everything that can be wrong with a reque
 before a response starts: sampling parameters on the event loop, prompt and context checks by
 the engine when it accepts the requests (`AsyncEngine.add` waits for that).
 
+Reject before working: what costs nothing to check is checked before anything costs something.
+The number of prompts and of sequences (prompts x n) and the prompt-token budget are checked
+before tokenizing (token-id prompts by their length, text prompts by a lower bound on their
+token count, `Tokenizer.min_num_tokens`); tokenizing then runs on the tokenizer thread, stopping
+at the first prompt that breaks a limit. Sampling parameters are validated once per request.
+
 A client that goes away aborts its engine requests at once: a streaming response aborts when
 Starlette stops it, a non-streaming one races the generation against `http.disconnect`.
 """
@@ -14,10 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from starlette.requests import Request
@@ -25,12 +32,13 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from mlaserve.outputs import RequestOutput
-from mlaserve.sampling_params import SamplingParams, SamplingParamsError
+from mlaserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from mlaserve.service.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineNotReadyError,
     QueueFullError,
+    ServerShutdownError,
 )
 from mlaserve.service.errors import (
     BadRequestError,
@@ -39,8 +47,16 @@ from mlaserve.service.errors import (
     ServiceUnavailableError,
     error_body,
 )
-from mlaserve.service.protocol import MAX_SEED, SamplingRequest, UsageInfo
-from mlaserve.service.request_stream import RequestStream, SubRequest
+from mlaserve.service.protocol import (
+    MAX_PROMPT_TOKENS,
+    MAX_PROMPTS,
+    MAX_SEED,
+    SamplingRequest,
+    UsageInfo,
+)
+from mlaserve.service.request_stream import DeltaAccumulator, RequestStream, SubRequest
+from mlaserve.service.tokenizer_worker import TokenizerBusyError
+from mlaserve.tokenizer import Tokenizer
 
 __all__ = ["Fanout", "Serving", "sse_frame"]
 
@@ -70,9 +86,8 @@ class Fanout:
     def index_of(self, engine_request_id: str) -> int:
         return int(engine_request_id.rsplit("-", 1)[1])
 
-    def usage(self, finals: dict[str, RequestOutput]) -> UsageInfo:
+    def usage(self, completion_tokens: int) -> UsageInfo:
         prompt_tokens = sum(len(p) for p in self.prompts)
-        completion_tokens = sum(len(o.outputs[0].token_ids) for o in finals.values())
         return UsageInfo(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
@@ -83,8 +98,16 @@ class Fanout:
 class Serving:
     """Readiness, model names, sampling parameters and request submission for both endpoints."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        max_prompts_per_request: int = MAX_PROMPTS,
+        max_prompt_tokens_per_request: int = MAX_PROMPT_TOKENS,
+    ) -> None:
         self.engine = engine
+        self.max_prompts = max_prompts_per_request
+        self.max_prompt_tokens = max_prompt_tokens_per_request
 
     # ----- checks -----
     def require_ready(self) -> None:
@@ -111,6 +134,85 @@ class Serving:
             )
         return served
 
+    def check_sequences(self, num_prompts: int, n: int) -> None:
+        """Before any work: the prompt count and the sequences the request would need."""
+        if num_prompts > self.max_prompts:
+            raise BadRequestError(
+                f"prompt: {num_prompts} prompts in one request; the limit is {self.max_prompts}",
+                param="prompt",
+                code="too_many_prompts",
+            )
+        capacity = self.engine.max_num_seqs + self.engine.max_queue
+        if num_prompts * n > capacity:
+            raise BadRequestError(
+                f"the request needs {num_prompts * n} sequences (prompts x n) but the "
+                f"server admits at most {capacity} at once",
+                param="n",
+                code="invalid_value",
+            )
+
+    def _too_many_tokens(self, what: str) -> BadRequestError:
+        return BadRequestError(
+            f"prompt: {what} exceeds the limit of {self.max_prompt_tokens} prompt tokens per "
+            "request",
+            param="prompt",
+            code="too_many_tokens",
+        )
+
+    def _too_long(self, index: int, at_least: int, exact: bool) -> BadRequestError:
+        n = f"{at_least}" if exact else f"at least {at_least}"
+        return BadRequestError(
+            f"prompt: prompt {index} has {n} tokens, which leaves no room to generate within "
+            f"max_model_len {self.engine.max_model_len}",
+            param="prompt",
+            code="invalid_value",
+        )
+
+    async def tokenize(self, prompts: Sequence[str | list[int]]) -> list[list[int]]:
+        """Token ids of every prompt; text prompts are encoded on the tokenizer thread. Refuses
+        (400) what breaks the per-request token budget or cannot fit the context, before
+        encoding when lower bounds already tell."""
+        limit = self.max_prompt_tokens
+        max_prompt = self.engine.max_model_len - 1
+        bound = self.engine.tokenizer.min_num_tokens  # O(1), cached: safe on the loop
+        total = 0
+        for i, p in enumerate(prompts):
+            n = bound(p) if isinstance(p, str) else len(p)
+            if n > max_prompt:
+                raise self._too_long(i, n, exact=not isinstance(p, str))
+            total += n
+        if total > limit:
+            raise self._too_many_tokens(f"{'at least ' if total else ''}{total} prompt tokens")
+        texts = [(i, p) for i, p in enumerate(prompts) if isinstance(p, str)]
+        if not texts:
+            return [list(p) for p in prompts]  # type: ignore[arg-type]
+        known = total - sum(bound(p) for _, p in texts)
+
+        def encode_all(tok: Tokenizer) -> dict[int, list[int]] | BadRequestError:
+            running, out = known, {}
+            for i, text in texts:
+                ids = tok.encode(text)
+                running += len(ids)
+                if len(ids) > max_prompt:
+                    return self._too_long(i, len(ids), exact=True)
+                if running > limit:  # stop at once: the rest would be wasted work
+                    return self._too_many_tokens(f"more than {running - len(ids)} + {len(ids)}")
+                out[i] = ids
+            return out
+
+        encoded = await self.run_tokenizer(encode_all)
+        if isinstance(encoded, BadRequestError):
+            raise encoded
+        return [encoded[i] if isinstance(p, str) else list(p) for i, p in enumerate(prompts)]
+
+    async def run_tokenizer(self, fn: Callable[[Tokenizer], object]) -> object:
+        try:
+            return await self.engine.tokenizer_worker.run(fn)
+        except TokenizerBusyError as e:
+            raise ServiceUnavailableError(
+                str(e), code="tokenizer_busy", headers={"Retry-After": "1"}
+            ) from None
+
     @staticmethod
     def reject_unsupported(field: str, is_set: bool, what: str = "is not supported") -> None:
         if is_set:
@@ -126,11 +228,22 @@ class Serving:
         logprobs: int | None,
     ) -> Fanout:
         request_id = new_request_id(prefix)
+        # Validated once per request; each choice gets a shallow copy with its own max_tokens and
+        # seed (validating len(prompts) * n copies was O(n) Python work per prompt).
+        base = self.sampling_params(req, max(max_tokens(p) for p in prompts), req.seed, logprobs)
         subrequests = []
         for p, prompt in enumerate(prompts):
+            limit = max_tokens(prompt)
+            if base.min_tokens > limit:
+                raise BadRequestError(
+                    f"min_tokens: must be <= max_tokens ({limit}), got {base.min_tokens}",
+                    param="min_tokens",
+                    code="invalid_value",
+                )
             for i in range(req.n):
-                seed = None if req.seed is None else (req.seed + i) % (MAX_SEED + 1)
-                params = self.sampling_params(req, max_tokens(prompt), seed, logprobs)
+                params = copy.copy(base)
+                params.max_tokens = limit
+                params.seed = None if req.seed is None else (req.seed + i) % (MAX_SEED + 1)
                 index = p * req.n + i
                 subrequests.append(SubRequest(f"{request_id}-{index}", prompt, params))
         return Fanout(request_id, prompts, subrequests, int(time.time()))
@@ -152,6 +265,7 @@ class Serving:
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                output_kind=RequestOutputKind.DELTA,  # O(new tokens) per step; see request_stream
                 **kwargs,
             )
             params.check_vocab(vocab_size)
@@ -162,14 +276,7 @@ class Serving:
 
     async def submit(self, fanout: Fanout, arrival_time: float) -> RequestStream:
         """Hand the requests to the engine; map its refusals to HTTP errors."""
-        capacity = self.engine.max_num_seqs + self.engine.max_queue
-        if len(fanout.subrequests) > capacity:
-            raise BadRequestError(
-                f"the request needs {len(fanout.subrequests)} sequences (prompts x n) but the "
-                f"server admits at most {capacity} at once",
-                param="n",
-                code="invalid_value",
-            )
+        self.check_sequences(len(fanout.prompts), len(fanout.subrequests) // len(fanout.prompts))
         try:
             return await self.engine.add(fanout.subrequests, arrival_time)
         except QueueFullError as e:
@@ -185,13 +292,18 @@ class Serving:
 
     # ----- delivery -----
     async def collect(self, stream: RequestStream, raw: Request) -> dict[str, RequestOutput]:
-        """Wait for every request of the stream to finish; abort them if the client leaves."""
+        """Wait for every request of the stream to finish; abort them if the client leaves.
+        Returns each request's whole output, assembled once from its deltas."""
 
         async def gather() -> dict[str, RequestOutput]:
-            finals: dict[str, RequestOutput] = {}
+            parts: dict[str, DeltaAccumulator] = {}
             async for out in stream:
-                finals[out.request_id] = out
-            return finals
+                acc = parts.get(out.request_id)
+                if acc is None:
+                    parts[out.request_id] = DeltaAccumulator(out)
+                else:
+                    acc.add(out)
+            return {rid: acc.build() for rid, acc in parts.items()}
 
         collecting = asyncio.ensure_future(gather())
         watching = asyncio.ensure_future(_wait_for_disconnect(raw.receive))
@@ -200,9 +312,18 @@ class Serving:
             if not collecting.done():
                 raise ClientDisconnected
             try:
-                return collecting.result()
+                finals = collecting.result()
             except EngineDeadError as e:
                 raise InternalServerError(str(e), code="engine_dead") from None
+            except ServerShutdownError as e:
+                raise ServiceUnavailableError(str(e), code="server_shutdown") from None
+            failed = next((o for o in finals.values() if o.error is not None), None)
+            if failed is not None:
+                raise InternalServerError(
+                    f"choice {failed.request_id.rsplit('-', 1)[1]}: {failed.error}",
+                    code="generation_failed",
+                )
+            return finals
         finally:
             watching.cancel()
             collecting.cancel()
@@ -212,10 +333,18 @@ class Serving:
         return _EngineStreamingResponse(frames, on_close=lambda: self.engine.abort(stream))
 
     @staticmethod
-    def error_frame(exc: Exception) -> str:
-        """An SSE frame for an error after the stream started (status 200 is already sent)."""
-        body = error_body(str(exc), InternalServerError.error_type, None, "engine_dead")
-        return sse_frame(json.dumps(body))
+    def error_frame(exc: Exception | str, code: str | None = None) -> str:
+        """An SSE frame for an error after the stream started (status 200 is already sent):
+        the engine died (`engine_dead`), the shutdown timeout expired (`server_shutdown`) or
+        one choice failed (`generation_failed`)."""
+        code = code or getattr(exc, "code", None) or "internal_error"
+        kind = STREAM_ERROR_TYPES.get(code, InternalServerError.error_type)
+        return sse_frame(json.dumps(error_body(str(exc), kind, None, code)))
+
+
+# Errors that end a stream after its 200 (the SSE response catches them and sends error_frame).
+STREAM_ERRORS = (EngineDeadError, ServerShutdownError)
+STREAM_ERROR_TYPES = {"server_shutdown": ServiceUnavailableError.error_type}
 
 
 class ClientDisconnected(Exception):

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from mlaserve.config import ConfigError, EngineConfig
+from mlaserve.service.protocol import MAX_PROMPT_TOKENS, MAX_PROMPTS
 
 __all__ = ["ENV_PREFIX", "Option", "ServerConfig", "Settings", "load_settings", "options"]
 
@@ -40,6 +41,11 @@ class ServerConfig:
     max_request_bytes: int = 8 * 1024 * 1024  # larger bodies get 413
     shutdown_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests, then aborts
     log_level: str = "info"
+    # Checked before any prompt is tokenized (see docs/api.md, "Limits").
+    max_prompts_per_request: int = MAX_PROMPTS
+    max_prompt_tokens_per_request: int = 131072
+    tokenizer_queue: int = 64  # requests waiting for the tokenizer thread; more get 503
+    torch_threads: int | None = None  # None: CPUs available minus the service's own threads
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -51,8 +57,22 @@ class ServerConfig:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"shutdown_timeout: must be >= 0, got {self.shutdown_timeout}")
+        _check_range("max_prompts_per_request", self.max_prompts_per_request, 1, MAX_PROMPTS)
+        _check_range(
+            "max_prompt_tokens_per_request", self.max_prompt_tokens_per_request, 1,
+            MAX_PROMPT_TOKENS,
+        )  # fmt: skip
+        _check_range("tokenizer_queue", self.tokenizer_queue, 1, None)
+        if self.torch_threads is not None:
+            _check_range("torch_threads", self.torch_threads, 1, None)
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level: expected one of {LOG_LEVELS}, got {self.log_level!r}")
+
+
+def _check_range(name: str, value: int, low: int, high: int | None) -> None:
+    if value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ConfigError(f"{name}: must be {bound}, got {value}")
 
 
 _HELP = {
@@ -81,6 +101,12 @@ _HELP = {
     "max_request_bytes": "largest accepted request body; larger ones get 413",
     "shutdown_timeout": "seconds SIGTERM lets in-flight requests finish before aborting them",
     "log_level": f"one of {', '.join(LOG_LEVELS)}",
+    "max_prompts_per_request": f"most prompts in one /v1/completions request (at most {MAX_PROMPTS})",
+    "max_prompt_tokens_per_request": "most prompt tokens in one request, all prompts together; "
+    "also bounds the JSON values (commas) a body may hold",
+    "tokenizer_queue": "requests that may wait for the tokenizer thread; more get 503",
+    "torch_threads": "torch intra-op threads; default: the CPUs available to the process minus "
+    "the server's own threads (event loop, tokenizer), at least 1",
 }
 
 

@@ -36,13 +36,22 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.text = ""  # all output text finalised so far
+        # Finalised text, as pieces: `str +=` on an attribute copies the whole text every step,
+        # O(length) per token; the pieces are joined only when `text` is read.
+        self._pieces: list[str] = []
         context = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._num_context = len(context)
         self._ids = context  # context + output ids
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._prefix_text: str | None = None  # decode(ids[prefix:read]), cached until it moves
+
+    @property
+    def text(self) -> str:
+        """All output text finalised so far."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     @property
     def output_ids(self) -> list[int]:
@@ -76,5 +85,5 @@ class IncrementalDetokenizer:
         delta = new_text[len(self._prefix_text) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._prefix_text = None
-        self.text += delta
+        self._pieces.append(delta)
         return delta

@@ -32,6 +32,7 @@ class Tokenizer:
         self.hf = hf_tokenizer
         self.name = name or getattr(hf_tokenizer, "name_or_path", "")
         self._piece_cache: dict[int, str] = {}
+        self._max_piece_chars: int | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -54,6 +55,34 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on `len(self.encode(text))`, in O(1): for refusing a prompt that cannot
+        fit before paying for tokenizing it (seconds for megabytes).
+
+        Every token covers at most `max_piece_chars` characters of the text the model sees, so a
+        text of n characters needs at least n / max_piece_chars tokens. A byte-level piece covers
+        one byte per character (never fewer characters than bytes), a byte-fallback piece
+        ("<0x41>") fewer characters than it spells: the bound holds for both. It needs the
+        text to reach the model unshortened, so a tokenizer with a normalizer (which may drop
+        or merge characters) gets the trivial bound 0.
+        """
+        if self.max_piece_chars == 0:
+            return 0
+        return -(-len(text) // self.max_piece_chars)
+
+    @property
+    def max_piece_chars(self) -> int:
+        """Longest vocabulary piece (added tokens included), in characters; 0 when
+        `min_num_tokens` cannot bound anything. Computed once (a pass over the vocabulary)."""
+        if self._max_piece_chars is None:
+            backend = getattr(self.hf, "backend_tokenizer", None)
+            if backend is None or backend.normalizer is not None:
+                self._max_piece_chars = 0
+            else:
+                pieces = backend.get_vocab(with_added_tokens=True)
+                self._max_piece_chars = max(map(len, pieces), default=0)
+        return self._max_piece_chars
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(

@@ -61,6 +61,17 @@ CASES = [
         "messages.0.content",
     ),
     ("nan-temperature", CMPL, b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    # Issue 13: inf in float32, then NaN logits, then EOS despite min_tokens. Now refused.
+    (
+        "temperature-overflows-float32",
+        CMPL,
+        {"prompt": "def f(x):", "temperature": 1e39, "max_tokens": 8, "min_tokens": 5, "seed": 1},
+        400,
+        "temperature",
+    ),
+    ("temperature-above-max", CHAT, {"messages": MSGS, "temperature": 100.5}, 400, "temperature"),
+    # Issue 13: the prompt count is refused before tokenizing (was: tokenized, then "n").
+    ("too-many-prompts", CMPL, {"prompt": ["a"] * 2049, "max_tokens": 1}, 400, "prompt"),
     ("echo-unsupported", CMPL, {"prompt": "hi", "echo": True}, 400, "echo"),
     ("tools-unsupported", CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, 400, "tools"),
     (

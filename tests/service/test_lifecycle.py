@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from contextlib import AsyncExitStack
@@ -185,7 +186,10 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(small_server) -> None:
     assert "exit code 0" in small_server.logs()
 
 
-def test_sigterm_aborts_what_outlives_the_shutdown_timeout(model_dir, tmp_path) -> None:
+def test_sigterm_ends_what_outlives_the_shutdown_timeout_cleanly(model_dir, tmp_path) -> None:
+    """Issue 13: past the drain timeout, an open stream ends with an error event
+    (`server_shutdown`) and `[DONE]` (was: cut mid-body), a waiting non-streaming request gets
+    a 503 body, and the process exits 0."""
     # One sequence at a time: the 16 choices of 240 tokens then run one after another (thousands
     # of steps), so the stream outlives the 1 s timeout however fast the machine is.
     proc = start_server(
@@ -194,19 +198,34 @@ def test_sigterm_aborts_what_outlives_the_shutdown_timeout(model_dir, tmp_path) 
     try:
         proc.wait_ready()
         body = {**VERY_LONG, "stream": True}
-        with (
-            httpx.Client(base_url=proc.url, timeout=60) as client,
-            client.stream("POST", "/v1/completions", json=body) as response,
-        ):
-            lines = response.iter_lines()
-            next(line for line in lines if line.startswith("data: "))
-            t0 = time.monotonic()
-            proc.proc.send_signal(signal.SIGTERM)
-            frames = []
-            with pytest.raises(httpx.RemoteProtocolError):  # cut off mid-stream
-                frames.extend(lines)
+
+        async def plain_request() -> httpx.Response:
+            async with httpx.AsyncClient(base_url=proc.url, timeout=60) as client:
+                return await client.post("/v1/completions", json={**LONG, "max_tokens": 100})
+
+        async def scenario() -> tuple[list[str], httpx.Response]:
+            async with (
+                httpx.AsyncClient(base_url=proc.url, timeout=60) as client,
+                client.stream("POST", "/v1/completions", json=body) as response,
+            ):
+                lines = response.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: "):
+                        break
+                waiting = asyncio.ensure_future(plain_request())  # queued behind the stream
+                await asyncio.sleep(0.5)
+                proc.proc.send_signal(signal.SIGTERM)
+                frames = [line async for line in lines if line.startswith("data: ")]
+                return frames, await waiting
+
+        t0 = time.monotonic()
+        frames, plain = asyncio.run(scenario())
+        assert frames[-1] == "data: [DONE]"
+        error = json.loads(frames[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "server_shutdown" and "shutdown timeout" in error["message"]
+        assert plain.status_code == 503, plain.text
+        assert plain.json()["error"]["code"] == "server_shutdown"
         assert proc.proc.wait(30) == 0
         assert time.monotonic() - t0 < 10
-        assert "data: [DONE]" not in frames
     finally:
         proc.stop()
