@@ -138,10 +138,12 @@ class CudaGraphRunner:
         return _Graph(graph=graph, logits=logits)
 
     def _free_memory(self) -> int:
+        """Device memory not yet reserved by this process's caching allocator (graph pools are
+        private pools of that allocator, so their growth shows here at segment granularity)."""
         if self.runner.device.type != "cuda":
             return 0
         torch.cuda.synchronize(self.runner.device)
-        return torch.cuda.mem_get_info(self.runner.device)[0]
+        return -torch.cuda.memory_reserved(self.runner.device)
 
     # ----- serving -----
     def padded_size(self, host: HostBatch) -> int | None:

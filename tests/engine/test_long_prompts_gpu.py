@@ -23,9 +23,10 @@ pytestmark = [
 ]
 
 NEW_TOKENS = 12
-# Measured on an H100 (bench/RESULTS.md); bf16 rounding inside FlashMLA (and fp8 queries with
-# an fp8 cache) flips near-ties, after which greedy continuations diverge, hence a rate.
-AGREEMENT = {"bf16": 0.85, "fp8_e4m3": 0.7}
+# Measured on an H100 (2026-11-22): bf16 0.844 alone / 0.885 mixed, fp8 0.881 / 0.787. bf16
+# rounding inside FlashMLA (and fp8 queries with an fp8 cache) flips near-ties, after which a
+# greedy continuation diverges for good, hence a rate over 12-token continuations.
+AGREEMENT = {"bf16": 0.8, "fp8_e4m3": 0.75}
 
 
 def code_tokens(llm: LLM, n: int) -> list[int]:

@@ -101,8 +101,18 @@ def test_all_greedy_costs_one_argmax(device: torch.device) -> None:
     )
     with _AtenOps() as mode:
         out = sampler(logits, batch)
-    assert mode.ops == ["argmax"]
+    # One pass over [n, V] (the argmax); the NaN/inf check reads only the n chosen logits.
+    assert mode.ops[0] == "argmax" and set(mode.ops[1:]) <= {
+        "unsqueeze",
+        "gather",
+        "squeeze",
+        "isfinite",
+    }
     assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert out.finite.all()
+    nan = logits.clone()
+    nan[2, 17] = float("nan")
+    assert sampler(nan, batch).finite.tolist() == [True, True, False, True]
     # Asking for logprobs, or a row still below min_tokens, adds work only then.
     logprobs = make_batch([SamplingParams(temperature=0, logprobs=0)] * 4, 1000, device)
     banned = make_batch(
