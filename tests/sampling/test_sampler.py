@@ -88,9 +88,13 @@ class _AtenOps(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[str] = []
+        self.big: list[str] = []  # ops with an argument of 1000+ elements (an [n, V] pass)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket.__name__))
+        name = str(func.overloadpacket.__name__)
+        self.ops.append(name)
+        if any(isinstance(a, torch.Tensor) and a.numel() >= 1000 for a in args):
+            self.big.append(name)
         return func(*args, **(kwargs or {}))
 
 
@@ -101,13 +105,9 @@ def test_all_greedy_costs_one_argmax(device: torch.device) -> None:
     )
     with _AtenOps() as mode:
         out = sampler(logits, batch)
-    # One pass over [n, V] (the argmax); the NaN/inf check reads only the n chosen logits.
-    assert mode.ops[0] == "argmax" and set(mode.ops[1:]) <= {
-        "unsqueeze",
-        "gather",
-        "squeeze",
-        "isfinite",
-    }
+    # One pass over [n, V] (the argmax); the NaN/inf check reads only the n chosen logits
+    # (a gather of n elements, then elementwise ops over n).
+    assert mode.big == ["argmax", "gather"], mode.ops
     assert torch.equal(out.token_ids, logits.argmax(-1))
     assert out.finite.all()
     nan = logits.clone()
