@@ -95,7 +95,7 @@ def bench_dense(name: str, n: int, k: int, ms: list[int], iters: int) -> list[di
                     lambda i, x=x: block_fp8_linear(x, *w8[i % copies], backend="torch_blockwise"),
                     iters,
                 )
-            except RuntimeError as e:  # record a rejected shape instead of losing the run
+            except (RuntimeError, ValueError) as e:  # record a rejected shape, keep the run
                 row["torch_error"] = str(e).splitlines()[0][:200]
         row["bf16_floor_us"] = 2 * n * k / HBM_BYTES_PER_S * 1e6
         row["fp8_floor_us"] = (n * k + 4 * w8[0][1].numel()) / HBM_BYTES_PER_S * 1e6

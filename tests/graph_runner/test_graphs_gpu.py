@@ -122,7 +122,9 @@ def test_graph_memory_is_reported(caplog) -> None:
         f"graph pool: {report.pool_bytes / 2**20:.1f} MiB for {report.num_graphs} graphs; "
         f"capture {report.capture_s:.2f} s, warm-up {report.warmup_s:.2f} s"
     )
-    assert 0 < report.pool_bytes < 2**30
+    # The allocator's reserved growth during capture: 114 MiB for the V2-Lite shape on an H100,
+    # 0 for this small model, whose graphs fit in segments the warm-up had already reserved.
+    assert 0 <= report.pool_bytes < 2**30
     assert any("graph pool" in r.getMessage() for r in caplog.records)
     assert any("start-up: load" in r.getMessage() for r in caplog.records)
 
