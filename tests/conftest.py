@@ -1,6 +1,21 @@
-"""Shared fixtures: tiny random DeepSeek checkpoints, written once per test session."""
+"""Shared fixtures: tiny random DeepSeek checkpoints, written once per test session.
+
+Without CUDA, Triton kernels can only run under Triton's interpreter, and `TRITON_INTERPRET` is
+read when a kernel is decorated, i.e. when its module is first imported, by whichever test
+collects first. So it is set here, before anything imports mlaserve: on a CPU machine that has
+Triton installed, every kernel test then runs interpreted (the model's CPU paths never call a
+kernel: fused ops and the fused sampler noise are chosen only on CUDA). With CUDA it is left
+alone and the compiled kernels run.
+"""
 
 from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from collections.abc import Callable
 from pathlib import Path
