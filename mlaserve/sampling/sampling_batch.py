@@ -10,13 +10,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from mlaserve.sampling.random import to_int64
 from mlaserve.sampling_params import SamplingParams
 
-__all__ = ["SamplingBatch", "check_ids", "max_top_k"]
+__all__ = ["SamplingBatch", "check_ids", "host_switches", "max_top_k"]
 
 
 @dataclass
@@ -106,7 +107,6 @@ class SamplingBatch:
         device = torch.device(device)
 
         greedy = [p.is_greedy for p in params]
-        sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
         temps, top_ks, top_ps, min_ps = [], [], [], []
         for p, g in zip(params, greedy, strict=True):
             # Filters of greedy rows are irrelevant; neutral values keep them out of the switches.
@@ -149,7 +149,6 @@ class SamplingBatch:
             pairs = torch.tensor(bans, dtype=torch.int64, device=device).T  # [2, m]
             banned_rows, banned_tokens = pairs[0], pairs[1]
 
-        k = max((p.logprobs or 0 for p in params), default=0)
         return cls(
             vocab_size=vocab_size,
             temperatures=floats[0],
@@ -166,15 +165,26 @@ class SamplingBatch:
             output_counts=output_counts,
             banned_rows=banned_rows,
             banned_tokens=banned_tokens,
-            all_greedy=all(greedy),
-            any_greedy=any(greedy),
-            use_top_k=any(0 < p.top_k < vocab_size for p in sampled),
-            use_top_p=any(p.top_p < 1.0 for p in sampled),
-            use_min_p=any(p.min_p > 0.0 for p in sampled),
-            max_num_logprobs=min(k, vocab_size) or None,
-            need_logprobs=any(p.logprobs is not None for p in params),
-            max_top_k=max_top_k(sampled, vocab_size),
+            **host_switches(params, vocab_size),
         )
+
+
+def host_switches(params: Sequence[SamplingParams], vocab_size: int) -> dict[str, Any]:
+    """The `SamplingBatch` fields decided on the host from the rows' params: which optional
+    stages the sampler runs (only non-greedy rows count for the filters)."""
+    greedy = [p.is_greedy for p in params]
+    sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
+    k = max((p.logprobs or 0 for p in params), default=0)
+    return {
+        "all_greedy": all(greedy),
+        "any_greedy": any(greedy),
+        "use_top_k": any(0 < p.top_k < vocab_size for p in sampled),
+        "use_top_p": any(p.top_p < 1.0 for p in sampled),
+        "use_min_p": any(p.min_p > 0.0 for p in sampled),
+        "max_num_logprobs": min(k, vocab_size) or None,
+        "need_logprobs": any(p.logprobs is not None for p in params),
+        "max_top_k": max_top_k(sampled, vocab_size),
+    }
 
 
 def max_top_k(sampled: Sequence[SamplingParams], vocab_size: int) -> int | None:

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from mlaserve.sampling.random import to_int64
-from mlaserve.sampling.sampling_batch import SamplingBatch, check_ids, max_top_k
+from mlaserve.sampling.sampling_batch import SamplingBatch, check_ids, host_switches
 from mlaserve.sampling_params import SamplingParams
 
 __all__ = ["SamplingSlots"]
@@ -177,8 +177,6 @@ class SamplingSlots:
         floats = self._floats[rows]  # [n, 6]
         ints = self._ints[rows]  # [n, 3]
 
-        greedy = [p.is_greedy for p in params]
-        sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
         use_rep = any(p.repetition_penalty != 1.0 for p in params)
         use_freq = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
         prompt_mask = output_counts = None
@@ -200,7 +198,6 @@ class SamplingSlots:
             pairs = self._upload(torch.tensor(bans, dtype=torch.int64).T.contiguous())  # [2, m]
             banned_rows, banned_tokens = pairs[0], pairs[1]
 
-        k = max((p.logprobs or 0 for p in params), default=0)
         v = self.vocab_size
         return SamplingBatch(
             vocab_size=v,
@@ -218,15 +215,8 @@ class SamplingSlots:
             output_counts=output_counts,
             banned_rows=banned_rows,
             banned_tokens=banned_tokens,
-            all_greedy=all(greedy),
-            any_greedy=any(greedy),
-            use_top_k=any(0 < p.top_k < v for p in sampled),
-            use_top_p=any(p.top_p < 1.0 for p in sampled),
-            use_min_p=any(p.min_p > 0.0 for p in sampled),
-            max_num_logprobs=min(k, v) or None,
-            need_logprobs=any(p.logprobs is not None for p in params),
-            max_top_k=max_top_k(sampled, v),
             slots=rows,
+            **host_switches(params, v),
         )
 
     def verify_batch(self, slots: Sequence[int], steps: Sequence[int], k: int) -> SamplingBatch:
