@@ -126,14 +126,19 @@ def time_replay(llm: LLM, bs: int) -> float:
     graphs = llm.engine.graphs
     size = min(s for s in graphs.batch_sizes if s >= bs)
     graph = next(g for (m, q, b), g in graphs.graphs.items() if b == size and q == 1).graph
+    return replay_ms(graph, 20)
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, iters: int) -> float:
+    """Mean time of one replay over `iters` back-to-back replays (CUDA events), after one."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
     start.record()
-    for _ in range(20):
+    for _ in range(iters):
         graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / 20
+    return start.elapsed_time(end) / iters
 
 
 def attention_overhead(llm: LLM, bs: int, ctx: int) -> dict:
@@ -203,14 +208,7 @@ def attention_overhead(llm: LLM, bs: int, ctx: int) -> dict:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()
-        start.record()
-        for _ in range(50):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        result[name + "_ms"] = start.elapsed_time(end) / 50
+        result[name + "_ms"] = replay_ms(graph, 50)
     result["overhead"] = result["adapter_ms"] / result["direct_ms"] - 1
     result["glue"] = result["direct_ms"] / result["kernel_ms"] - 1
     return result
