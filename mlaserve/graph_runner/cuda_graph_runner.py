@@ -127,9 +127,9 @@ class CudaGraphRunner:
         return self.runner.max_model_len
 
     def _capture_one(self, mode: ForwardMode, q_len: int, bs: int) -> _Graph:
-        batch = self._dummy_batch(mode, q_len, bs)
         if not self.use_graphs:
             return _Graph(graph=None, logits=None)
+        batch = self._dummy_batch(mode, q_len, bs)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self.runner.forward(batch)
