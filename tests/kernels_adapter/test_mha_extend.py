@@ -45,10 +45,17 @@ CASES = [
 ]
 
 
-def _setup(case: Case, device: torch.device, seed: int = 0):
-    """A pool with every sequence's prefix written, and the EXTEND batch of the new tokens."""
+def _setup(
+    case: Case,
+    device: torch.device,
+    seed: int = 0,
+    dims: tuple[int, int, int] = (RANK, ROPE, HEADS),
+):
+    """A pool with every sequence's prefix written, and the EXTEND batch of the new tokens.
+    dims: (kv_lora_rank, qk_rope_head_dim, heads)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
+    RANK, ROPE, HEADS = dims
     mc = model_config(RANK, ROPE, HEADS)
     seq_lens = [p + q for p, q in zip(case.prefix_lens, case.q_lens)]
     max_pages = max(-(-s // case.page_size) for s in seq_lens) + 2
