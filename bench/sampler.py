@@ -73,6 +73,9 @@ def main() -> None:
     ap.add_argument("--spec-k", type=int, default=3, help="draft tokens for the accept rows")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument(
+        "--profile", action="store_true", help="top kernels per case at the largest vocab, bs 1/64"
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
     sampler = Sampler()
@@ -123,8 +126,42 @@ def main() -> None:
             print(f"# vocab {vocab} bs {bs} done", flush=True)
 
     _print_table(rows, args)
+    if args.profile and device.type == "cuda":
+        _profile(sampler, max(args.vocabs), args)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(json.dumps({"bench": "sampler", "device": name, "budget_us": BUDGET_US, "rows": rows}))
+
+
+def _profile(sampler: Sampler, vocab: int, args: argparse.Namespace) -> None:
+    """Where a call's GPU time goes: torch.profiler over 10 calls, top kernels per case."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device("cuda")
+    for bs in (1, 64):
+        logits = torch.randn(bs, vocab, device=device) * 4
+        for name in args.cases:
+            slots = SamplingSlots(bs, vocab, device)
+            for s in range(bs):
+                slots.admit(s, CASES[name], seed=s, prompt_ids=[1, 2, 3])
+            batch = slots.batch(list(range(bs)), [5] * bs)
+            for _ in range(3):
+                sampler(logits, batch)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    sampler(logits, batch)
+                torch.cuda.synchronize()
+            events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+            events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+            total = sum(e.self_device_time_total for e in events) / 10
+            launches = sum(e.count for e in events) / 10
+            print(
+                f"\nprofile vocab {vocab} bs {bs} {name}: {total:.1f} us GPU, {launches:.0f} kernels"
+            )
+            for e in events[:6]:
+                print(
+                    f"  {e.self_device_time_total / 10:8.1f} us  x{e.count // 10:<3} {e.key[:80]}"
+                )
 
 
 def _n(args: argparse.Namespace) -> tuple[int, int]:

@@ -18,7 +18,9 @@ stated mode decides, never its shapes. EXTEND batches (prefill chunks) run in th
 `mha_extend.py` (`forward_extend_mha`): each sequence's cached latent context is dequantised and
 up-projected to per-head bf16 K [S, H, 192] / V [S, H, 128], then one causal varlen
 FlashAttention-2 launch per layer (`flash_varlen.py`, torch's own kernels) attends the whole
-ragged batch, bottom-right aligned, so chunks over a cached prefix stay exact.
+ragged batch, bottom-right aligned, so chunks over a cached prefix stay exact. Batches of a few
+fresh prompts (no cached prefix) go to cuDNN's SDPA instead (`cudnn_fresh.py`), which is faster
+where its top-left causal mask is the right one.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from mlaserve.kernels_adapter.base import AttentionBackend, BackendUnsupportedError
+from mlaserve.kernels_adapter.cudnn_fresh import CudnnFreshAttention
 from mlaserve.kernels_adapter.flash_varlen import FlashVarlenAttention, flash_varlen_available
 from mlaserve.kernels_adapter.mha_extend import ExtendLayout, extend_layout, mha_context_kv
 from mlaserve.kv_cache.kv_pool import FP8_E4M3_MAX
@@ -124,6 +127,7 @@ class FlashMLABackend(AttentionBackend):
         # descale is 1; the latent cache's own scale comes from the pool per layer.
         self._q_descale = torch.ones(1, dtype=torch.float32, device=self.device)
         self._prefill = FlashVarlenAttention(self.device)
+        self._prefill_fresh = CudnnFreshAttention(self.device)
         # cat + clamp + cast of the query in one Triton kernel (`mlaserve/ops/q_prep.py`).
         self._prepare_q = None
         if fused_ops_enabled(self.device):
@@ -205,4 +209,6 @@ class FlashMLABackend(AttentionBackend):
         dequantised first) to bf16 K/V, then one causal varlen FA2 launch. [T, H, d_v]."""
         layout: ExtendLayout = batch.attn_metadata
         _, k, v = mha_context_kv(layer_id, kv_c, k_pe, w_uk, w_uv, batch, layout)
+        if self._prefill_fresh.takes(layout, q.dtype):  # no cached prefix: cuDNN is faster
+            return self._prefill_fresh(q, k, v, layout, self.softmax_scale)
         return self._prefill(q, k, v, layout, self.softmax_scale)

@@ -38,14 +38,24 @@ CASES = [
 ]
 
 
+def kv_b_views(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """w_uk [H, d_n, r] / w_uv [H, r, d_v] as the model splits kv_b_proj's weight (views)."""
+    kv_b = torch.randn(HEADS * (NOPE + V_DIM), RANK, device=dev) / RANK**0.5
+    w = kv_b.to(torch.bfloat16).view(HEADS, NOPE + V_DIM, RANK)
+    return w[:, :NOPE], w[:, NOPE:].transpose(1, 2)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "fa2"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.prefix_lens}+{c.q_lens}-{c.kv_dtype}")
-def test_flashmla_extend_matches_latent_reference(case: Case) -> None:
+def test_flashmla_extend_matches_latent_reference(case: Case, kernel: str) -> None:
+    """auto: fresh batches take cuDNN (`cudnn_fresh.py`), the rest FA2; fa2: FA2 for all."""
+    if kernel == "fa2" and case.prefix_lens != [0] * len(case.prefix_lens):
+        pytest.skip("batches with a prefix take FA2 under auto already")
     dev = torch.device("cuda")
     mc, reference, batch, new_rows, cu = _setup(case, dev, dims=(RANK, ROPE, HEADS))
     num_tokens, bf16 = cu[-1], torch.bfloat16
     q = torch.randn(num_tokens, HEADS, NOPE + ROPE, device=dev).to(bf16)
-    w_uk = (torch.randn(HEADS, NOPE, RANK, device=dev) / RANK**0.5).to(bf16)
-    w_uv = (torch.randn(HEADS, RANK, V_DIM, device=dev) / RANK**0.5).to(bf16)
+    w_uk, w_uv = kv_b_views(dev)
     new_rows = new_rows.to(bf16)
     kv_c, k_pe = new_rows[:, :RANK], new_rows[:, RANK:]
 
@@ -60,6 +70,8 @@ def test_flashmla_extend_matches_latent_reference(case: Case) -> None:
     expected = torch.einsum("thr,hrv->thv", o_latent, w_uv.float())
 
     backend = get_backend_class("flashmla")(mc, PAGE, case.kv_dtype, dev, len(case.q_lens), 4096)
+    if kernel == "fa2":
+        backend._prefill_fresh.available = False
     batch = dataclasses.replace(batch, attn_backend=backend)
     backend.prepare(batch)
     got = backend.forward_extend_mha(0, q, kv_c, k_pe, w_uk, w_uv, batch)
@@ -76,7 +88,7 @@ def test_flashmla_extend_matches_latent_reference(case: Case) -> None:
         err = float((out - ref).abs().max() / ref.abs().max())
         assert err < TOLERANCE[case.kv_dtype], f"seq {b}: relative error {err:.2e}"
         worst = max(worst, err)
-    print(f"flashmla extend {case.prefix_lens}+{case.q_lens} {case.kv_dtype}: {worst:.2e}")
+    print(f"flashmla extend {kernel} {case.prefix_lens}+{case.q_lens} {case.kv_dtype}: {worst:.2e}")
 
 
 def test_flashmla_latent_forward_refuses_extend() -> None:
