@@ -11,7 +11,11 @@ Kernel boundary (`F.scaled_dot_product_attention` under `sdpa_kernel([CUDNN_ATTE
     caller sends only `ExtendLayout.all_fresh` batches here (chunks over a prefix go to FA2).
     out [T, H, D_v] in q's dtype.
 
-One launch per sequence, so it is meant for batches of few long prompts (`MAX_SEQS`).
+One launch per sequence, so it is meant for batches of few long prompts (`MAX_SEQS`). cuDNN
+refuses a key length of 1 ("cudnn SDPA does not support key/value sequence length 1", seen on
+an H100 with torch 2.11), so a batch holding a 1-token prompt goes to FA2 (`takes`); any other
+shape cuDNN's dispatcher refuses raises on the host before a launch, and `__call__` returns None
+for the caller to use FA2 instead.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class CudnnFreshAttention:
         """Probes cuDNN SDPA on `device` with DeepSeek's head dims (192 / 128) once, here."""
         self.device = device
         self.available = self._probe()
+        self.refused = 0  # batches cuDNN's dispatcher refused (then run by FA2)
 
     def _probe(self) -> bool:
         if self.device.type != "cuda" or not torch.backends.cudnn.is_available():
@@ -73,19 +78,25 @@ class CudnnFreshAttention:
         v: torch.Tensor,
         layout: ExtendLayout,
         softmax_scale: float,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
+        """[T, H, D_v], or None if cuDNN's dispatcher refused a shape (nothing was launched
+        for the refused sequence; the caller recomputes the whole batch with FA2)."""
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         start = 0
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             for n in layout.q_lens:
                 rows = slice(start, start + n)
-                o = F.scaled_dot_product_attention(
-                    q[rows].transpose(0, 1)[None],
-                    k[rows].transpose(0, 1)[None],
-                    v[rows].transpose(0, 1)[None],
-                    is_causal=True,
-                    scale=softmax_scale,
-                )  # [1, H, n, D_v]
+                try:
+                    o = F.scaled_dot_product_attention(
+                        q[rows].transpose(0, 1)[None],
+                        k[rows].transpose(0, 1)[None],
+                        v[rows].transpose(0, 1)[None],
+                        is_causal=True,
+                        scale=softmax_scale,
+                    )  # [1, H, n, D_v]
+                except RuntimeError:  # "No available kernel": refused at dispatch, on the host
+                    self.refused += 1
+                    return None
                 out[rows] = o[0].transpose(0, 1)
                 start += n
         return out

@@ -210,5 +210,7 @@ class FlashMLABackend(AttentionBackend):
         layout: ExtendLayout = batch.attn_metadata
         _, k, v = mha_context_kv(layer_id, kv_c, k_pe, w_uk, w_uv, batch, layout)
         if self._prefill_fresh.takes(layout, q.dtype):  # no cached prefix: cuDNN is faster
-            return self._prefill_fresh(q, k, v, layout, self.softmax_scale)
+            out = self._prefill_fresh(q, k, v, layout, self.softmax_scale)
+            if out is not None:
+                return out
         return self._prefill(q, k, v, layout, self.softmax_scale)

@@ -28,11 +28,12 @@ RANK, ROPE, HEADS, NOPE, V_DIM, PAGE = 512, 64, 16, 128, 128, 64
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float8_e4m3fn: 2e-2}
 
 CASES = [
-    Case([0, 0, 0], [100, 1, 300], PAGE, torch.bfloat16),  # fresh prompts of different lengths
+    Case([0, 0, 0], [100, 1, 300], PAGE, torch.bfloat16),  # fresh, with a 1-token prompt: FA2
+    Case([0, 0, 0], [100, 2, 300], PAGE, torch.bfloat16),  # fresh prompts: cuDNN
     Case([64, 0, 700, 5], [37, 129, 1, 64], PAGE, torch.bfloat16),  # chunks over prefixes + decode
     Case([128], [64], PAGE, torch.bfloat16),  # prefix ending on a page boundary
     Case([0], [2048], PAGE, torch.bfloat16),  # one long fresh prompt
-    Case([0, 0, 0], [100, 1, 300], PAGE, torch.float8_e4m3fn),
+    Case([0, 0, 0], [100, 2, 300], PAGE, torch.float8_e4m3fn),
     Case([64, 0, 700, 5], [37, 129, 1, 64], PAGE, torch.float8_e4m3fn),
     Case([1000], [1048], PAGE, torch.float8_e4m3fn),
 ]
@@ -77,6 +78,7 @@ def test_flashmla_extend_matches_latent_reference(case: Case, kernel: str) -> No
     got = backend.forward_extend_mha(0, q, kv_c, k_pe, w_uk, w_uv, batch)
     assert got.shape == (num_tokens, HEADS, V_DIM) and got.dtype == bf16
     assert torch.isfinite(got).all()
+    assert backend._prefill_fresh.refused == 0
     # Both paths stored the same new rows (bf16 latent -> the pool's dtype).
     assert torch.equal(
         batch.kv_pool.kv_buffers[0].view(torch.uint8),
