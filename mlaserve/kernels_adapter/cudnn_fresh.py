@@ -68,7 +68,8 @@ class CudnnFreshAttention:
             self.available
             and layout.all_fresh
             and layout.bs <= self.MAX_SEQS
-            and (dtype in _DTYPES)
+            and min(layout.q_lens, default=0) >= 2  # cuDNN refuses a key length of 1
+            and dtype in _DTYPES
         )
 
     def __call__(

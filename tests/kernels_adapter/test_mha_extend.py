@@ -240,3 +240,19 @@ def test_layout_all_fresh() -> None:
     fresh = extend_layout(_setup(CASES[0], torch.device("cpu"))[2])
     chunked = extend_layout(_setup(CASES[1], torch.device("cpu"))[2])
     assert fresh.all_fresh and not chunked.all_fresh
+
+
+def test_cudnn_fresh_takes_only_fresh_batches_without_one_token_prompts() -> None:
+    """Which EXTEND batches `cudnn_fresh.py` takes (the rest go to FA2): no cached prefix (its
+    causal mask is top-left), at most MAX_SEQS sequences, no 1-token prompt (cuDNN refuses a
+    key length of 1), a half-precision query. On CPU it is unavailable, so nothing is taken."""
+    from mlaserve.kernels_adapter.cudnn_fresh import CudnnFreshAttention
+
+    cpu = torch.device("cpu")
+    fresh = CudnnFreshAttention(cpu)
+    layout = extend_layout(_setup(Case([0, 0], [5, 17], 4), cpu)[2])
+    assert not fresh.available and not fresh.takes(layout, torch.bfloat16)
+    fresh.available = True  # as the probe finds it on an H100
+    assert fresh.takes(layout, torch.bfloat16) and not fresh.takes(layout, torch.float32)
+    assert not fresh.takes(extend_layout(_setup(CASES[0], cpu)[2]), torch.bfloat16)  # a 1
+    assert not fresh.takes(extend_layout(_setup(CASES[1], cpu)[2]), torch.bfloat16)  # prefix
