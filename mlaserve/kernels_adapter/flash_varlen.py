@@ -17,9 +17,10 @@ with q_len new tokens and L keys sees keys 0 .. L - q_len + i, the mask of `mha_
 prefill chunk over a cached prefix is exact. torch 2.10 spells causal `is_causal=True`; 2.11
 spells it `window_size=(-1, 0)` (and adds `scale`); the signature is read once, here.
 
-Why not the alternatives (measured on an H100, bench/prefill_attention.py, bench/RESULTS.md):
-SDPA's flash/cuDNN backends take one dense [B, H, L, D] batch with top-left causal masks, so a
-ragged batch with cached prefixes would need per-sequence calls and explicit masks.
+Measured against the alternatives on an H100 (bench/prefill_attention.py, bench/RESULTS.md):
+torch 2.11's FA2 rejects v 128 with q 192 (so v is padded) and runs at 110-230 TFLOP/s; cuDNN's
+SDPA is 1.3-2.2x faster but its causal mask is top-left, so it only takes fresh prompts
+(`cudnn_fresh.py`); SDPA's flash backend has no kernel for these head dims.
 """
 
 from __future__ import annotations
