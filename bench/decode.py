@@ -13,6 +13,8 @@ graph runner switched off), interleaved, `--rounds` times; medians are reported.
 Columns:
 - eager / graph: wall time per engine step (host batch build + forward + sampling + postprocess);
 - replay: the graph replay alone (CUDA events), i.e. the GPU time of a graphed forward;
+- kern/layer: GPU kernels in one replay of the decode graph (torch.profiler), over the layer
+  count (the LM head, embedding and sampling-free glue are spread over the layers);
 - floor: bytes a decode step must read / device copy bandwidth measured in this run. Bytes =
   every non-expert weight once + the routed experts the step's tokens touch + the KV read.
   Routed experts: `floor` counts the expected number of distinct experts under uniform random
@@ -124,11 +126,32 @@ def time_steps(llm: LLM, steps: int) -> float:
     return (time.perf_counter() - t0) / steps * 1e3
 
 
-def time_replay(llm: LLM, bs: int) -> float:
+def decode_graph(llm: LLM, bs: int) -> torch.cuda.CUDAGraph:
     graphs = llm.engine.graphs
     size = min(s for s in graphs.batch_sizes if s >= bs)
-    graph = next(g for (m, q, b), g in graphs.graphs.items() if b == size and q == 1).graph
-    return replay_ms(graph, 20)
+    return next(g for (m, q, b), g in graphs.graphs.items() if b == size and q == 1).graph
+
+
+def time_replay(llm: LLM, bs: int) -> float:
+    return replay_ms(decode_graph(llm, bs), 20)
+
+
+def kernels_per_replay(graph: torch.cuda.CUDAGraph) -> int:
+    """GPU kernels one replay of the decode graph runs (torch.profiler / CUPTI records each kernel
+    node of a replayed graph; memcpy and memset nodes are not counted)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    return sum(
+        1
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and not e.name.lower().startswith(("memcpy", "memset"))
+    )
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, iters: int) -> float:
@@ -249,6 +272,7 @@ def bench_model(model: str | None, args: argparse.Namespace, bandwidth: float) -
                 engine.graphs.enabled = True
                 graph.append(time_steps(llm, args.steps))
             replay = time_replay(llm, bs)
+            kernels = kernels_per_replay(decode_graph(llm, bs))
             attn = attention_overhead(llm, bs, ctx) if ctx == args.contexts[0] else {}
             finish_all(llm)
             row = {
@@ -258,6 +282,8 @@ def bench_model(model: str | None, args: argparse.Namespace, bandwidth: float) -
                 "graph_ms": statistics.median(graph),
                 "graph_ms_range": [min(graph), max(graph)],
                 "replay_ms": replay,
+                "kernels_per_step": kernels,
+                "kernels_per_layer": kernels / engine.model_config.num_hidden_layers,
                 "floor_ms": floor_ms(llm, bs, ctx, bandwidth, upper_bound=False),
                 "floor_ub_ms": floor_ms(llm, bs, ctx, bandwidth, upper_bound=True),
                 **{f"attn_{k}": v for k, v in attn.items()},
@@ -281,7 +307,7 @@ def bench_model(model: str | None, args: argparse.Namespace, bandwidth: float) -
     )
     print(
         f"{'ctx':>5} {'bs':>3} {'eager ms':>9} {'graph ms':>9} {'speedup':>7} {'replay ms':>9} "
-        f"{'floor ms':>8} {'g/floor':>7} {'floor_ub':>8} {'g/f_ub':>6} "
+        f"{'floor ms':>8} {'g/floor':>7} {'floor_ub':>8} {'g/f_ub':>6} {'kern/layer':>10} "
         f"{'attn adapter/direct/kernel ms (overhead, glue)':>46}"
     )
     for r in rows:
@@ -295,7 +321,7 @@ def bench_model(model: str | None, args: argparse.Namespace, bandwidth: float) -
             f"{r['ctx']:>5} {r['bs']:>3} {r['eager_ms']:>9.2f} {r['graph_ms']:>9.3f} "
             f"{r['speedup']:>7.2f} {r['replay_ms']:>9.3f} {r['floor_ms']:>8.3f} "
             f"{r['graph_vs_floor']:>7.2f} {r['floor_ub_ms']:>8.3f} {r['graph_vs_floor_ub']:>6.2f} "
-            f"{attn:>46}"
+            f"{r['kernels_per_layer']:>10.1f} {attn:>46}"
         )
     result = {
         "model": name,
