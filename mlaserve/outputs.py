@@ -62,6 +62,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: RequestMetrics | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (it
+    # has no context), else {token_id: Logprob} holding the prompt token and the top-N. In the
+    # first output of the request (every output for CUMULATIVE), else None.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Tokens this step added to outputs[0] (for inter-token latency), and the text released for
     # streaming this step: concatenated, the new_text deltas equal the final outputs[0].text.
     num_new_tokens: int = 0

@@ -60,6 +60,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # normalised to list[int]
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; 0 = chosen token only; k = chosen + top-k
+    # Per prompt token (the first gets None): None = none; 0 = the prompt token only; k = it +
+    # top-k. Computed by the prefill forward itself (engine/prompt_logprobs.py).
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0  # > 0; prompt + output tokens (vLLM semantics)
     frequency_penalty: float = 0.0  # [-2, 2]; output tokens, scaled by count
     presence_penalty: float = 0.0  # [-2, 2]; output tokens, once each
@@ -85,6 +88,8 @@ class SamplingParams:
         _check_bool("ignore_eos", self.ignore_eos)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         _check_float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
         _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)

@@ -51,6 +51,9 @@ class Request:
     output_text: str = ""
     num_released_chars: int = 0  # prefix of output_text already handed to callers
     logprobs: list[dict] | None = None
+    # With params.prompt_logprobs: one entry per prompt token scored so far, [None] for token 0
+    # (engine/prompt_logprobs.py fills it from the prefill forward).
+    prompt_logprobs: list[dict | None] | None = None
     cumulative_logprob: float = 0.0
     metrics: RequestMetrics | None = None
 
