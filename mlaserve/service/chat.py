@@ -10,14 +10,14 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlaserve.outputs import RequestOutput
 from mlaserve.service.errors import BadRequestError
-from mlaserve.service.logprobs import chat_logprobs
+from mlaserve.service.logprobs import chat_logprobs, prompt_logprobs
 from mlaserve.service.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -42,18 +42,28 @@ def render_chat(
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
     max_tokens: int | None = None,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of `messages` through the chat template; a template error is the client's.
-    With `max_tokens`, a rendered prompt that surely has more tokens is refused before it is
-    encoded. Runs on the tokenizer thread (`Serving.run_tokenizer`)."""
-    plain = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in messages
-    ]
+    Assistant `tool_calls` and tool results (`tool_call_id`) reach the template as the model's
+    template expects them; `template_kwargs` are extra template variables. With `max_tokens`, a
+    rendered prompt that surely has more tokens is refused before it is encoded. Runs on the
+    tokenizer thread (`Serving.run_tokenizer`)."""
+    plain = [m.template_dict() for m in messages]
     try:
-        text = tokenizer.render_chat_template(plain, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.render_chat_template(
+            plain,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **(template_kwargs or {}),
+        )
     except ValueError as e:  # ChatTemplateError: no template, or the template raised
         raise BadRequestError(str(e), param="messages", code="invalid_value") from None
+    except TypeError as e:  # e.g. a template variable of the wrong type
+        raise BadRequestError(
+            f"chat template failed: {e}", param="chat_template_kwargs", code="invalid_value"
+        ) from None
     if max_tokens is not None and tokenizer.min_num_tokens(text) > max_tokens:
         raise BadRequestError(
             f"messages: the rendered prompt has at least {tokenizer.min_num_tokens(text)} tokens "
@@ -75,17 +85,18 @@ class Chat:
         model = s.check_model(req.model)
         s.reject_unsupported("tools", bool(req.tools))
         s.reject_unsupported("tool_choice", req.tool_choice not in (None, "none"))
-        s.reject_unsupported("logit_bias", bool(req.logit_bias))
-        fmt = (req.response_format or {}).get("type", "text")
-        s.reject_unsupported("response_format", fmt != "text", "only supports type 'text'")
-        s.reject_unsupported("top_logprobs", req.top_logprobs is not None and not req.logprobs,
-                             "requires logprobs=true")  # fmt: skip
-        s.reject_unsupported("stream_options", req.stream_options is not None and not req.stream,
-                             "requires stream=true")  # fmt: skip
+        s.reject_all_unsupported(req)
         s.check_sequences(1, req.n)
         limit_tokens = min(s.engine.max_model_len - 1, s.max_prompt_tokens)
         prompt = await s.run_tokenizer(
-            lambda tok: render_chat(tok, req.messages, max_tokens=limit_tokens)
+            lambda tok: render_chat(
+                tok,
+                req.messages,
+                add_generation_prompt=req.add_generation_prompt,
+                max_tokens=limit_tokens,
+                continue_final_message=req.continue_final_message,
+                template_kwargs=req.chat_template_kwargs,
+            )
         )
         if len(prompt) > s.max_prompt_tokens:
             raise BadRequestError(
@@ -100,7 +111,7 @@ class Chat:
         def max_tokens(prompt: list[int]) -> int:
             return limit if limit is not None else max(1, max_model_len - len(prompt))
 
-        fanout = s.fan_out("chatcmpl", req, [prompt], max_tokens, num_logprobs)
+        fanout = s.fan_out("chatcmpl", req, [prompt], max_tokens, num_logprobs, req.prompt_logprobs)
         stream = await s.submit(fanout, arrival_time)
         if req.stream:
             frames = self._frames(req, model, fanout, stream, num_logprobs)
@@ -116,6 +127,7 @@ class Chat:
             model=model,
             choices=sorted(choices, key=lambda c: c.index),
             usage=fanout.usage(sum(len(o.outputs[0].token_ids) for o in finals.values())),
+            prompt_logprobs=prompt_logprobs(next(iter(finals.values())).prompt_logprobs),
         )
         return JSONResponse(response.model_dump(mode="json"))
 

@@ -218,6 +218,11 @@ class Serving:
         if is_set:
             raise BadRequestError(f"{field} {what}", param=field, code="unsupported_parameter")
 
+    def reject_all_unsupported(self, req: SamplingRequest) -> None:
+        """400 naming the first set field the request's schema marks unsupported."""
+        for field, why in req.unsupported():
+            self.reject_unsupported(field, True, why)
+
     # ----- fan-out -----
     def fan_out(
         self,
@@ -226,11 +231,14 @@ class Serving:
         prompts: list[list[int]],
         max_tokens: Callable[[list[int]], int],
         logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> Fanout:
         request_id = new_request_id(prefix)
         # Validated once per request; each choice gets a shallow copy with its own max_tokens and
         # seed (validating len(prompts) * n copies was O(n) Python work per prompt).
-        base = self.sampling_params(req, max(max_tokens(p) for p in prompts), req.seed, logprobs)
+        base = self.sampling_params(
+            req, max(max_tokens(p) for p in prompts), req.seed, logprobs, prompt_logprobs
+        )
         subrequests = []
         for p, prompt in enumerate(prompts):
             limit = max_tokens(prompt)
@@ -249,7 +257,12 @@ class Serving:
         return Fanout(request_id, prompts, subrequests, int(time.time()))
 
     def sampling_params(
-        self, req: SamplingRequest, max_tokens: int, seed: int | None, logprobs: int | None
+        self,
+        req: SamplingRequest,
+        max_tokens: int,
+        seed: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         vocab_size = self.engine.vocab_size
         kwargs: dict = {name: getattr(req, name) for name in _SAMPLING_FIELDS}
@@ -263,6 +276,7 @@ class Serving:
                 stop_token_ids=list(req.stop_token_ids or []),
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 output_kind=RequestOutputKind.DELTA,  # O(new tokens) per step; see request_stream
