@@ -72,7 +72,8 @@ CASES = [
     ("temperature-above-max", CHAT, {"messages": MSGS, "temperature": 100.5}, 400, "temperature"),
     # Issue 13: the prompt count is refused before tokenizing (was: tokenized, then "n").
     ("too-many-prompts", CMPL, {"prompt": ["a"] * 2049, "max_tokens": 1}, 400, "prompt"),
-    ("echo-unsupported", CMPL, {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("max-tokens-0-without-echo", CMPL, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("unknown-field", CMPL, {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
     ("tools-unsupported", CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, 400, "tools"),
     (
         "top-logprobs-without-logprobs",
