@@ -274,15 +274,19 @@ class ChatCompletionRequest(SamplingRequest):
     store: bool | None = Field(None, description="Only false: nothing is stored.")
     metadata: dict[str, str] | None = Field(None, description="Not supported (needs store).")
     service_tier: str | None = Field(None, description="Only 'auto' or 'default'.")
-    # Identification and cache-routing hints: no effect on the output by definition.
+    moderation: Any | None = Field(None, description="Not supported.")
+    # Identification and prompt-cache hints: no effect on the output by definition (this
+    # server keeps no prompt cache to route or retain).
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
 
     def unsupported(self) -> Unsupported:
         out = super().unsupported()
-        for name in ("audio", "prediction", "reasoning_effort", "verbosity",
+        for name in ("audio", "prediction", "reasoning_effort", "verbosity", "moderation",
                      "web_search_options", "functions", "function_call", "metadata"):  # fmt: skip
-            if getattr(self, name):
+            if getattr(self, name) is not None:
                 out.append((name, "is not supported"))
         if self.modalities not in (None, ["text"]):
             out.append(("modalities", "only supports ['text']"))
