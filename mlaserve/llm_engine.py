@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from mlaserve.config import EngineConfig, ModelConfig
+from mlaserve.engine.grammar import GrammarBackend, GrammarError
 from mlaserve.engine.model_runner import ModelRunner, StepResult
 from mlaserve.engine.prompt_logprobs import PromptLogprobs
 from mlaserve.engine.request import FinishReason, Request
@@ -85,6 +86,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.requests: dict[str, Request] = {}
+        self.grammar: GrammarBackend | None = None  # built for the first structured request
         self.num_steps = 0  # forwards run (the metrics layer reads the last one's tokens)
         self.last_step_num_tokens = 0
         self._seed_rng = random.Random(config.seed)
@@ -119,11 +121,23 @@ class LLMEngine:
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
+        if params.structured_outputs is not None:
+            request.grammar = self._grammar_matcher(params)
         request.metrics = RequestMetrics(
             arrival_time=request.arrival_time, num_prompt_tokens=len(token_ids)
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
+
+    def _grammar_matcher(self, params: SamplingParams):
+        try:
+            if self.grammar is None:
+                self.grammar = GrammarBackend(
+                    self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+                )
+            return self.grammar.matcher(params.structured_outputs)
+        except GrammarError as e:
+            raise InvalidRequestError(f"structured_outputs: {e}", "structured_outputs") from None
 
     def _validate(self, token_ids: list[int], params: SamplingParams, max_tokens: int) -> None:
         n = len(token_ids)
@@ -198,7 +212,7 @@ class LLMEngine:
         if host.prompt_spans:
             for scored in self.runner.prompt_logprobs(logits, host):
                 self._record_prompt_logprobs(scored)
-        result = self.runner.sample(logits, scheduled)
+        result = self.runner.sample(logits, scheduled, self.grammar)
         self.scheduler.after_step(scheduled)
         return self._postprocess(scheduled, result)
 
@@ -269,7 +283,11 @@ class LLMEngine:
         request.output_text += request.detokenizer.step([token])
 
         n_out = request.num_output_tokens
-        if n_out >= params.min_tokens:
+        if request.grammar is not None and not request.grammar.accept_token(token):
+            # Only reachable if every allowed token was banned too (e.g. min_tokens vs EOS).
+            logger.warning("request %s: token %d breaks its grammar", request.request_id, token)
+            self._finish(request, FinishReason.STOP, None)
+        elif n_out >= params.min_tokens:
             if (not params.ignore_eos and token in self.eos_token_ids) or (
                 params.stop_token_ids and token in params.stop_token_ids
             ):
@@ -284,6 +302,9 @@ class LLMEngine:
                 if hit is not None:
                     request.output_text = request.output_text[: hit[0]]
                     self._finish(request, FinishReason.STOP, hit[1])
+        grammar = request.grammar
+        if not request.is_finished and grammar is not None and grammar.is_terminated():
+            self._finish(request, FinishReason.STOP, token)  # complete (EOS with ignore_eos)
         if not request.is_finished and (
             n_out >= request.max_tokens or request.num_tokens >= self.max_model_len
         ):

@@ -15,6 +15,7 @@ __all__ = [
     "RequestOutputKind",
     "SamplingParams",
     "SamplingParamsError",
+    "StructuredOutputsParams",
 ]
 
 # Most alternatives a request may ask for per token (vLLM's default `--max-logprobs`).
@@ -47,6 +48,24 @@ class SamplingParamsError(ValueError):
     """A sampling parameter is out of range. The message starts with the field name."""
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's names): `json`, a JSON schema (dict or JSON
+    text), or `json_object`, any JSON object. Decoded through xgrammar's token bitmasks
+    (engine/grammar.py)."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.json is not None) == bool(self.json_object):
+            raise SamplingParamsError(
+                "structured_outputs: give exactly one of json (a schema) and json_object=True"
+            )
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise SamplingParamsError("structured_outputs: json must be a schema dict or string")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1  # completions per prompt; the engine fans out into n requests (see `for_sample`)
@@ -70,6 +89,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1)
@@ -100,6 +120,13 @@ class SamplingParams:
             )
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise SamplingParamsError(
+                "structured_outputs: must be a StructuredOutputsParams, "
+                f"got {self.structured_outputs!r}"
+            )
         if not isinstance(self.output_kind, RequestOutputKind):
             raise SamplingParamsError(
                 f"output_kind: must be a RequestOutputKind, got {self.output_kind!r}"

@@ -19,6 +19,7 @@ import torch
 
 from mlaserve.config import EngineConfig, ModelConfig
 from mlaserve.engine.forward_batch import ForwardBatch
+from mlaserve.engine.grammar import GrammarBackend
 from mlaserve.engine.input_buffers import HostBatch, InputBuffers
 from mlaserve.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs, plan_spans
 from mlaserve.engine.scheduler import SchedulerOutput
@@ -214,7 +215,9 @@ class ModelRunner:
         return host.tolist()
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, sched: SchedulerOutput) -> StepResult:
+    def sample(
+        self, logits: torch.Tensor, sched: SchedulerOutput, grammar: GrammarBackend | None = None
+    ) -> StepResult:
         """One token per request that reached its last known token (rows of `logits`, in
         scheduling order). Per-request sampling state lives in device slots, written once when
         the scheduler admits a request; a step uploads only slot indices and steps."""
@@ -225,7 +228,14 @@ class ModelRunner:
         if not sampling:
             return StepResult(token_ids=[])
         sb = slots.batch([r.slot for r in sampling], [r.num_output_tokens for r in sampling])
-        out = self.sampler(logits[: len(sampling)], sb)  # prompt-logprob rows come after
+        mask = None
+        if grammar is not None and any(r.grammar is not None for r in sampling):
+            matchers = [r.grammar for r in sampling]  # structured output
+
+            def mask(x: torch.Tensor) -> None:
+                grammar.apply(x, matchers)
+
+        out = self.sampler(logits[: len(sampling)], sb, mask)  # prompt-logprob rows come after
         slots.record(sb.slots, out.token_ids)
         # The step's one host sync: sampled ids and the per-row finite flags in one copy.
         ids, finite = self._read_back(torch.stack((out.token_ids, out.finite.to(torch.int64))))

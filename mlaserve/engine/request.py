@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mlaserve.outputs import RequestMetrics
 
@@ -56,6 +56,9 @@ class Request:
     prompt_logprobs: list[dict | None] | None = None
     cumulative_logprob: float = 0.0
     metrics: RequestMetrics | None = None
+    # With params.structured_outputs: its xgrammar GrammarMatcher (engine/grammar.py), which
+    # has accepted every output token so far.
+    grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

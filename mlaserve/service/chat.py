@@ -112,7 +112,7 @@ class Chat:
             return limit if limit is not None else max(1, max_model_len - len(prompt))
 
         fanout = s.fan_out("chatcmpl", req, [prompt], max_tokens, num_logprobs, req.prompt_logprobs)
-        stream = await s.submit(fanout, arrival_time)
+        stream = await s.submit(fanout, arrival_time, req)
         if req.stream:
             frames = self._frames(req, model, fanout, stream, num_logprobs)
             return s.streaming_response(stream, frames)

@@ -67,7 +67,7 @@ class Completions:
             num_prompt_logprobs = max(num_prompt_logprobs or 0, req.logprobs)
         fanout = s.fan_out("cmpl", req, prompts, max_tokens, req.logprobs, num_prompt_logprobs)
         echo = await self._echo(req, raw_prompts, prompts) if req.echo else None
-        stream = await s.submit(fanout, arrival_time)
+        stream = await s.submit(fanout, arrival_time, req)
         if req.stream:
             return s.streaming_response(stream, self._frames(req, model, fanout, stream, echo))
         try:

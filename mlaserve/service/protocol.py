@@ -26,7 +26,7 @@ from pydantic import (
     model_serializer,
 )
 
-from mlaserve.sampling_params import MAX_TEMPERATURE
+from mlaserve.sampling_params import MAX_TEMPERATURE, StructuredOutputsParams
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -89,7 +89,6 @@ class ResponseFormat(_Body):
 
 # A set field whose value is not supported: (field, why). The endpoint refuses the first.
 Unsupported = list[tuple[str, str]]
-STRUCTURED_OUTPUT = "is not supported: this server has no structured-output (grammar) decoding"
 
 
 class SamplingRequest(_Body):
@@ -119,8 +118,12 @@ class SamplingRequest(_Body):
     prompt_logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="vLLM: logprobs of the prompt tokens (+ top-k)."
     )
-    response_format: ResponseFormat | None = Field(None, description="Only type 'text'.")
-    guided_json: Any | None = Field(None, description="Not supported (vLLM structured output).")
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object or json_schema (grammar-constrained, xgrammar)."
+    )
+    guided_json: dict[str, Any] | str | None = Field(
+        None, description="vLLM: a JSON schema the output must follow."
+    )
 
     def unsupported(self) -> Unsupported:
         """The set fields this server does not support (shared by both endpoints)."""
@@ -131,15 +134,32 @@ class SamplingRequest(_Body):
             out.append(("stream_options", "requires stream=true"))
         if self.stream_options is not None and self.stream_options.include_obfuscation:
             out.append(("stream_options.include_obfuscation", "is not supported"))
-        if self.response_format is not None and self.response_format.type != "text":
-            out.append(
-                ("response_format", f"type {self.response_format.type!r} {STRUCTURED_OUTPUT}")
-            )
-        if self.guided_json is not None:
-            out.append(("guided_json", STRUCTURED_OUTPUT))
+        fmt = self.response_format.type if self.response_format is not None else "text"
+        if fmt != "text" and self.guided_json is not None:
+            out.append(("guided_json", "cannot be combined with a response_format other than text"))
+        if fmt == "json_schema":
+            spec = self.response_format.json_schema  # type: ignore[union-attr]
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                out.append(("response_format.json_schema.schema", "must be a JSON schema object"))
         if self.prompt_logprobs is not None and self.stream:
             out.append(("prompt_logprobs", "is not available with stream=true (as in vLLM)"))
         return out
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """The grammar the output must follow: `response_format` json_object / json_schema
+        (OpenAI), or `guided_json` (vLLM). Call after `unsupported()` found nothing."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt is not None and fmt.type == "json_schema":
+            return StructuredOutputsParams(json=(fmt.json_schema or {})["schema"])
+        if self.guided_json is not None:
+            return StructuredOutputsParams(json=self.guided_json)
+        return None
+
+    @property
+    def structured_output_field(self) -> str:
+        return "guided_json" if self.guided_json is not None else "response_format"
 
     @property
     def stop_list(self) -> list[str]:

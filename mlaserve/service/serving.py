@@ -277,6 +277,7 @@ class Serving:
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                structured_outputs=req.structured_outputs(),
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 output_kind=RequestOutputKind.DELTA,  # O(new tokens) per step; see request_stream
@@ -288,7 +289,9 @@ class Serving:
             raise BadRequestError(str(e), param=param, code="invalid_value") from None
         return params
 
-    async def submit(self, fanout: Fanout, arrival_time: float) -> RequestStream:
+    async def submit(
+        self, fanout: Fanout, arrival_time: float, req: SamplingRequest | None = None
+    ) -> RequestStream:
         """Hand the requests to the engine; map its refusals to HTTP errors."""
         self.check_sequences(len(fanout.prompts), len(fanout.subrequests) // len(fanout.prompts))
         try:
@@ -302,7 +305,11 @@ class Serving:
             raise
         except ValueError as e:  # InvalidRequestError / SamplingParamsError
             param = getattr(e, "param", None)
-            raise BadRequestError(str(e), param=param, code="invalid_value") from None
+            message = str(e)
+            if param == "structured_outputs" and req is not None:  # e.g. a schema xgrammar refused
+                param = req.structured_output_field
+                message = f"{param}: {message.split(': ', 1)[-1]}"
+            raise BadRequestError(message, param=param, code="invalid_value") from None
 
     # ----- delivery -----
     async def collect(self, stream: RequestStream, raw: Request) -> dict[str, RequestOutput]:

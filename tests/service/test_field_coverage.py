@@ -183,6 +183,33 @@ def prompt_tokens_differ(sign: int) -> Check:
     return check
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["color", "n"],
+    "additionalProperties": False,
+}
+JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA}}
+
+
+def follows_schema(_: Send, base: dict, resp: dict) -> None:
+    """Grammar-constrained: the tiny random model writes a valid instance and stops."""
+    assert resp["choices"][0]["finish_reason"] == "stop"
+    value = json.loads(text(resp))
+    assert set(value) == {"color", "n"} and value["color"] in ("red", "green")
+    assert isinstance(value["n"], int) and value["n"] <= 99
+
+
+def json_object(_: Send, base: dict, resp: dict) -> None:
+    out = text(resp)
+    assert out.startswith("{")  # the unconstrained greedy text does not
+    if resp["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(out), dict)
+
+
 # ----- the tables -----
 COMPLETION_ROWS: list[tuple[str, dict, Check | Refused]] = [
     ("model", {"model": "nope"}, Refused("model")),
@@ -213,8 +240,17 @@ COMPLETION_ROWS: list[tuple[str, dict, Check | Refused]] = [
     ("include_stop_str_in_output", {}, stop_at_substring),
     ("prompt_logprobs", {"prompt_logprobs": 1}, has_prompt_logprobs),
     ("response_format", {"response_format": {"type": "text"}}, same),
-    ("response_format", {"response_format": {"type": "json_object"}}, Refused("response_format")),
-    ("guided_json", {"guided_json": {"type": "object"}}, Refused("guided_json")),
+    ("response_format", {"response_format": {"type": "json_object"}, "max_tokens": 40},
+     json_object),
+    ("response_format", {"response_format": JSON_SCHEMA_FORMAT, "max_tokens": 40}, follows_schema),
+    ("response_format", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     Refused("response_format.json_schema.schema")),
+    ("response_format",
+     {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
+     Refused("response_format")),
+    ("guided_json", {"guided_json": SCHEMA, "max_tokens": 40}, follows_schema),
+    ("guided_json", {"guided_json": SCHEMA, "response_format": {"type": "json_object"}},
+     Refused("guided_json")),
     ("(unknown)", {"use_beam_search": True}, Refused("use_beam_search")),
 ]  # fmt: skip
 
@@ -275,8 +311,9 @@ CHAT_ROWS: list[tuple[str, dict, Check | Refused]] = [
     ("prompt_cache_retention", {"prompt_cache_retention": "24h"}, same),
     ("reasoning_effort", {"reasoning_effort": "low"}, Refused("reasoning_effort")),
     ("response_format", {"response_format": {"type": "text"}}, same),
-    ("response_format", {"response_format": {"type": "json_schema", "json_schema": {}}},
-     Refused("response_format")),
+    ("response_format", {"response_format": {"type": "json_object"}, "max_tokens": 40},
+     json_object),
+    ("response_format", {"response_format": JSON_SCHEMA_FORMAT, "max_tokens": 40}, follows_schema),
     ("safety_identifier", {"safety_identifier": "u1"}, same),
     ("seed", {"temperature": 1.5, "seed": 5}, seeded),
     ("service_tier", {"service_tier": "auto"}, same),
@@ -310,7 +347,7 @@ CHAT_ROWS: list[tuple[str, dict, Check | Refused]] = [
     ("chat_template_kwargs", {"chat_template_kwargs": {"tokenize": True}},
      Refused("chat_template_kwargs")),
     ("prompt_logprobs", {"prompt_logprobs": 1}, has_prompt_logprobs),
-    ("guided_json", {"guided_json": {"type": "object"}}, Refused("guided_json")),
+    ("guided_json", {"guided_json": SCHEMA, "max_tokens": 40}, follows_schema),
     ("top_k", {"temperature": 1.0, "top_k": 1, "seed": 3}, greedy_equal),
     ("repetition_penalty", *penalised("repetition_penalty")),
     ("(unknown)", {"chat_template": "{{ 1 }}"}, Refused("chat_template")),
