@@ -12,17 +12,21 @@ Example::
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from tqdm.auto import tqdm
 
 from mlaserve.config import EngineConfig
 from mlaserve.llm_engine import LLMEngine
 from mlaserve.outputs import RequestOutput
 from mlaserve.sampling_params import SamplingParams
+from mlaserve.tokenizer import Tokenizer
 
 __all__ = ["LLM"]
 
 Prompt = str | list[int]
+PromptInput = Prompt | dict[str, Any]  # vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}
 
 
 class LLM:
@@ -38,24 +42,33 @@ class LLM:
         self._ids = itertools.count()
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The engine's tokenizer (vLLM's name); `.hf` is the transformers tokenizer."""
         return self.engine.tokenizer
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; results come back in prompt order.
 
-        `prompts` may be one prompt or a list; a prompt is a string or a list of token ids.
-        With `n > 1` a result holds n completions (seeds seed, seed+1, ... when seeded).
+        `prompts` may be one prompt or a list; a prompt is a string, a list of token ids, or a
+        vLLM prompt dict (`{"prompt": str}` or `{"prompt_token_ids": [...]}`). With `n > 1` a
+        result holds n completions (seeds seed, seed+1, ... when seeded). `use_tqdm` shows a
+        progress bar of finished requests (or is a callable making the tqdm bar, as in vLLM).
+        If anything fails or is interrupted (Ctrl-C) before the call returns, the requests it
+        added are aborted: the engine is left as the call found it.
         """
-        if isinstance(prompts, str) or (
+        if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [_prompt_of(i, p) for i, p in enumerate(prompts)]
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -64,20 +77,35 @@ class LLM:
             raise ValueError("sampling_params: need one per prompt, or a single one for all")
 
         groups: list[list[str]] = []
-        for prompt, params in zip(prompts, sampling_params):
-            ids = []
-            for i in range(params.n):
-                rid = str(next(self._ids))
-                sub = params.replace(n=1, seed=None if params.seed is None else params.seed + i)
-                self.engine.add_request(rid, prompt, sub)
-                ids.append(rid)
-            groups.append(ids)
-
-        final: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
+        added: list[str] = []
+        bar = None
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                ids = []
+                for i in range(params.n):
+                    rid = str(next(self._ids))
+                    sub = params.replace(n=1, seed=None if params.seed is None else params.seed + i)
+                    self.engine.add_request(rid, prompt, sub)
+                    added.append(rid)
+                    ids.append(rid)
+                groups.append(ids)
+            if use_tqdm:
+                make_bar = use_tqdm if callable(use_tqdm) else tqdm
+                bar = make_bar(total=len(added), desc="Processed prompts", dynamic_ncols=True)
+            final: dict[str, RequestOutput] = {}
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         results = []
         for ids in groups:
             first = final[ids[0]]
@@ -94,18 +122,54 @@ class LLM:
                     outputs=completions,
                     finished=True,
                     metrics=first.metrics,
+                    prompt_logprobs=first.prompt_logprobs,
                 )
             )
         return results
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation (or a list) and generate."""
+        """Apply the tokenizer's chat template to one conversation (or a list) and generate.
+        The template controls have vLLM's names and meaning."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations
+            self.tokenizer.apply_chat_template(
+                c,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
+            )
+            for c in conversations
         ]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _prompt_of(index: int, prompt: PromptInput) -> Prompt:
+    """A string or token-id list as it is; a vLLM prompt dict unwrapped; anything else refused
+    (a dict is never taken for text: its keys would be generated from)."""
+    if isinstance(prompt, dict):
+        keys = set(prompt)
+        if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"]
+        if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], list):
+            return prompt["prompt_token_ids"]
+        raise ValueError(
+            f"prompts[{index}]: a prompt dict must be {{'prompt': str}} or "
+            f"{{'prompt_token_ids': list[int]}}, got keys {sorted(keys)}"
+        )
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return prompt
+    raise ValueError(
+        f"prompts[{index}]: must be a string, a list of token ids or a prompt dict, "
+        f"got {type(prompt).__name__}"
+    )

@@ -13,7 +13,9 @@ import time
 from dataclasses import dataclass, field
 
 from mlaserve.config import EngineConfig, ModelConfig
+from mlaserve.engine.grammar import GrammarBackend, GrammarError
 from mlaserve.engine.model_runner import ModelRunner, StepResult
+from mlaserve.engine.prompt_logprobs import PromptLogprobs
 from mlaserve.engine.request import FinishReason, Request
 from mlaserve.engine.scheduler import Scheduler, SchedulerOutput
 from mlaserve.graph_runner import CaptureReport, CompileWatch, CudaGraphRunner
@@ -45,6 +47,9 @@ class EngineStats:
     num_graph_replays: int = 0
     num_eager_steps: dict[str, int] = field(default_factory=dict)  # by reason
     num_compiles_while_serving: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    last_step_num_tokens: int = 0  # tokens (prompt + generated) the last step ran
 
     @property
     def kv_cache_usage(self) -> float:
@@ -81,6 +86,9 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.requests: dict[str, Request] = {}
+        self.grammar: GrammarBackend | None = None  # built for the first structured request
+        self.num_steps = 0  # forwards run (the metrics layer reads the last one's tokens)
+        self.last_step_num_tokens = 0
         self._seed_rng = random.Random(config.seed)
 
     # ----- requests -----
@@ -111,12 +119,25 @@ class LLMEngine:
                 self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens
             ),
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
+        if params.structured_outputs is not None:
+            request.grammar = self._grammar_matcher(params)
         request.metrics = RequestMetrics(
             arrival_time=request.arrival_time, num_prompt_tokens=len(token_ids)
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
+
+    def _grammar_matcher(self, params: SamplingParams):
+        try:
+            if self.grammar is None:
+                self.grammar = GrammarBackend(
+                    self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+                )
+            return self.grammar.matcher(params.structured_outputs)
+        except GrammarError as e:
+            raise InvalidRequestError(f"structured_outputs: {e}", "structured_outputs") from None
 
     def _validate(self, token_ids: list[int], params: SamplingParams, max_tokens: int) -> None:
         n = len(token_ids)
@@ -170,6 +191,9 @@ class LLMEngine:
             num_graph_replays=self.graphs.num_replays,
             num_eager_steps=dict(self.graphs.num_eager_steps),
             num_compiles_while_serving=self.compile_watch.compiles_since_ready,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            last_step_num_tokens=self.last_step_num_tokens,
         )
 
     # ----- the loop -----
@@ -177,10 +201,32 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
-        logits = self.graphs.run(self.runner.build_host_batch(scheduled))
-        result = self.runner.sample(logits, scheduled)
+        now = time.time()
+        for s in scheduled.scheduled:  # queue time ends here, before the forward
+            if s.request.metrics.first_scheduled_time is None:
+                s.request.metrics.first_scheduled_time = now
+        self.num_steps += 1
+        self.last_step_num_tokens = scheduled.num_tokens
+        host = self.runner.build_host_batch(scheduled)
+        logits = self.graphs.run(host)
+        if host.prompt_spans:
+            for scored in self.runner.prompt_logprobs(logits, host):
+                self._record_prompt_logprobs(scored)
+        result = self.runner.sample(logits, scheduled, self.grammar)
         self.scheduler.after_step(scheduled)
         return self._postprocess(scheduled, result)
+
+    def _record_prompt_logprobs(self, scored: PromptLogprobs) -> None:
+        piece = self.tokenizer.id_to_piece
+        recorded = scored.span.request.prompt_logprobs
+        for j, token in enumerate(scored.span.targets):
+            entry = {token: Logprob(scored.logprobs[j], scored.ranks[j], piece(token))}
+            if scored.top_ids is not None:
+                k = scored.span.request.params.prompt_logprobs or 0
+                top = zip(scored.top_ids[j][:k], scored.top_logprobs[j][:k])
+                for rank, (t, lp) in enumerate(top, 1):
+                    entry.setdefault(t, Logprob(lp, rank, piece(t)))
+            recorded.append(entry)
 
     def warmup(self) -> None:
         """Everything that compiles or allocates lazily happens here, before serving: a
@@ -211,8 +257,6 @@ class LLMEngine:
         sampling = [s.request for s in scheduled.scheduled if s.samples]
         errors = result.errors
         for i, request in enumerate(sampling):
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = now
             error = errors[i] if errors is not None else None
             if error is not None:
                 # A wrong token is worse than none: end the request, say why, append nothing.
@@ -226,9 +270,6 @@ class LLMEngine:
                 outputs.append(out)
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
-        for s in scheduled.scheduled:
-            if not s.samples and s.request.metrics.first_scheduled_time is None:
-                s.request.metrics.first_scheduled_time = now
         return outputs
 
     def _append_token(self, request: Request, i: int, result: StepResult, now: float) -> str:
@@ -242,7 +283,11 @@ class LLMEngine:
         request.output_text += request.detokenizer.step([token])
 
         n_out = request.num_output_tokens
-        if n_out >= params.min_tokens:
+        if request.grammar is not None and not request.grammar.accept_token(token):
+            # Only reachable if every allowed token was banned too (e.g. min_tokens vs EOS).
+            logger.warning("request %s: token %d breaks its grammar", request.request_id, token)
+            self._finish(request, FinishReason.STOP, None)
+        elif n_out >= params.min_tokens:
             if (not params.ignore_eos and token in self.eos_token_ids) or (
                 params.stop_token_ids and token in params.stop_token_ids
             ):
@@ -257,6 +302,9 @@ class LLMEngine:
                 if hit is not None:
                     request.output_text = request.output_text[: hit[0]]
                     self._finish(request, FinishReason.STOP, hit[1])
+        grammar = request.grammar
+        if not request.is_finished and grammar is not None and grammar.is_terminated():
+            self._finish(request, FinishReason.STOP, token)  # complete (EOS with ignore_eos)
         if not request.is_finished and (
             n_out >= request.max_tokens or request.num_tokens >= self.max_model_len
         ):
@@ -322,6 +370,9 @@ class LLMEngine:
             token_ids = list(token_ids)
             logprobs = list(logprobs) if logprobs is not None else None
         reason = "error" if error is not None else request.finish_reason
+        prompt_logprobs = request.prompt_logprobs
+        if kind is RequestOutputKind.DELTA and request.num_output_tokens > num_new:
+            prompt_logprobs = None  # sent with the first delta
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -341,6 +392,7 @@ class LLMEngine:
             ],
             finished=request.is_finished,
             metrics=m,
+            prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
             num_new_tokens=num_new,
             new_text=new_text,
             error=error,

@@ -70,3 +70,7 @@ class RequestOutput:
     # Set when the request failed (finish_reason "error"), e.g. its logits held NaN or inf: the
     # reason, for the caller to report. The output holds no token from the failed step.
     error: str | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (it
+    # has no context), else {token_id: Logprob} holding the prompt token and the top-N. In the
+    # first output of the request (every output for CUMULATIVE), else None.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

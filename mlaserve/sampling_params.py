@@ -15,6 +15,7 @@ __all__ = [
     "RequestOutputKind",
     "SamplingParams",
     "SamplingParamsError",
+    "StructuredOutputsParams",
 ]
 
 # Most alternatives a request may ask for per token (vLLM's default `--max-logprobs`).
@@ -47,6 +48,24 @@ class SamplingParamsError(ValueError):
     """A sampling parameter is out of range. The message starts with the field name."""
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's names): `json`, a JSON schema (dict or JSON
+    text), or `json_object`, any JSON object. Decoded through xgrammar's token bitmasks
+    (engine/grammar.py)."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.json is not None) == bool(self.json_object):
+            raise SamplingParamsError(
+                "structured_outputs: give exactly one of json (a schema) and json_object=True"
+            )
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise SamplingParamsError("structured_outputs: json must be a schema dict or string")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1  # completions per prompt; the engine fans out into n requests (see `for_sample`)
@@ -60,6 +79,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # normalised to list[int]
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; 0 = chosen token only; k = chosen + top-k
+    # Per prompt token (the first gets None): None = none; 0 = the prompt token only; k = it +
+    # top-k. Computed by the prefill forward itself (engine/prompt_logprobs.py).
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0  # > 0; prompt + output tokens (vLLM semantics)
     frequency_penalty: float = 0.0  # [-2, 2]; output tokens, scaled by count
     presence_penalty: float = 0.0  # [-2, 2]; output tokens, once each
@@ -67,6 +89,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1)
@@ -85,6 +108,8 @@ class SamplingParams:
         _check_bool("ignore_eos", self.ignore_eos)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         _check_float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
         _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
@@ -95,6 +120,13 @@ class SamplingParams:
             )
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise SamplingParamsError(
+                "structured_outputs: must be a StructuredOutputsParams, "
+                f"got {self.structured_outputs!r}"
+            )
         if not isinstance(self.output_kind, RequestOutputKind):
             raise SamplingParamsError(
                 f"output_kind: must be a RequestOutputKind, got {self.output_kind!r}"

@@ -17,12 +17,16 @@ causal row may see). Nothing a previous step left in the buffers survives into a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from mlaserve.engine.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from mlaserve.engine.prompt_logprobs import PromptLogprobSpan
 
 __all__ = ["HostBatch", "InputBuffers"]
 
@@ -39,6 +43,9 @@ class HostBatch:
     q_lens: list[int]  # per sequence: new tokens this step
     block_tables: list[list[int]]  # per sequence: its pages (unpadded)
     logits_indices: list[int]  # token rows to compute logits for (EXTEND only; see fill)
+    # EXTEND only: prompt positions scored for prompt logprobs. Their rows follow the sampling
+    # rows in logits_indices (see engine/prompt_logprobs.py); empty unless a request asked.
+    prompt_spans: list[PromptLogprobSpan] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

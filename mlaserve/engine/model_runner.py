@@ -5,7 +5,8 @@ A step is `build_host_batch` (the scheduler's decision, with its forward mode, a
 replays it), `forward` (eager; the graph runner captures exactly this) and `sample` (the next
 token of every request whose chunk reached its last known token). The only device->host
 transfer per step is the sampled tokens (and their logprobs when asked for), which the engine
-needs to detokenize and stop.
+needs to detokenize and stop; a step that scores prompt tokens for prompt logprobs (only when a
+request asked) reads those back too.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import torch
 
 from mlaserve.config import ConfigError, EngineConfig, ModelConfig
 from mlaserve.engine.forward_batch import ForwardBatch
+from mlaserve.engine.grammar import GrammarBackend
 from mlaserve.engine.input_buffers import HostBatch, InputBuffers
+from mlaserve.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs, plan_spans
 from mlaserve.engine.scheduler import SchedulerOutput
 from mlaserve.kernels_adapter import get_backend_class, resolve_backend_name
 from mlaserve.kv_cache import MLAKVPool
@@ -169,6 +172,13 @@ class ModelRunner:
             host.block_tables.append(r.pages)
             if s.samples:
                 host.logits_indices.append(len(host.input_ids) - 1)
+        if not sched.mode.is_uniform and any(
+            s.request.prompt_logprobs is not None for s in sched.scheduled
+        ):
+            host.prompt_spans = plan_spans(sched)
+            for span in host.prompt_spans:
+                first = span.first_row
+                host.logits_indices.extend(range(first, first + len(span.targets)))
         return host
 
     def make_batch(
@@ -204,6 +214,12 @@ class ModelRunner:
         hidden = self.model(batch)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
+    def prompt_logprobs(self, logits: torch.Tensor, host: HostBatch) -> list[PromptLogprobs]:
+        """Prompt logprobs of the step's prompt spans, from the rows after the sampling rows."""
+        num_prompt_rows = sum(len(span.targets) for span in host.prompt_spans)
+        first = len(host.logits_indices) - num_prompt_rows
+        return compute_prompt_logprobs(logits[first:], host.prompt_spans)
+
     def _read_back(self, values: torch.Tensor) -> list:
         """One pinned non-blocking copy and one wait on its event: the accounted sync.
         values: int64 [n] or [r, n] (several per-row results read back together)."""
@@ -216,7 +232,9 @@ class ModelRunner:
         return host.tolist()
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, sched: SchedulerOutput) -> StepResult:
+    def sample(
+        self, logits: torch.Tensor, sched: SchedulerOutput, grammar: GrammarBackend | None = None
+    ) -> StepResult:
         """One token per request that reached its last known token (rows of `logits`, in
         scheduling order). Per-request sampling state lives in device slots, written once when
         the scheduler admits a request; a step uploads only slot indices and steps."""
@@ -227,7 +245,14 @@ class ModelRunner:
         if not sampling:
             return StepResult(token_ids=[])
         sb = slots.batch([r.slot for r in sampling], [r.num_output_tokens for r in sampling])
-        out = self.sampler(logits, sb)
+        mask = None
+        if grammar is not None and any(r.grammar is not None for r in sampling):
+            matchers = [r.grammar for r in sampling]  # structured output
+
+            def mask(x: torch.Tensor) -> None:
+                grammar.apply(x, matchers)
+
+        out = self.sampler(logits[: len(sampling)], sb, mask)  # prompt-logprob rows come after
         slots.record(sb.slots, out.token_ids)
         # The step's one host sync: sampled ids and the per-row finite flags in one copy.
         ids, finite = self._read_back(torch.stack((out.token_ids, out.finite.to(torch.int64))))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mlaserve.outputs import RequestMetrics
 
@@ -51,8 +51,14 @@ class Request:
     output_text: str = ""
     num_released_chars: int = 0  # prefix of output_text already handed to callers
     logprobs: list[dict] | None = None
+    # With params.prompt_logprobs: one entry per prompt token scored so far, [None] for token 0
+    # (engine/prompt_logprobs.py fills it from the prefill forward).
+    prompt_logprobs: list[dict | None] | None = None
     cumulative_logprob: float = 0.0
     metrics: RequestMetrics | None = None
+    # With params.structured_outputs: its xgrammar GrammarMatcher (engine/grammar.py), which
+    # has accepted every output token so far.
+    grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

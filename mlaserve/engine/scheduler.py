@@ -86,6 +86,7 @@ class Scheduler:
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._num_finished_waiting = 0
         self._num_finished_running = 0
+        self.num_preemptions = 0  # since start-up
 
     # ----- queue management -----
     def add(self, request: Request) -> None:
@@ -201,6 +202,7 @@ class Scheduler:
             request.slot = None
 
     def _preempt(self, request: Request) -> None:
+        self.num_preemptions += 1
         self._free_pages(request)
         self._free_slot(request)
         request.num_computed_tokens = 0

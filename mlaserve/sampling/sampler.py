@@ -18,6 +18,7 @@ rank of a token is vLLM's: the number of tokens whose log-prob is >= its own (1 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -49,8 +50,15 @@ class SamplerOutput(NamedTuple):
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """logits: [n, V] (float32; other float dtypes are upcast). Returns one token per row."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        batch: SamplingBatch,
+        token_mask: Callable[[torch.Tensor], None] | None = None,
+    ) -> SamplerOutput:
+        """logits: [n, V] (float32; other float dtypes are upcast). Returns one token per row.
+        `token_mask` (structured output) sets disallowed logits to -inf in place, after the
+        penalties; the finite check and the logprobs still read the raw logits."""
         if logits.dim() != 2 or logits.shape != (batch.num_rows, batch.vocab_size):
             raise ValueError(
                 f"logits: expected shape ({batch.num_rows}, {batch.vocab_size}), "
@@ -58,6 +66,10 @@ class Sampler:
             )
         logits = logits.float()
         x = adjust_logits(logits, batch)
+        if token_mask is not None:
+            if x is logits:
+                x = x.clone()
+            token_mask(x)
         if batch.all_greedy:
             token_ids = x.argmax(dim=-1)
         else:

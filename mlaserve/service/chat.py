@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response
 
 from mlaserve.outputs import RequestOutput
 from mlaserve.service.errors import BadRequestError
-from mlaserve.service.logprobs import chat_logprobs
+from mlaserve.service.logprobs import chat_logprobs, prompt_logprobs
 from mlaserve.service.parsers import (
     REASONING_PARSERS,
     TOOL_PARSERS,
@@ -73,31 +73,37 @@ def render_chat(
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
     max_tokens: int | None = None,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
     *,
     chat_template: str | None = None,
     tools: list[dict[str, Any]] | None = None,
     continuation: Callable[[str], str] | None = None,
 ) -> list[int]:
     """Token ids of `messages` through the chat template; a template error is the client's.
-    With `max_tokens`, a rendered prompt that surely has more tokens is refused before it is
-    encoded. `continuation` gives text to append to the rendered prompt (a forced tool call).
-    Runs on the tokenizer thread (`Serving.run_tokenizer`)."""
-    plain = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in messages
-    ]
-    extra: dict[str, Any] = {}
+    Assistant `tool_calls` and tool results (`tool_call_id`) reach the template as the model's
+    template expects them; `template_kwargs` are extra template variables. With `max_tokens`, a
+    rendered prompt that surely has more tokens is refused before it is encoded.
+    `continuation` gives text to append to the rendered prompt (a forced tool call). Runs on the
+    tokenizer thread (`Serving.run_tokenizer`)."""
+    plain = [m.template_dict() for m in messages]
+    extra: dict[str, Any] = dict(template_kwargs or {})
     if tools:
         extra["tools"] = tools
     try:
         text = tokenizer.render_chat_template(
             plain,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             chat_template=chat_template,
             **extra,
         )
     except ValueError as e:  # ChatTemplateError: no template, or the template raised
         raise BadRequestError(str(e), param="messages", code="invalid_value") from None
+    except TypeError as e:  # e.g. a template variable of the wrong type
+        raise BadRequestError(
+            f"chat template failed: {e}", param="chat_template_kwargs", code="invalid_value"
+        ) from None
     if continuation is not None:
         text += continuation(text)
     if max_tokens is not None and tokenizer.min_num_tokens(text) > max_tokens:
@@ -200,13 +206,7 @@ class Chat:
         model = s.check_model(req.model)
         mode = self._tool_mode(req)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        s.reject_unsupported("logit_bias", bool(req.logit_bias))
-        fmt = (req.response_format or {}).get("type", "text")
-        s.reject_unsupported("response_format", fmt != "text", "only supports type 'text'")
-        s.reject_unsupported("top_logprobs", req.top_logprobs is not None and not req.logprobs,
-                             "requires logprobs=true")  # fmt: skip
-        s.reject_unsupported("stream_options", req.stream_options is not None and not req.stream,
-                             "requires stream=true")  # fmt: skip
+        s.reject_all_unsupported(req)
         s.check_sequences(1, req.n)
         limit_tokens = min(s.engine.max_model_len - 1, s.max_prompt_tokens)
         template, continuation = self.options.chat_template, self._continuation(mode)
@@ -214,7 +214,10 @@ class Chat:
             lambda tok: render_chat(
                 tok,
                 req.messages,
+                add_generation_prompt=req.add_generation_prompt,
                 max_tokens=limit_tokens,
+                continue_final_message=req.continue_final_message,
+                template_kwargs=req.chat_template_kwargs,
                 chat_template=template,
                 tools=tools,
                 continuation=continuation,
@@ -233,8 +236,8 @@ class Chat:
         def max_tokens(prompt: list[int]) -> int:
             return limit if limit is not None else max(1, max_model_len - len(prompt))
 
-        fanout = s.fan_out("chatcmpl", req, [prompt], max_tokens, num_logprobs)
-        stream = await s.submit(fanout, arrival_time)
+        fanout = s.fan_out("chatcmpl", req, [prompt], max_tokens, num_logprobs, req.prompt_logprobs)
+        stream = await s.submit(fanout, arrival_time, req)
 
         def new_parser() -> ChatOutputParser | None:
             return self._output_parser(mode, req) if self._parsing else None
@@ -256,6 +259,7 @@ class Chat:
             model=model,
             choices=sorted(choices, key=lambda c: c.index),
             usage=fanout.usage(sum(len(o.outputs[0].token_ids) for o in finals.values())),
+            prompt_logprobs=prompt_logprobs(next(iter(finals.values())).prompt_logprobs),
         )
         return JSONResponse(response.model_dump(mode="json"))
 

@@ -1,24 +1,42 @@
-"""POST /v1/completions: prompts (text or token ids) in, text out, whole or as SSE chunks."""
+"""POST /v1/completions: prompts (text or token ids) in, text out, whole or as SSE chunks.
+
+`echo` puts the prompt before the completion; with `logprobs` the prompt's tokens come first in
+the logprobs too (the first one null), scored by the prefill forward itself
+(`SamplingParams.prompt_logprobs`). `max_tokens: 0` with `echo` scores the prompt only: as in
+vLLM, the engine samples one token, which the response drops (no text, no logprob, not counted
+in usage; finish_reason "length"). This is what evaluation harnesses send for log-likelihoods.
+"""
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlaserve.outputs import RequestOutput
 from mlaserve.service.errors import BadRequestError
-from mlaserve.service.logprobs import completion_logprobs
+from mlaserve.service.logprobs import completion_logprobs, prompt_logprobs
 from mlaserve.service.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from mlaserve.service.request_stream import RequestStream
 from mlaserve.service.serving import STREAM_ERRORS, ClientDisconnected, Fanout, Serving, sse_frame
+from mlaserve.tokenizer import Tokenizer
 
 __all__ = ["Completions"]
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+
+
+@dataclass(slots=True)
+class _Echo:
+    """What `echo` puts before each prompt's completion: its text, and the text of its first
+    token (the one logprobs entry the engine has no logprob for)."""
+
+    texts: list[str]
+    first_pieces: list[dict[int, str]]
 
 
 class Completions:
@@ -30,41 +48,108 @@ class Completions:
         s = self.serving
         s.require_ready()
         model = s.check_model(req.model)
-        s.reject_unsupported("echo", req.echo)
-        s.reject_unsupported("suffix", req.suffix is not None)
-        s.reject_unsupported("best_of", req.best_of not in (None, req.n), "must equal n")
-        s.reject_unsupported("logit_bias", bool(req.logit_bias))
-        s.reject_unsupported("stream_options", req.stream_options is not None and not req.stream,
-                             "requires stream=true")  # fmt: skip
+        s.reject_all_unsupported(req)
         raw_prompts = self._prompts(req.prompt)
         s.check_sequences(len(raw_prompts), req.n)  # before any tokenizing
         prompts = await s.tokenize(raw_prompts)
         max_model_len = s.engine.max_model_len
+        score_only = req.echo and req.max_tokens == 0
 
         def max_tokens(prompt: list[int]) -> int:
+            if score_only:
+                return 1  # sampled, then dropped (see the module docstring)
             if req.max_tokens is not None:
                 return req.max_tokens
             return max(1, min(DEFAULT_MAX_TOKENS, max_model_len - len(prompt)))
 
-        fanout = s.fan_out("cmpl", req, prompts, max_tokens, req.logprobs)
-        stream = await s.submit(fanout, arrival_time)
+        num_prompt_logprobs = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:
+            num_prompt_logprobs = max(num_prompt_logprobs or 0, req.logprobs)
+        fanout = s.fan_out("cmpl", req, prompts, max_tokens, req.logprobs, num_prompt_logprobs)
+        echo = await self._echo(req, raw_prompts, prompts) if req.echo else None
+        stream = await s.submit(fanout, arrival_time, req)
         if req.stream:
-            return s.streaming_response(stream, self._frames(req, model, fanout, stream))
+            return s.streaming_response(stream, self._frames(req, model, fanout, stream, echo))
         try:
             finals = await s.collect(stream, raw)
         except ClientDisconnected:
             return Response(status_code=499)
         choices = [
-            self._choice(fanout.index_of(rid), out, req.logprobs) for rid, out in finals.items()
+            self._choice(fanout.index_of(rid), out, req, echo) for rid, out in finals.items()
         ]
+        generated = 0 if score_only else sum(len(o.outputs[0].token_ids) for o in finals.values())
         response = CompletionResponse(
             id=fanout.request_id,
             created=fanout.created,
             model=model,
             choices=sorted(choices, key=lambda c: c.index),
-            usage=fanout.usage(sum(len(o.outputs[0].token_ids) for o in finals.values())),
+            usage=fanout.usage(generated),
         )
         return JSONResponse(response.model_dump(mode="json"))
+
+    async def _echo(
+        self,
+        req: CompletionRequest,
+        raw_prompts: Sequence[str | list[int]],
+        prompts: list[list[int]],
+    ) -> _Echo:
+        """Text prompts echo as sent; token prompts as decoded, special tokens included (the
+        prompt exactly as the model saw it), on the tokenizer thread."""
+
+        def work(tok: Tokenizer) -> _Echo:
+            texts = [
+                p if isinstance(p, str) else tok.decode(ids, skip_special_tokens=False)
+                for p, ids in zip(raw_prompts, prompts)
+            ]
+            return _Echo(texts, [{ids[0]: tok.id_to_piece(ids[0])} for ids in prompts])
+
+        return await self.serving.run_tokenizer(work)  # type: ignore[return-value]
+
+    @staticmethod
+    def _parts(
+        out: RequestOutput,
+        req: CompletionRequest,
+        echo: _Echo | None,
+        prompt_index: int,
+        first: bool,
+    ) -> tuple[str, list[int], list | None, int | None]:
+        """This output's text, token ids and logprob entries as the choice shows them (the
+        prompt first when echoing, on the first output), and the text offset of the generated
+        part's start relative to the choice's text (None if nothing is echoed now)."""
+        c = out.outputs[0]
+        text, token_ids, entries = out.new_text, list(c.token_ids), c.logprobs
+        if req.echo and req.max_tokens == 0:
+            text, token_ids, entries = "", [], []  # the sampled token is not shown
+        if echo is None or not first:
+            return text, token_ids, entries, None
+        prompt_entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        echoed = echo.texts[prompt_index]
+        return (
+            echoed + text,
+            out.prompt_token_ids + token_ids,
+            None if entries is None else prompt_entries + list(entries),
+            len(echoed),
+        )
+
+    def _choice(
+        self, index: int, out: RequestOutput, req: CompletionRequest, echo: _Echo | None
+    ) -> CompletionChoice:
+        c = out.outputs[0]
+        prompt_index = index // req.n
+        text, token_ids, entries, _ = self._parts(out, req, echo, prompt_index, first=True)
+        logprobs = None
+        if req.logprobs is not None and entries is not None:
+            unscored = echo.first_pieces[prompt_index] if echo is not None else None
+            logprobs = completion_logprobs(token_ids, entries, req.logprobs, unscored=unscored)
+        return CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+            prompt_logprobs=(
+                prompt_logprobs(out.prompt_logprobs) if req.prompt_logprobs is not None else None
+            ),
+        )
 
     @staticmethod
     def _prompts(prompt: str | list) -> Sequence[str | list[int]]:
@@ -77,25 +162,22 @@ class Completions:
             return [prompt]
         return prompt
 
-    @staticmethod
-    def _choice(index: int, out: RequestOutput, num_logprobs: int | None) -> CompletionChoice:
-        c = out.outputs[0]
-        logprobs = None
-        if num_logprobs is not None and c.logprobs is not None:
-            logprobs = completion_logprobs(c.token_ids, c.logprobs, num_logprobs)
-        return CompletionChoice(
-            index=index, text=c.text, logprobs=logprobs, finish_reason=c.finish_reason
-        )
-
     async def _frames(
-        self, req: CompletionRequest, model: str, fanout: Fanout, stream: RequestStream
+        self,
+        req: CompletionRequest,
+        model: str,
+        fanout: Fanout,
+        stream: RequestStream,
+        echo: _Echo | None,
     ) -> AsyncIterator[str]:
         # Per choice: tokens sent, and where the next token starts in the choice's text (the
         # sum of the sent tokens' lengths, as in the non-streamed response; NOT the characters
         # sent, which lag behind by the stop-string holdback).
         sent_tokens: dict[str, int] = defaultdict(int)  # generated, per choice
         text_offsets: dict[str, int] = defaultdict(int)
+        started: set[str] = set()
         want_logprobs = req.logprobs is not None
+        score_only = req.echo and req.max_tokens == 0
 
         def chunk(choices: list[CompletionChoice], **extra: object) -> str:
             body = CompletionResponse(
@@ -112,20 +194,27 @@ class Completions:
                         f"choice {index}: {out.error}", "generation_failed"
                     )
                     continue
-                text = out.new_text
-                sent_tokens[rid] += len(c.token_ids)  # counted in usage even if not sent now
-                if not (text or out.finished or (want_logprobs and c.token_ids)):
+                first = rid not in started
+                started.add(rid)
+                if not score_only:
+                    sent_tokens[rid] += len(c.token_ids)  # counted in usage even if not sent now
+                text, token_ids, entries, _ = self._parts(out, req, echo, index // req.n, first)
+                if not (text or out.finished or (want_logprobs and token_ids)):
                     continue  # e.g. a token that ends inside a multi-byte character
                 logprobs = None
-                if req.logprobs is not None and c.logprobs is not None:
+                if req.logprobs is not None and entries is not None:
+                    unscored = echo.first_pieces[index // req.n] if echo and first else None
                     logprobs = completion_logprobs(
-                        c.token_ids, c.logprobs, req.logprobs, text_offsets[rid]
+                        token_ids, entries, req.logprobs, text_offsets[rid], unscored
                     )
                     if logprobs.tokens:
                         text_offsets[rid] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                 finish_reason = c.finish_reason if out.finished else None
                 choice = CompletionChoice(
-                    index=index, text=text, logprobs=logprobs, finish_reason=finish_reason
+                    index=index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason,
                 )
                 yield chunk([choice])
             if req.include_usage_in_stream:

@@ -7,7 +7,11 @@ thread-safe; the per-request bookkeeping is only touched by that thread):
   inter-token latency (a step that delivers k tokens after an interval counts as k samples of
   interval / k, as SGLang does, so speculative decoding is not penalised), per-request mean time
   per output token, end-to-end latency and queue time;
-- token and finished-request counters;
+- per-request phase times (vLLM's): queue (arrival -> first scheduled), prefill (first
+  scheduled -> first token), decode (first token -> last token), and per-request prompt and
+  generation token counts, observed when a request finishes;
+- token, finished-request and preemption counters, and the tokens each engine step ran
+  (`iteration_tokens_total`);
 - gauges from `LLMEngine.get_stats()`;
 - the speculative-decoding family, fed through `on_spec_decode` once the engine reports it.
 
@@ -48,6 +52,10 @@ REQUEST_LATENCY_BUCKETS = (
     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
 )  # fmt: skip
 ACCEPT_LENGTH_BUCKETS = tuple(float(i) for i in range(1, 17))
+# Token counts per request (prompt, generation) and per engine step: vLLM's 1-2-5 series.
+TOKEN_COUNT_BUCKETS = tuple(
+    float(m * 10**e) for e in range(0, 7) for m in (1, 2, 5) if m * 10**e <= 1_000_000
+)
 FINISH_REASONS = ("stop", "length", "abort")
 # Why a step ran without a CUDA graph (the graph runner's reasons).
 EAGER_REASONS = ("extend", "batch_too_large", "graphs_off", "no_graphs")
@@ -94,6 +102,35 @@ class Metrics:
             "request_queue_time_seconds",
             "Time from arrival to first scheduling.",
             REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "Time from first scheduling to the first token (prefill phase).",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds",
+            "Time from the first to the last token (decode phase).",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_COUNT_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens",
+            "Generated tokens per finished request.",
+            TOKEN_COUNT_BUCKETS,
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total",
+            "Tokens (prompt + generated) run by each engine step.",
+            TOKEN_COUNT_BUCKETS,
+        )
+        self.num_preemptions = Counter(
+            PREFIX + "num_preemptions",
+            "Requests preempted (KV pages freed, recomputed later).",
+            labels,
+            registry=r,
         )
         self.num_requests_running = Gauge(
             PREFIX + "num_requests_running", "Requests in the running batch.", labels, registry=r
@@ -154,7 +191,7 @@ class Metrics:
             labels,
             registry=r,
         )
-        self._seen = {"replays": 0, "compiles": 0}
+        self._seen = {"replays": 0, "compiles": 0, "preemptions": 0, "steps": -1}
         self._seen_eager: dict[str, int] = {}
 
     # ----- lifecycle -----
@@ -167,7 +204,9 @@ class Metrics:
             self.num_requests_waiting, self.kv_cache_usage_perc, self.prompt_tokens,
             self.generation_tokens, self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
             self.spec_decode_num_accepted_tokens, self.spec_decode_accept_length,
-            self.cuda_graph_replays, self.compiles_while_serving,
+            self.cuda_graph_replays, self.compiles_while_serving, self.request_prefill_time,
+            self.request_decode_time, self.request_prompt_tokens, self.request_generation_tokens,
+            self.iteration_tokens, self.num_preemptions,
         ):  # fmt: skip
             family.labels(model_name)
         for reason in FINISH_REASONS:
@@ -234,6 +273,14 @@ class Metrics:
         finished = m.finished_time or now
         self.e2e_request_latency.labels(model).observe(max(finished - m.arrival_time, 0.0))
         num_tokens = tracked.num_generation_tokens
+        self.request_prompt_tokens.labels(model).observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.labels(model).observe(num_tokens)
+        if m.first_token_time is not None:
+            if m.first_scheduled_time is not None:
+                prefill = m.first_token_time - m.first_scheduled_time
+                self.request_prefill_time.labels(model).observe(max(prefill, 0.0))
+            decode = (m.last_token_time or finished) - m.first_token_time
+            self.request_decode_time.labels(model).observe(max(decode, 0.0))
         if num_tokens > 1 and m.first_token_time is not None:
             last = m.last_token_time or finished
             tpot = max(last - m.first_token_time, 0.0) / (num_tokens - 1)
@@ -247,9 +294,16 @@ class Metrics:
         self.num_requests_waiting.labels(model).set(stats.num_waiting)
         self.kv_cache_usage_perc.labels(model).set(stats.kv_cache_usage)
         # The engine keeps running totals; counters advance by what is new since the last call.
+        if self._seen["steps"] < 0:  # the first call (after warm-up): a baseline, no sample
+            self._seen["steps"] = stats.num_steps
+        elif stats.num_steps > self._seen["steps"]:
+            # Called after every step (the engine thread), so one new step at a time.
+            self.iteration_tokens.labels(model).observe(stats.last_step_num_tokens)
+            self._seen["steps"] = stats.num_steps
         for key, total, counter in (
             ("replays", stats.num_graph_replays, self.cuda_graph_replays),
             ("compiles", stats.num_compiles_while_serving, self.compiles_while_serving),
+            ("preemptions", stats.num_preemptions, self.num_preemptions),
         ):
             if total > self._seen[key]:
                 counter.labels(model).inc(total - self._seen[key])

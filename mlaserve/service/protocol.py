@@ -2,8 +2,13 @@
 
 Field constraints here are the ones that need no model: types, ranges and sizes. What depends on
 the model (token ids within the vocabulary, prompt + max_tokens within the context) is checked
-by the engine when a request is added. Unknown fields are ignored, as OpenAI clients send
-optional fields this server does not know; fields it knows but does not support are refused.
+by the engine when a request is added.
+
+Nothing is silently ignored. Every field of OpenAI's completions and chat schemas is declared:
+it is honoured, or refused with a 400 naming it when set to anything but its no-op value
+(`unsupported()` of each request says which; the endpoints refuse the first). A field that is
+not declared at all (a typo, another server's extension) is refused too (`extra="forbid"`: the
+400 names it), so a client never gets something other than what it asked for without knowing.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pydantic import (
     model_serializer,
 )
 
-from mlaserve.sampling_params import MAX_TEMPERATURE
+from mlaserve.sampling_params import MAX_TEMPERATURE, StructuredOutputsParams
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -36,6 +41,8 @@ __all__ = [
     "ModelCard",
     "ModelList",
     "NamedToolChoice",
+    "PromptLogprob",
+    "ResponseFormat",
     "SamplingRequest",
     "StreamOptions",
     "TokenizeRequest",
@@ -71,11 +78,21 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: bool | None = Field(None, description="Not supported; must not be true.")
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+# A set field whose value is not supported: (field, why). The endpoint refuses the first.
+Unsupported = list[tuple[str, str]]
 
 
 class SamplingRequest(_Body):
@@ -102,6 +119,51 @@ class SamplingRequest(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = Field(None, description="Not supported; must be empty.")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="vLLM: logprobs of the prompt tokens (+ top-k)."
+    )
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object or json_schema (grammar-constrained, xgrammar)."
+    )
+    guided_json: dict[str, Any] | str | None = Field(
+        None, description="vLLM: a JSON schema the output must follow."
+    )
+
+    def unsupported(self) -> Unsupported:
+        """The set fields this server does not support (shared by both endpoints)."""
+        out: Unsupported = []
+        if self.logit_bias:
+            out.append(("logit_bias", "is not supported"))
+        if self.stream_options is not None and not self.stream:
+            out.append(("stream_options", "requires stream=true"))
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            out.append(("stream_options.include_obfuscation", "is not supported"))
+        fmt = self.response_format.type if self.response_format is not None else "text"
+        if fmt != "text" and self.guided_json is not None:
+            out.append(("guided_json", "cannot be combined with a response_format other than text"))
+        if fmt == "json_schema":
+            spec = self.response_format.json_schema  # type: ignore[union-attr]
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                out.append(("response_format.json_schema.schema", "must be a JSON schema object"))
+        if self.prompt_logprobs is not None and self.stream:
+            out.append(("prompt_logprobs", "is not available with stream=true (as in vLLM)"))
+        return out
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """The grammar the output must follow: `response_format` json_object / json_schema
+        (OpenAI), or `guided_json` (vLLM). Call after `unsupported()` found nothing."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt is not None and fmt.type == "json_schema":
+            return StructuredOutputsParams(json=(fmt.json_schema or {})["schema"])
+        if self.guided_json is not None:
+            return StructuredOutputsParams(json=self.guided_json)
+        return None
+
+    @property
+    def structured_output_field(self) -> str:
+        return "guided_json" if self.guided_json is not None else "response_format"
 
     @property
     def stop_list(self) -> list[str]:
@@ -150,10 +212,25 @@ class CompletionRequest(SamplingRequest):
     prompt: Prompt = Field(
         description="A string, a list of strings, a list of token ids, or a list of such lists."
     )
+    max_tokens: int | None = Field(
+        None, ge=0, description="0 only with echo: score the prompt, generate nothing."
+    )
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = Field(False, description="Not supported; must be false.")
+    echo: bool = Field(
+        False, description="Return the prompt before the completion (and its logprobs)."
+    )
     suffix: str | None = Field(None, description="Not supported.")
     best_of: int | None = Field(None, ge=1, description="Only best_of == n is supported.")
+
+    def unsupported(self) -> Unsupported:
+        out = super().unsupported()
+        if self.suffix is not None:
+            out.append(("suffix", "is not supported"))
+        if self.best_of not in (None, self.n):
+            out.append(("best_of", "must equal n"))
+        if self.max_tokens == 0 and not self.echo:
+            out.append(("max_tokens", "0 requires echo=true (score the prompt only)"))
+        return out
 
 
 class TextContentPart(_Body):
@@ -162,9 +239,30 @@ class TextContentPart(_Body):
 
 
 class ChatMessage(_Body):
+    """A message as the chat template sees it: `name`, an assistant's `tool_calls` and a tool
+    result's `tool_call_id` reach the template (which renders them or not, as the model's own
+    template does). `refusal`, `audio` and `function_call` are refused when set."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = Field(None, description="Not supported.")
+    audio: dict[str, Any] | None = Field(None, description="Not supported.")
+    function_call: dict[str, Any] | None = Field(None, description="Not supported; use tool_calls.")
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message for the chat template (developer -> system, content parts joined)."""
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(),
+        }
+        for key in ("name", "tool_calls", "tool_call_id"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -207,7 +305,67 @@ class ChatCompletionRequest(SamplingRequest):
         None, description="Default: 'auto' with tools, 'none' without."
     )
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call.")
-    response_format: dict[str, Any] | None = Field(None, description="Only type 'text'.")
+    # Chat-template controls (vLLM's names and meaning).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template (e.g. thinking=true)."
+    )
+    # OpenAI fields with nothing behind them here: refused when set to anything but a no-op.
+    audio: dict[str, Any] | None = Field(None, description="Not supported.")
+    modalities: list[str] | None = Field(None, description="Only ['text'].")
+    prediction: dict[str, Any] | None = Field(None, description="Not supported.")
+    reasoning_effort: str | None = Field(None, description="Not supported.")
+    verbosity: str | None = Field(None, description="Not supported.")
+    web_search_options: dict[str, Any] | None = Field(None, description="Not supported.")
+    functions: list[Any] | None = Field(None, description="Not supported; use tools.")
+    function_call: Any | None = Field(None, description="Not supported; use tool_choice.")
+    store: bool | None = Field(None, description="Only false: nothing is stored.")
+    metadata: dict[str, str] | None = Field(None, description="Not supported (needs store).")
+    service_tier: str | None = Field(None, description="Only 'auto' or 'default'.")
+    moderation: Any | None = Field(None, description="Not supported.")
+    # Identification and prompt-cache hints: no effect on the output by definition (this
+    # server keeps no prompt cache to route or retain).
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+
+    def unsupported(self) -> Unsupported:
+        out = super().unsupported()
+        for name in ("audio", "prediction", "reasoning_effort", "verbosity", "moderation",
+                     "web_search_options", "functions", "function_call", "metadata"):  # fmt: skip
+            if getattr(self, name) is not None:
+                out.append((name, "is not supported"))
+        if self.modalities not in (None, ["text"]):
+            out.append(("modalities", "only supports ['text']"))
+        if self.store:
+            out.append(("store", "is not supported: this server stores no completions"))
+        if self.service_tier not in (None, "auto", "default"):
+            out.append(("service_tier", "only supports 'auto' and 'default'"))
+        if self.top_logprobs is not None and not self.logprobs:
+            out.append(("top_logprobs", "requires logprobs=true"))
+        if self.continue_final_message and self.add_generation_prompt:
+            out.append(
+                ("continue_final_message", "cannot be combined with add_generation_prompt=true")
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            out.append(("continue_final_message", "needs an assistant message last"))
+        reserved = RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {})
+        if reserved:
+            out.append(("chat_template_kwargs", f"must not set {sorted(reserved)}"))
+        for i, m in enumerate(self.messages):
+            for name in ("refusal", "audio", "function_call"):
+                if getattr(m, name) is not None:
+                    out.append((f"messages.{i}.{name}", "is not supported"))
+        return out
+
+
+# Template arguments the server sets itself (the request's own fields, or how it renders).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tokenize", "return_dict", "return_tensors", "chat_template",
+    "add_generation_prompt", "continue_final_message", "tools", "documents",
+})  # fmt: skip
 
 
 class TokenizeRequest(_Body):
@@ -239,11 +397,31 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's shape of one entry of `prompt_logprobs` (keyed by token id)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# Per prompt token: None for the first, else {token_id: PromptLogprob} (the token and top-k).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = Field(None, description="stop or length")
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_prompt_logprobs(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("prompt_logprobs") is None:
+            out.pop("prompt_logprobs", None)  # only when asked for, as in vLLM
+        return out
 
 
 class CompletionResponse(BaseModel):
@@ -301,6 +479,14 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM: of the rendered prompt, when asked
+
+    @model_serializer(mode="wrap")
+    def _omit_prompt_logprobs(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("prompt_logprobs") is None:
+            out.pop("prompt_logprobs", None)
+        return out
 
 
 class _Delta(BaseModel):

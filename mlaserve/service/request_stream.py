@@ -44,7 +44,10 @@ class DeltaAccumulator:
     """Consecutive DELTA outputs of one engine request, merged into one (in O(new tokens) per
     `add`; the text is joined once, by `build`)."""
 
-    __slots__ = ("_last", "_logprobs", "_new_tokens", "_texts", "_token_ids", "num_merged")
+    __slots__ = (
+        "_last", "_logprobs", "_new_tokens", "_prompt_logprobs", "_texts", "_token_ids",
+        "num_merged",
+    )  # fmt: skip
 
     def __init__(self, first: RequestOutput) -> None:
         c = first.outputs[0]
@@ -53,6 +56,7 @@ class DeltaAccumulator:
         self._token_ids = list(c.token_ids)
         self._logprobs = list(c.logprobs) if c.logprobs is not None else None
         self._new_tokens = first.num_new_tokens
+        self._prompt_logprobs = first.prompt_logprobs  # only the first delta carries them
         self.num_merged = 1
 
     def add(self, out: RequestOutput) -> None:
@@ -73,7 +77,11 @@ class DeltaAccumulator:
             last.outputs[0], text=text, token_ids=self._token_ids, logprobs=self._logprobs
         )
         return dataclasses.replace(
-            last, outputs=[c], new_text=text, num_new_tokens=self._new_tokens
+            last,
+            outputs=[c],
+            new_text=text,
+            num_new_tokens=self._new_tokens,
+            prompt_logprobs=self._prompt_logprobs,
         )
 
 

@@ -226,6 +226,11 @@ class Serving:
         if is_set:
             raise BadRequestError(f"{field} {what}", param=field, code="unsupported_parameter")
 
+    def reject_all_unsupported(self, req: SamplingRequest) -> None:
+        """400 naming the first set field the request's schema marks unsupported."""
+        for field, why in req.unsupported():
+            self.reject_unsupported(field, True, why)
+
     # ----- fan-out -----
     def fan_out(
         self,
@@ -234,6 +239,7 @@ class Serving:
         prompts: list[list[int]],
         max_tokens: Callable[[list[int]], int],
         logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> Fanout:
         request_id = new_request_id(prefix)
         if logprobs is not None and logprobs > self.max_logprobs:
@@ -246,7 +252,9 @@ class Serving:
             )
         # Validated once per request; each choice gets a shallow copy with its own max_tokens and
         # seed (validating len(prompts) * n copies was O(n) Python work per prompt).
-        base = self.sampling_params(req, max(max_tokens(p) for p in prompts), req.seed, logprobs)
+        base = self.sampling_params(
+            req, max(max_tokens(p) for p in prompts), req.seed, logprobs, prompt_logprobs
+        )
         subrequests = []
         for p, prompt in enumerate(prompts):
             limit = max_tokens(prompt)
@@ -265,7 +273,12 @@ class Serving:
         return Fanout(request_id, prompts, subrequests, int(time.time()))
 
     def sampling_params(
-        self, req: SamplingRequest, max_tokens: int, seed: int | None, logprobs: int | None
+        self,
+        req: SamplingRequest,
+        max_tokens: int,
+        seed: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         vocab_size = self.engine.vocab_size
         kwargs: dict = {name: getattr(req, name) for name in _SAMPLING_FIELDS}
@@ -279,6 +292,8 @@ class Serving:
                 stop_token_ids=list(req.stop_token_ids or []),
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                structured_outputs=req.structured_outputs(),
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 output_kind=RequestOutputKind.DELTA,  # O(new tokens) per step; see request_stream
@@ -290,7 +305,9 @@ class Serving:
             raise BadRequestError(str(e), param=param, code="invalid_value") from None
         return params
 
-    async def submit(self, fanout: Fanout, arrival_time: float) -> RequestStream:
+    async def submit(
+        self, fanout: Fanout, arrival_time: float, req: SamplingRequest | None = None
+    ) -> RequestStream:
         """Hand the requests to the engine; map its refusals to HTTP errors."""
         self.check_sequences(len(fanout.prompts), len(fanout.subrequests) // len(fanout.prompts))
         if self.log_requests:  # one line per HTTP request, as vLLM logs them (never the text)
@@ -314,7 +331,11 @@ class Serving:
             raise
         except ValueError as e:  # InvalidRequestError / SamplingParamsError
             param = getattr(e, "param", None)
-            raise BadRequestError(str(e), param=param, code="invalid_value") from None
+            message = str(e)
+            if param == "structured_outputs" and req is not None:  # e.g. a schema xgrammar refused
+                param = req.structured_output_field
+                message = f"{param}: {message.split(': ', 1)[-1]}"
+            raise BadRequestError(message, param=param, code="invalid_value") from None
 
     # ----- delivery -----
     async def collect(self, stream: RequestStream, raw: Request) -> dict[str, RequestOutput]:

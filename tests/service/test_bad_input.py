@@ -72,7 +72,6 @@ CASES = [
     ("temperature-above-max", CHAT, {"messages": MSGS, "temperature": 100.5}, 400, "temperature"),
     # Issue 13: the prompt count is refused before tokenizing (was: tokenized, then "n").
     ("too-many-prompts", CMPL, {"prompt": ["a"] * 2049, "max_tokens": 1}, 400, "prompt"),
-    ("echo-unsupported", CMPL, {"prompt": "hi", "echo": True}, 400, "echo"),
     (
         "tools-malformed",
         CHAT,
@@ -87,6 +86,8 @@ CASES = [
         400,
         "tool_choice",
     ),
+    ("max-tokens-0-without-echo", CMPL, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("unknown-field", CMPL, {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
     (
         "top-logprobs-without-logprobs",
         CHAT,

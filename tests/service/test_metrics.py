@@ -30,6 +30,12 @@ REQUIRED = {
     "mlaserve:spec_decode_num_accepted_tokens_total": "counter",
     "mlaserve:spec_decode_num_accepted_tokens_per_pos_total": "counter",
     "mlaserve:spec_decode_accept_length": "histogram",
+    "mlaserve:num_preemptions_total": "counter",
+    "mlaserve:request_prefill_time_seconds": "histogram",
+    "mlaserve:request_decode_time_seconds": "histogram",
+    "mlaserve:request_prompt_tokens": "histogram",
+    "mlaserve:request_generation_tokens": "histogram",
+    "mlaserve:iteration_tokens_total": "histogram",
 }
 
 
@@ -106,6 +112,12 @@ def test_request_latencies_and_counters() -> None:
     assert s["mlaserve:prompt_tokens_total"] == 3
     assert s["mlaserve:generation_tokens_total"] == 6
     assert s['mlaserve:request_success_total{finished_reason="length"}'] == 1
+    # Phases: queue 0.5 s (arrival -> scheduled), prefill 0.5 s (-> first token), decode 1.25 s.
+    assert s["mlaserve:request_prefill_time_seconds_sum"] == pytest.approx(0.5)
+    assert s["mlaserve:request_decode_time_seconds_sum"] == pytest.approx(1.25)
+    assert s["mlaserve:request_prompt_tokens_sum"] == 3
+    assert s["mlaserve:request_generation_tokens_sum"] == 6
+    assert s["mlaserve:request_generation_tokens_count"] == 1
 
 
 def test_aborts_count_only_live_requests() -> None:
@@ -137,3 +149,26 @@ def test_nothing_is_recorded_before_the_model_is_bound() -> None:
     metrics.on_added(["a"])
     metrics.on_outputs([_output("a", 0.0, 1.0, 1.0, 1, 1)])
     assert "model_name" not in metrics.render().decode()
+
+
+def test_iteration_tokens_and_preemptions_follow_the_engine_totals() -> None:
+    from mlaserve.llm_engine import EngineStats
+
+    metrics = Metrics()
+    metrics.bind_model("m")
+
+    def stats(steps: int, last: int, preemptions: int) -> EngineStats:
+        return EngineStats(
+            num_running=1, num_waiting=0, num_free_pages=9, num_total_pages=10,
+            num_preemptions=preemptions, num_steps=steps, last_step_num_tokens=last,
+        )  # fmt: skip
+
+    metrics.on_stats(stats(steps=3, last=16, preemptions=0))  # after warm-up: a baseline only
+    metrics.on_stats(stats(steps=4, last=40, preemptions=1))  # a prefill step
+    metrics.on_stats(stats(steps=4, last=40, preemptions=1))  # no new step: nothing observed
+    metrics.on_stats(stats(steps=5, last=2, preemptions=3))  # a decode step of two requests
+    s = _samples(metrics)
+    assert s["mlaserve:iteration_tokens_total_count"] == 2
+    assert s["mlaserve:iteration_tokens_total_sum"] == 42
+    assert s['mlaserve:iteration_tokens_total_bucket{le="2.0"}'] == 1
+    assert s["mlaserve:num_preemptions_total"] == 3

@@ -33,7 +33,10 @@ def test_defaults_and_helpers() -> None:
     assert req.n == 1 and req.max_tokens is None and req.temperature is None
     assert req.stop_list == ["x"] and req.include_usage_in_stream
     assert CompletionRequest(prompt="hi").stop_list == []
-    assert CompletionRequest(prompt="hi", unknown_field=1).model_extra is None  # ignored
+    with pytest.raises(ValidationError, match="unknown_field"):  # refused, never ignored
+        CompletionRequest(prompt="hi", unknown_field=1)
+    assert CompletionRequest(prompt="hi", max_tokens=0, echo=True).unsupported() == []
+    assert CompletionRequest(prompt="hi", max_tokens=0).unsupported()[0][0] == "max_tokens"
 
 
 @pytest.mark.parametrize(
@@ -46,7 +49,9 @@ def test_defaults_and_helpers() -> None:
         ({"prompt": "hi", "top_p": 1.01}, "top_p"),
         ({"prompt": "hi", "n": 0}, "n"),
         ({"prompt": "hi", "n": 17}, "n"),
-        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "hi", "best_of_n": 2}, "best_of_n"),
+        ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
         ({"prompt": "hi", "logprobs": 21}, "logprobs"),
         ({"prompt": "hi", "stop": ""}, "stop"),
         ({"prompt": "hi", "stop": ["a"] * 17}, "stop"),
