@@ -53,6 +53,9 @@ class Request:
     logprobs: list[dict] | None = None
     cumulative_logprob: float = 0.0
     metrics: RequestMetrics | None = None
+    # Speculative decoding: the draft tokens proposed after the last emitted one (the next
+    # verify step checks them).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

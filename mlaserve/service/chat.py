@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlaserve.outputs import RequestOutput
+from mlaserve.outputs import RequestMetrics, RequestOutput
 from mlaserve.service.errors import BadRequestError
 from mlaserve.service.logprobs import chat_logprobs
 from mlaserve.service.protocol import (
@@ -115,7 +115,10 @@ class Chat:
             created=fanout.created,
             model=model,
             choices=sorted(choices, key=lambda c: c.index),
-            usage=fanout.usage(sum(len(o.outputs[0].token_ids) for o in finals.values())),
+            usage=fanout.usage(
+                sum(len(o.outputs[0].token_ids) for o in finals.values()),
+                [o.metrics for o in finals.values()] if req.return_spec_stats else None,
+            ),
         )
         return JSONResponse(response.model_dump(mode="json"))
 
@@ -141,6 +144,7 @@ class Chat:
         num_logprobs: int | None,
     ) -> AsyncIterator[str]:
         sent_tokens: dict[str, int] = defaultdict(int)  # generated, per choice
+        last_metrics: dict[str, RequestMetrics] = {}  # for return_spec_stats
         want_logprobs = num_logprobs is not None
 
         def chunk(choices: list[ChatChunkChoice], **extra: object) -> str:
@@ -164,6 +168,7 @@ class Chat:
                     continue
                 text = out.new_text
                 sent_tokens[rid] += len(c.token_ids)  # counted in usage even if not sent now
+                last_metrics[rid] = out.metrics
                 if not (text or out.finished or (want_logprobs and c.token_ids)):
                     continue  # e.g. a token that ends inside a multi-byte character
                 logprobs = None
@@ -177,7 +182,8 @@ class Chat:
                 )
                 yield chunk([choice])
             if req.include_usage_in_stream:
-                yield chunk([], usage=fanout.usage(sum(sent_tokens.values())))
+                spec = list(last_metrics.values()) if req.return_spec_stats else None
+                yield chunk([], usage=fanout.usage(sum(sent_tokens.values()), spec))
         except STREAM_ERRORS as e:
             yield self.serving.error_frame(e)
         yield sse_frame("[DONE]")
