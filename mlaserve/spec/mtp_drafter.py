@@ -264,6 +264,12 @@ class MTPDrafter:
         return next((s for s in sizes if s >= n), None)
 
     # ----- start-up -----
+    def reset_accept(self) -> None:
+        """Accept length 1 in every row: what a batch of padding rows may select with any q
+        (a real step writes its own before the draft-extend; the buffer otherwise holds the
+        last step's lengths, up to k+1, which would select past a q = 1 batch)."""
+        self.accept.fill_(1)
+
     def capture(self, graphs: CudaGraphRunner, q_lens: tuple[int, ...]) -> int:
         """Warm up, then capture DRAFT_EXTEND (per q in q_lens) and DRAFT per captured size,
         after (and into the pool of) every target graph. Returns the number captured."""
@@ -278,6 +284,7 @@ class MTPDrafter:
 
         if not graphs.use_graphs:
             return 0
+        self.reset_accept()
         sizes = list(reversed(graphs.batch_sizes))
         for size in sizes:  # warm-up: every lazily compiled kernel runs before capture
             for q in q_lens:

@@ -47,6 +47,8 @@ def step_fns(graphs: CudaGraphRunner, drafter: MTPDrafter, k: int, size: int):
         entry.graph.replay()
         return entry.logits
 
+    drafter.reset_accept()
+
     def plain() -> None:
         replay(1).argmax(dim=-1)
         drafter.graphs[("extend", 1, size)].graph.replay()
