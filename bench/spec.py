@@ -11,12 +11,12 @@ wall time / output tokens per request after the first.
 
 Part 2, a V2-Lite-sized DeepSeek-V3-architecture checkpoint with one MTP layer (random weights,
 so accept lengths mean nothing there): per captured batch size, the device time of
-  plain   = DECODE graph + argmax + the draft's one-row cache update (what a non-speculating
-            step of a speculative engine runs),
-  decode  = DECODE graph + argmax (an engine without speculation),
+  decode  = DECODE graph + argmax (a plain step: an engine without speculation, and a step of a
+            speculative engine whose policy says no: it does no draft work),
   spec    = VERIFY graph (k+1 rows) + argmax + DRAFT_EXTEND graph + DRAFT graph (k tokens),
   draft   = the DRAFT graph alone (top-1 + k-1 chain steps), per draft token,
-the break-even accept length spec / plain, and each step's bytes floor: every non-expert weight
+the break-even accept length spec / decode (device) and the policy's (engine steps, wall time,
+host work included), and each step's bytes floor: every non-expert weight
 once + the routed experts its tokens touch (expected distinct experts under uniform routing,
 n (1 - (1 - topk/n)^tokens), per MoE layer) over the device copy bandwidth. A verify step's
 target touches experts for bs*(k+1) tokens; the draft reads the MTP layer (its experts for its
@@ -41,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import copy_bandwidth
 
 from mlaserve import LLM, SamplingParams
-from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.spec.step_timer import step_fns, time_replays
 
 BATCH_SIZES = (1, 4, 16, 32)
@@ -162,14 +161,13 @@ def floors_ms(llm: LLM, bs: int, k: int, bandwidth: float) -> dict[str, float]:
     def mtp_layer(tokens: int) -> float:
         return m_dense + touched(tokens) * m_per_expert
 
-    plain = target(bs) + mtp_layer(bs)
     decode = target(bs)
     spec = target(bs * (k + 1)) + mtp_layer(bs * (k + 1)) + k * head_bytes
     spec += (k - 1) * mtp_layer(bs)
     draft = (head_bytes + (k - 1) * (mtp_layer(bs) + head_bytes)) / k
     return {
         name: b / bandwidth * 1e3
-        for name, b in (("plain", plain), ("decode", decode), ("spec", spec), ("draft", draft))
+        for name, b in (("decode", decode), ("spec", spec), ("draft", draft))
     }
 
 
@@ -186,23 +184,21 @@ def part2(path: str, k: int, iters: int) -> list[dict]:
     bandwidth = copy_bandwidth(engine.runner.device)
     rows = []
     for size in BATCH_SIZES:
-        plain, spec = step_fns(graphs, drafter, k, size)
-        entry = graphs.graphs[(ForwardMode.DECODE, 1, size)]
-
-        def decode(e=entry, s=size) -> None:
-            graphs.dummy_batch(ForwardMode.DECODE, 1, s)
-            e.graph.replay()
-            e.logits.argmax(dim=-1)
+        decode, spec = step_fns(graphs, drafter, k, size)
 
         def draft(s=size) -> None:
             drafter.graphs[("draft", 1, s)].graph.replay()
 
+        def draft_extend(s=size) -> None:
+            drafter.graphs[("extend", k + 1, s)].graph.replay()
+
         t = {
-            "plain": time_replays(plain, iters),
             "decode": time_replays(decode, iters),
             "spec": time_replays(spec, iters),
             "draft": time_replays(draft, iters) / k,
+            "draft_extend": time_replays(draft_extend, iters),
         }
+        costs = engine.spec_costs
         floor = floors_ms(llm, size, k, bandwidth)
         rows.append(
             {
@@ -210,22 +206,23 @@ def part2(path: str, k: int, iters: int) -> list[dict]:
                 "k": k,
                 **{f"{n}_ms": round(v * 1e3, 4) for n, v in t.items()},
                 **{f"{n}_floor_ms": round(v, 4) for n, v in floor.items()},
-                "break_even": round(t["spec"] / t["plain"], 3),
-                "break_even_vs_decode": round(t["spec"] / t["decode"], 3),
+                "break_even_device": round(t["spec"] / t["decode"], 3),
+                "break_even_wall": round(costs.break_even(size), 3) if costs else None,
                 "spec_over_floor": round(t["spec"] * 1e3 / floor["spec"], 3),
                 "draft_step_over_decode": round(t["draft"] / t["decode"], 3),
             }
         )
     print(f"\nV3-lite (random weights, 1 MTP layer), k={k}: device ms per step, floors, break-even")
     print(
-        " bs  decode  plain    spec  draft/tok | floors: decode   spec | spec/floor  "
-        "break-even (vs plain, vs decode)"
+        " bs  decode    spec  d-ext draft/tok | floor: decode   spec | spec/floor"
+        "  break-even: device  engine wall"
     )
     for r in rows:
         print(
-            f"{r['bs']:3d} {r['decode_ms']:7.3f} {r['plain_ms']:6.3f} {r['spec_ms']:7.3f} "
-            f"{r['draft_ms']:6.3f}    | {r['decode_floor_ms']:13.3f} {r['spec_floor_ms']:6.3f} "
-            f"| {r['spec_over_floor']:9.2f}  {r['break_even']:5.2f} {r['break_even_vs_decode']:5.2f}"
+            f"{r['bs']:3d} {r['decode_ms']:7.3f} {r['spec_ms']:7.3f} {r['draft_extend_ms']:6.3f} "
+            f"{r['draft_ms']:6.3f}    | {r['decode_floor_ms']:12.3f} {r['spec_floor_ms']:6.3f} "
+            f"| {r['spec_over_floor']:9.2f}   {r['break_even_device']:12.2f} "
+            f"{r['break_even_wall'] or 0:12.2f}"
         )
     return rows
 

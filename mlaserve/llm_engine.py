@@ -21,7 +21,13 @@ from mlaserve.graph_runner import CaptureReport, CompileWatch, CudaGraphRunner
 from mlaserve.kv_cache import PageAllocator
 from mlaserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from mlaserve.sampling_params import RequestOutputKind, SamplingParams
-from mlaserve.spec import MTPDrafter, SpecDecoder, SpecPolicy, StepCosts, measure_step_costs
+from mlaserve.spec import (
+    MTPDrafter,
+    SpecDecoder,
+    SpecPolicy,
+    StepCosts,
+    measure_engine_step_costs,
+)
 from mlaserve.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_holdback
 
 __all__ = ["EngineStats", "InvalidRequestError", "LLMEngine"]
@@ -270,12 +276,13 @@ class LLMEngine:
         t0 = time.perf_counter()
         num = dec.drafter.capture(self.graphs, (1, dec.k + 1))
         t1 = time.perf_counter()
-        costs = measure_step_costs(self.graphs, dec.drafter, dec.k)
+        costs = measure_engine_step_costs(self)
+        dec.reset_stats()  # the measurement's requests are not served traffic
         dec.policy.costs = costs
         self.spec_costs = costs
         logger.info(
             "speculative decoding: %d draft graphs in %.2f s; break-even accept length per "
-            "batch size (speculative / plain step time): %s; prior accept length %.2f",
+            "batch size (speculative / plain engine step, wall time): %s; prior %.2f",
             num,
             t1 - t0,
             {b: round(costs.break_even(b), 2) for b in costs.plain_s} if costs else "unmeasured",

@@ -5,7 +5,7 @@ verified by one target forward over k+1 tokens per request; on only where it pay
                      (graphed per captured batch size)
     spec_decoder.py  one engine step with speculation: verify/plain, accept, draft, one read-back
     spec_policy.py   whether the next step speculates (measured cost ratio vs accept estimate)
-    step_timer.py    the start-up measurement of a speculative vs a plain step
+    step_timer.py    the start-up measurement of a speculative vs a plain engine step
     spec_stats.py    running draft/accept counts for metrics
 
 Acceptance is `mlaserve/sampling/rejection.py` (greedy exact match, lossless rejection
@@ -17,7 +17,7 @@ from mlaserve.spec.mtp_drafter import Drafter, MTPDrafter
 from mlaserve.spec.spec_decoder import SpecDecoder
 from mlaserve.spec.spec_policy import Decision, SpecPolicy, StepCosts
 from mlaserve.spec.spec_stats import SpecStats
-from mlaserve.spec.step_timer import measure_step_costs
+from mlaserve.spec.step_timer import measure_engine_step_costs
 
 __all__ = [
     "Decision",
@@ -27,5 +27,5 @@ __all__ = [
     "SpecPolicy",
     "SpecStats",
     "StepCosts",
-    "measure_step_costs",
+    "measure_engine_step_costs",
 ]

@@ -5,8 +5,10 @@
         -> lossless acceptance on the device (`sampling/rejection.accept_draft`)
         -> draft-extend over the k+1 rows, fixed stride (graph) -> [draft graph: k drafts]
     decode step otherwise (a plain step):
-        DECODE target forward (graph, q_len 1) -> sampler -> draft-extend over the one row
-        (the draft's cache stays exact) -> [draft graph if the next step speculates]
+        DECODE target forward (graph, q_len 1) -> sampler; if the next step speculates,
+        draft-extend over the one row -> draft graph; if not, no draft work at all (a plain
+        engine's step), and those requests' draft caches go stale: they draft no more (see
+        `Request.draft_cache_valid`), so the policy's "off" costs what speculation-off costs
     EXTEND step (prefill chunks, maybe with decodes):
         target forward -> sampler -> the draft over the same rows (eager) -> [draft graph]
 
@@ -82,20 +84,26 @@ class SpecDecoder:
         accepted, for `Scheduler.after_step`). Drafts for the next step land in
         `request.draft_token_ids` (empty when the next step does not speculate)."""
         self.runner.admit(sched)
-        draft = self.policy.decide(len(sched.scheduled)).speculate
+        for s in sched.scheduled:
+            if s.request.num_computed_tokens == 0:  # (re)computed from its prompt
+                s.request.draft_cache_valid = True
+        speculate = self.policy.decide(len(sched.scheduled)).speculate
         if sched.mode is ForwardMode.DECODE:
-            result, accepted = self._decode(sched, draft)
+            result, accepted = self._decode(sched, speculate)
         else:
-            result, accepted = self._extend(sched, draft)
+            result, accepted = self._extend(sched, speculate)
         if time.monotonic() - self._last_log >= LOG_INTERVAL_S and self.stats.num_drafts:
             self._last_log = time.monotonic()
             logger.info("%s", self.log_line())
         return result, accepted
 
     # ----- EXTEND: plain target forward, then the draft over the same rows -----
-    def _extend(self, sched: SchedulerOutput, draft: bool) -> tuple[StepResult, list[int]]:
+    def _extend(self, sched: SchedulerOutput, speculate: bool) -> tuple[StepResult, list[int]]:
+        """The draft runs over every row (prefill keeps its cache complete); it drafts when the
+        next step speculates and every request's draft cache is whole."""
         target = self.graphs.run_with_hidden(self.runner.build_host_batch(sched))
         requests = [s.request for s in sched.scheduled if s.samples]
+        draft = speculate and all(r.draft_cache_valid for r in requests)
         n = len(requests)
         dev = target.hidden.device
         sampled = torch.empty(0, dtype=torch.int64, device=dev)
@@ -123,7 +131,10 @@ class SpecDecoder:
         return result, [0] * n
 
     # ----- DECODE: verify k drafts, or a plain step -----
-    def _decode(self, sched: SchedulerOutput, draft: bool) -> tuple[StepResult, list[int]]:
+    def _decode(self, sched: SchedulerOutput, speculate: bool) -> tuple[StepResult, list[int]]:
+        """Speculating next: draft-extend (+ drafts if every draft cache is whole). Not: no
+        draft work at all (the step costs what a plain engine's does) and the requests' draft
+        caches go stale."""
         k, ps = self.k, self.runner.page_size
         requests = [s.request for s in sched.scheduled]
         bs = len(requests)
@@ -163,7 +174,13 @@ class SpecDecoder:
             slots.record(sb.slots, out.token_ids)
             out_tokens, finite = out.token_ids.unsqueeze(1), out.finite
             accept_len = torch.ones(bs, dtype=torch.int64, device=logits.device)
-        drafts = self.drafter.after_decode(target, out_tokens, accept_len, requests, draft)
+        drafts = None
+        if speculate:
+            draft = all(r.draft_cache_valid for r in requests)
+            drafts = self.drafter.after_decode(target, out_tokens, accept_len, requests, draft)
+        else:
+            for r in requests:
+                r.draft_cache_valid = False
         parts = [out_tokens.reshape(-1), accept_len, finite.to(torch.int64)]
         if drafts is not None:
             parts.append(drafts.reshape(-1))

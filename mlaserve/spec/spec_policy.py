@@ -84,6 +84,8 @@ class SpecPolicy:
     _sum: float = 0.0  # decayed sum of observed accept lengths
     _weight: float = 0.0  # decayed number of observations
     _off_streak: int = 0
+    # Set (True/False) to override every decision (the start-up cost measurement does).
+    forced: bool | None = None
 
     @property
     def prior(self) -> float:
@@ -108,6 +110,8 @@ class SpecPolicy:
         return d
 
     def _decide(self, bs: int) -> Decision:
+        if self.forced is not None:
+            return Decision(self.forced, "forced")
         if self.disable_batch_size is not None and bs > self.disable_batch_size:
             return Decision(False, "cap")
         if self.costs is None:

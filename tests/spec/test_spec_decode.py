@@ -195,20 +195,42 @@ def test_logprobs_of_every_emitted_token(mtp_path, reference) -> None:
 
 
 def test_policy_switches_between_plain_and_speculative_steps(mtp_path, reference) -> None:
-    """With step costs under which speculation pays only at batch size <= 2 (data, as an H100
-    start-up would measure them), a shrinking batch runs plain steps (the draft still updates
-    its cache) and then speculative ones; outputs stay the speculation-off ones."""
+    """With step costs under which speculation pays only at batch size <= 2 (data, as a GPU
+    start-up would measure them): two requests speculate; six more arrive, the batch of eight
+    runs plain steps with no draft work (those requests' draft caches go stale, so they never
+    draft again); two fresh requests alone speculate again. Outputs stay speculation-off's."""
     _, prompts, expected = reference
     llm = LLM(mtp_path, num_speculative_tokens=K, max_num_seqs=8, **CPU)
-    policy = llm.engine.spec_decoder.policy
-    policy.costs = StepCosts(plain_s={2: 1.0, 4: 1.0, 8: 1.0}, spec_s={2: 1.1, 4: 5.0, 8: 5.0})
-    params = [
-        SamplingParams(max_tokens=4 + 2 * i, temperature=0.0, ignore_eos=True)
-        for i in range(len(prompts))
-    ]
-    got = token_ids(llm.generate(prompts, params))
-    assert got == [e[: 4 + 2 * i] for i, e in enumerate(expected)]
-    decisions = llm.engine.get_stats().spec_decisions
-    assert decisions.get("off:does_not_pay", 0) > 0 and decisions.get("on:pays", 0) > 0
-    assert llm.engine.get_stats().spec_num_drafts > 0
+    engine = llm.engine
+    engine.spec_decoder.policy.costs = StepCosts(
+        plain_s={2: 1.0, 4: 1.0, 8: 1.0}, spec_s={2: 1.1, 4: 5.0, 8: 5.0}
+    )
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    out: dict[str, list[int]] = {}
+
+    def run(ids: list[int], steps: int | None = None) -> None:
+        for i in ids:
+            engine.add_request(str(i), prompts[i], params)
+        n = 0
+        while engine.has_unfinished_requests() and (steps is None or n < steps):
+            for o in engine.step():
+                out[o.request_id] = list(o.outputs[0].token_ids)
+            n += 1
+
+    run([0, 1], steps=3)
+    drafts_alone = engine.get_stats().spec_num_drafts
+    assert drafts_alone > 0
+    run([2, 3, 4, 5, 6, 7])
+    stats = engine.get_stats()
+    assert stats.spec_decisions.get("off:does_not_pay", 0) > 0
+    drafts_after_crowd = stats.spec_num_drafts
+    for i in (0, 1):
+        engine.add_request(f"fresh-{i}", prompts[i], params)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] = list(o.outputs[0].token_ids)
+    assert engine.get_stats().spec_num_drafts > drafts_after_crowd  # fresh requests speculate
+    for i, e in enumerate(expected):
+        assert out[str(i)] == e[:NEW_TOKENS], i
+    assert [out[f"fresh-{i}"] for i in (0, 1)] == [e[:NEW_TOKENS] for e in expected[:2]]
     assert_pages_free(llm)

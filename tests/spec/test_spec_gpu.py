@@ -73,6 +73,7 @@ def test_fp32_graphs_lossless_and_one_wait_per_step(v3_mtp, fp32_expected) -> No
     prompts, expected = fp32_expected
     for k in (1, 3):
         llm = LLM(v3_mtp, num_speculative_tokens=k, **FP32)
+        llm.engine.spec_decoder.policy.forced = True  # speculate in every step
         drafter = llm.engine.spec_decoder.drafter
         assert len(drafter.graphs) == 3 * len(SIZES)  # extend q=1, extend q=k+1, draft
         replays = drafter.num_replays
@@ -93,6 +94,7 @@ def test_padded_shrinking_growing_batches_over_poisoned_pages(v3_mtp, fp32_expec
     prompts, expected = fp32_expected
     llm = LLM(v3_mtp, num_speculative_tokens=k, **FP32)
     engine, drafter = llm.engine, llm.engine.spec_decoder.drafter
+    engine.spec_decoder.policy.forced = True  # speculate in every step
     poison_kv(engine)
     params = [
         SamplingParams(max_tokens=20 + 3 * i, temperature=0.0, ignore_eos=True)
@@ -169,6 +171,11 @@ def test_default_model_flashmla_lossless_without_host_syncs(kv_cache_dtype: str)
     torch.cuda.empty_cache()
     llm = LLM(num_speculative_tokens=3, **kw)
     engine = llm.engine
+    costs = engine.spec_costs
+    if costs is not None:
+        even = {b: round(costs.break_even(b), 2) for b in costs.plain_s}
+        print(f"{kv_cache_dtype}: the policy's measured break-even accept length {even}")
+    engine.spec_decoder.policy.forced = True  # speculate in every step
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, GREEDY)
     engine.step()  # the prefill (eager EXTEND) and its drafts
