@@ -23,6 +23,7 @@ __all__ = [
     "EngineConfig",
     "ModelConfig",
     "QuantizationConfig",
+    "SpeculativeConfig",
     "default_model_path",
     "resolve_torch_dtype",
 ]
@@ -377,6 +378,50 @@ def _parse_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
+SPECULATIVE_METHODS = ("mtp",)
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` shape: `{"method": "mtp", "num_speculative_tokens": k}`.
+
+    `num_speculative_tokens` None means "the default for this model" (3 with MTP weights); the
+    bound k + 1 <= the attention backend's `max_uniform_q_len` is checked by the model runner,
+    which knows the backend."""
+
+    method: str = "mtp"
+    num_speculative_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"speculative_config.method: expected one of {SPECULATIVE_METHODS}, "
+                f"got {self.method!r}"
+            )
+        k = self.num_speculative_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ConfigError(
+                f"speculative_config.num_speculative_tokens: must be an integer >= 1, got {k!r}"
+            )
+
+    @classmethod
+    def from_dict(cls, d: Any) -> SpeculativeConfig:
+        if not isinstance(d, dict):
+            raise ConfigError(f"speculative_config: expected a JSON object, got {d!r}")
+        unknown = set(d) - {"method", "num_speculative_tokens"}
+        if unknown:
+            raise ConfigError(
+                f"speculative_config: unknown key(s) {sorted(unknown)}; expected 'method', "
+                "'num_speculative_tokens'"
+            )
+        return cls(**d)
+
+    @property
+    def k(self) -> int:
+        return self.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What the operator chooses. Every field can also come from the CLI / `MLASERVE_*` env."""
@@ -402,6 +447,13 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     seed: int = 0
     served_model_name: str | None = None
+    # Speculative decoding, vLLM's shape: {"method": "mtp", "num_speculative_tokens": k}.
+    speculative_config: dict | None = field(default=None, hash=False)
+    # Shorthand for {"method": "mtp", "num_speculative_tokens": k}.
+    num_speculative_tokens: int | None = None
+    # Hard cap: decode steps with more requests than this never speculate (the cost policy
+    # decides below it).
+    speculative_disable_batch_size: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -451,6 +503,39 @@ class EngineConfig:
                     f"got {list(sizes)}"
                 )
             object.__setattr__(self, "cuda_graph_batch_sizes", sizes)
+        k = self.num_speculative_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ConfigError(f"num_speculative_tokens: must be an integer >= 1, got {k!r}")
+        cap = self.speculative_disable_batch_size
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ConfigError(
+                f"speculative_disable_batch_size: must be an integer >= 1, got {cap!r}"
+            )
+        spec = self.speculative
+        if k is not None and spec is not None and spec.num_speculative_tokens != k:
+            raise ConfigError(
+                f"num_speculative_tokens: {k} contradicts speculative_config."
+                f"num_speculative_tokens {spec.num_speculative_tokens}"
+            )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The speculative decoding settings, or None when speculation is off."""
+        if self.speculative_config is None:
+            if self.num_speculative_tokens is None:
+                return None
+            return SpeculativeConfig(num_speculative_tokens=self.num_speculative_tokens)
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        if spec.num_speculative_tokens is None and self.num_speculative_tokens is not None:
+            spec = dataclasses.replace(spec, num_speculative_tokens=self.num_speculative_tokens)
+        return spec
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots past a decode's own token that one speculative step may write (verify
+        writes k more, the draft chain up to k - 1 beyond the accepted ones): 2k; 0 when off."""
+        spec = self.speculative
+        return 0 if spec is None else 2 * spec.k
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from mlaserve.config import EngineConfig, ModelConfig
+from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.engine.grammar import GrammarBackend, GrammarError
 from mlaserve.engine.model_runner import ModelRunner, StepResult
 from mlaserve.engine.prompt_logprobs import PromptLogprobs
@@ -22,6 +23,13 @@ from mlaserve.graph_runner import CaptureReport, CompileWatch, CudaGraphRunner
 from mlaserve.kv_cache import PageAllocator
 from mlaserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from mlaserve.sampling_params import RequestOutputKind, SamplingParams
+from mlaserve.spec import (
+    MTPDrafter,
+    SpecDecoder,
+    SpecPolicy,
+    StepCosts,
+    measure_engine_step_costs,
+)
 from mlaserve.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_holdback
 
 __all__ = ["EngineStats", "InvalidRequestError", "LLMEngine"]
@@ -50,6 +58,17 @@ class EngineStats:
     num_preemptions: int = 0
     num_steps: int = 0
     last_step_num_tokens: int = 0  # tokens (prompt + generated) the last step ran
+    # Speculative decoding running totals (zero when it is off): verify steps (one per request
+    # per step), draft tokens proposed, accepted drafts per draft position, and how many verify
+    # steps emitted n tokens (bonus included).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+    spec_accept_lengths: dict[int, int] = field(default_factory=dict)
+    # The policy's per-step decisions ("on:pays", "off:cap", ... -> steps) and its running
+    # accept-length estimate (what it compares with the measured break-even).
+    spec_decisions: dict[str, int] = field(default_factory=dict)
+    spec_accept_length_estimate: float = 0.0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -72,18 +91,32 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_config, self.eos_token_ids)
         self.load_time_s = time.perf_counter() - t0
         self.graph_report: CaptureReport | None = None
+        self.spec_costs: StepCosts | None = None
         use_graphs = config.resolved_cuda_graph()
+        spec = config.speculative
+        # With speculation a decode step is a VERIFY of k+1 tokens per request, or a plain
+        # DECODE when the policy says speculation does not pay; both graphed.
+        shapes = [(ForwardMode.DECODE, 1)]
+        if spec is not None:
+            shapes.append((ForwardMode.VERIFY, spec.k + 1))
         self.graphs = CudaGraphRunner(
             self.runner,
             config.resolved_cuda_graph_batch_sizes() if use_graphs else (),
             use_graphs=use_graphs,
+            shapes=shapes,
         )
+        self.spec_decoder: SpecDecoder | None = None
+        if spec is not None:
+            drafter = MTPDrafter(self.runner, spec.k)
+            policy = SpecPolicy(spec.k, disable_batch_size=config.speculative_disable_batch_size)
+            self.spec_decoder = SpecDecoder(self.runner, self.graphs, drafter, spec.k, policy)
         self.allocator = PageAllocator(self.runner.num_pages)
         self.scheduler = Scheduler(
             self.allocator,
             page_size=config.page_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            num_lookahead_tokens=config.num_lookahead_tokens,
         )
         self.requests: dict[str, Request] = {}
         self.grammar: GrammarBackend | None = None  # built for the first structured request
@@ -140,6 +173,16 @@ class LLMEngine:
             raise InvalidRequestError(f"structured_outputs: {e}", "structured_outputs") from None
 
     def _validate(self, token_ids: list[int], params: SamplingParams, max_tokens: int) -> None:
+        if self.spec_decoder is not None:
+            # The speculative loop samples and verifies on the device without the grammar mask
+            # and keeps no prompt-logprob rows: refused rather than silently ignored.
+            for name in ("prompt_logprobs", "structured_outputs"):
+                if getattr(params, name) is not None:
+                    raise InvalidRequestError(
+                        f"{name}: not supported with speculative decoding (start the server "
+                        "without --speculative-config / --num-speculative-tokens)",
+                        name,
+                    )
         n = len(token_ids)
         if n == 0:
             raise InvalidRequestError("prompt: must contain at least one token", "prompt")
@@ -166,7 +209,10 @@ class LLMEngine:
                 "max_tokens",
             )
         total = n + max_tokens
-        if self.scheduler.num_pages_for(total) > self.allocator.num_usable_pages:
+        if (
+            self.scheduler.num_pages_for(total + self.scheduler.num_lookahead_tokens)
+            > self.allocator.num_usable_pages
+        ):
             raise InvalidRequestError(
                 f"prompt: {total} tokens need more KV pages than the cache holds "
                 f"({self.allocator.num_usable_pages} pages of {self.config.page_size})",
@@ -183,6 +229,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def get_stats(self) -> EngineStats:
+        spec = self.spec_decoder.stats if self.spec_decoder is not None else None
+        policy = self.spec_decoder.policy if self.spec_decoder is not None else None
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -194,6 +242,16 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
             last_step_num_tokens=self.last_step_num_tokens,
+            spec_num_drafts=spec.num_drafts if spec else 0,
+            spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_accepted_per_pos=list(spec.accepted_per_pos) if spec else [],
+            spec_accept_lengths=dict(spec.accept_lengths) if spec else {},
+            spec_decisions=(
+                {f"{'on' if on else 'off'}:{why}": n for (on, why), n in policy.decisions.items()}
+                if policy
+                else {}
+            ),
+            spec_accept_length_estimate=policy.accept_length_estimate if policy else 0.0,
         )
 
     # ----- the loop -----
@@ -207,6 +265,10 @@ class LLMEngine:
                 s.request.metrics.first_scheduled_time = now
         self.num_steps += 1
         self.last_step_num_tokens = scheduled.num_tokens
+        if self.spec_decoder is not None:
+            result, num_accepted = self.spec_decoder.step(scheduled)
+            self.scheduler.after_step(scheduled, num_accepted)
+            return self._postprocess(scheduled, result)
         host = self.runner.build_host_batch(scheduled)
         logits = self.graphs.run(host)
         if host.prompt_spans:
@@ -238,8 +300,12 @@ class LLMEngine:
         while self.requests.get("__warmup__") is not None:
             self.step()
         t1 = time.perf_counter()
+        if self.spec_decoder is not None:
+            self.spec_decoder.reset_stats()  # the throwaway request is not served traffic
         report = self.graphs.capture() if self.graphs.batch_sizes else None
         self.graph_report = report
+        if self.spec_decoder is not None and report is not None:
+            self._capture_spec()
         self.compile_watch.mark_ready()
         logger.info(
             "start-up: load %.2f s, warm-up %.2f s, capture %.2f s (%s)",
@@ -249,6 +315,34 @@ class LLMEngine:
             f"{report.num_graphs} CUDA graphs, pool {report.pool_bytes / 2**20:.1f} MiB"
             if report
             else "CUDA graphs off",
+        )
+        if self.spec_decoder is not None:
+            logger.info(
+                "speculative decoding: MTP chain draft, k=%d (verify q_len %d)",
+                self.spec_decoder.k,
+                self.spec_decoder.k + 1,
+            )
+
+    def _capture_spec(self) -> None:
+        """The draft's graphs (after, and into the pool of, the target's), then the measured
+        step costs the policy decides from."""
+        dec = self.spec_decoder
+        if dec is None or not isinstance(dec.drafter, MTPDrafter):
+            return
+        t0 = time.perf_counter()
+        num = dec.drafter.capture(self.graphs, (1, dec.k + 1))
+        t1 = time.perf_counter()
+        costs = measure_engine_step_costs(self)
+        dec.reset_stats()  # the measurement's requests are not served traffic
+        dec.policy.costs = costs
+        self.spec_costs = costs
+        logger.info(
+            "speculative decoding: %d draft graphs in %.2f s; break-even accept length per "
+            "batch size (speculative / plain engine step, wall time): %s; prior %.2f",
+            num,
+            t1 - t0,
+            {b: round(costs.break_even(b), 2) for b in costs.plain_s} if costs else "unmeasured",
+            dec.policy.prior,
         )
 
     def _postprocess(self, scheduled: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
@@ -264,21 +358,31 @@ class LLMEngine:
                 self._finish(request, FinishReason.ABORT, None)
                 out = self._make_output(request, "", now, num_new=0, error=error)
             else:
-                new_text = self._append_token(request, i, result, now)
-                out = self._make_output(request, new_text, now)
+                # Speculation emits several tokens; stop checks apply to each, the first hit
+                # ends the request and the rest are dropped.
+                new_text, num_new = "", 0
+                for j in range(len(result.token_ids[i])):
+                    new_text += self._append_token(request, i, j, result, now)
+                    num_new += 1
+                    if request.is_finished:
+                        break
+                out = self._make_output(request, new_text, now, num_new=num_new)
             if out is not None:
                 outputs.append(out)
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
         return outputs
 
-    def _append_token(self, request: Request, i: int, result: StepResult, now: float) -> str:
-        token = result.token_ids[i]
+    def _append_token(
+        self, request: Request, i: int, j: int, result: StepResult, now: float
+    ) -> str:
+        """Append token j of request i's emitted tokens; check its stop conditions."""
+        token = result.token_ids[i][j]
         request.output_token_ids.append(token)
         params = request.params
         if request.logprobs is not None:
-            request.logprobs.append(self._logprob_entry(token, i, result))
-            request.cumulative_logprob += result.logprobs[i]
+            request.logprobs.append(self._logprob_entry(token, i, j, result))
+            request.cumulative_logprob += result.logprobs[i][j]
         text_before = len(request.output_text)
         request.output_text += request.detokenizer.step([token])
 
@@ -330,11 +434,12 @@ class LLMEngine:
         request.stop_reason = stop_reason
         self.scheduler.finish(request)
 
-    def _logprob_entry(self, token: int, i: int, result: StepResult) -> dict[int, Logprob]:
+    def _logprob_entry(self, token: int, i: int, j: int, result: StepResult) -> dict[int, Logprob]:
         piece = self.tokenizer.id_to_piece
-        entry = {token: Logprob(result.logprobs[i], result.ranks[i], piece(token))}
+        entry = {token: Logprob(result.logprobs[i][j], result.ranks[i][j], piece(token))}
         if result.top_ids is not None:
-            for rank, (t, lp) in enumerate(zip(result.top_ids[i], result.top_logprobs[i]), 1):
+            top_ids, top_lps = result.top_ids[i][j], result.top_logprobs[i][j]
+            for rank, (t, lp) in enumerate(zip(top_ids, top_lps), 1):
                 entry.setdefault(t, Logprob(lp, rank, piece(t)))
         return entry
 

@@ -52,6 +52,10 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_preemptions: int = 0
+    # Speculative decoding: draft tokens verified for this request, and how many were accepted
+    # (what `"return_spec_stats": true` reports).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass

@@ -39,13 +39,14 @@ NONFINITE_LOGITS = "the model produced NaN or infinite logits for this request"
 
 @dataclass
 class StepResult:
-    """Per sampled request (in scheduling order): its new token and optional logprob info."""
+    """Per sampled request (in scheduling order): the tokens this step emits (one without
+    speculation, 1..k+1 with it) and, per emitted token, optional logprob info."""
 
-    token_ids: list[int]
-    logprobs: list[float] | None = None
-    ranks: list[int] | None = None
-    top_ids: list[list[int]] | None = None
-    top_logprobs: list[list[float]] | None = None
+    token_ids: list[list[int]]
+    logprobs: list[list[float]] | None = None
+    ranks: list[list[int]] | None = None
+    top_ids: list[list[list[int]]] | None = None
+    top_logprobs: list[list[list[float]]] | None = None
     # Per row: None, or why the row produced no token (e.g. NaN/inf logits). The engine finishes
     # such a request with that error instead of appending a token.
     errors: list[str | None] | None = None
@@ -62,12 +63,25 @@ class ModelRunner:
         self.kv_cache_dtype = config.resolved_kv_cache_dtype(model_config)
         self.max_model_len = config.resolved_max_model_len(model_config)
         self.page_size = config.page_size
-        self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
+        # Speculation writes KV up to `num_lookahead_tokens` past a decode's own token, so page
+        # tables are that much wider than max_model_len needs.
+        self.spec = config.speculative
+        self.num_lookahead_tokens = config.num_lookahead_tokens
+        self.max_pages_per_seq = -(
+            -(self.max_model_len + self.num_lookahead_tokens) // self.page_size
+        )
 
         backend_name = resolve_backend_name(
             config.attention_backend, model_config, self.page_size, self.kv_cache_dtype, self.device
         )
         backend_cls = get_backend_class(backend_name)
+        # The widest uniform step: a VERIFY / DRAFT_EXTEND of k+1 tokens per sequence.
+        self.max_q_len = 1 if self.spec is None else self.spec.k + 1
+        if self.max_q_len > backend_cls.max_uniform_q_len:
+            raise ConfigError(
+                f"speculative_config.num_speculative_tokens: {self.spec.k} + 1 exceeds attention "
+                f"backend {backend_name!r}'s max_uniform_q_len {backend_cls.max_uniform_q_len}"
+            )
 
         logger.info(
             "loading weights from %s (%s on %s)", config.model_path, self.dtype, self.device
@@ -76,14 +90,25 @@ class ModelRunner:
             model_config, config.model_path, dtype=self.dtype, device=self.device
         )
 
+        # With speculation the MTP layer(s) cache latents under layer ids N.. of the same pool.
+        self.num_kv_layers = model_config.num_hidden_layers
+        if self.spec is not None:
+            if self.model.mtp is None:
+                raise ConfigError(
+                    f"speculative_config: method 'mtp' needs MTP weights (model.layers."
+                    f"{model_config.num_hidden_layers}.*), and {config.model_path} has none"
+                )
+            self.num_kv_layers += model_config.num_nextn_predict_layers
         self.num_pages = self._decide_num_pages()
         k_scales = load_kv_scales(model_config, config.model_path)
         if k_scales is not None and self.kv_cache_dtype != torch.float8_e4m3fn:
             logger.warning(
                 "checkpoint has KV-cache scales, unused with a %s cache", self.kv_cache_dtype
             )
+        if k_scales is not None and len(k_scales) < self.num_kv_layers:
+            k_scales = [*k_scales, *[1.0] * (self.num_kv_layers - len(k_scales))]
         self.kv_pool = MLAKVPool(
-            num_layers=model_config.num_hidden_layers,
+            num_layers=self.num_kv_layers,
             num_pages=self.num_pages,
             page_size=self.page_size,
             kv_lora_rank=model_config.kv_lora_rank,
@@ -98,11 +123,17 @@ class ModelRunner:
             kv_cache_dtype=self.kv_cache_dtype,
             device=self.device,
             max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
+            # Verify and draft forwards may write up to the lookahead past the context capacity.
+            max_model_len=self.max_model_len + self.num_lookahead_tokens,
+            max_q_len=self.max_q_len,
         )
         self.buffers = InputBuffers(
             max_num_seqs=config.max_num_seqs,
-            max_num_tokens=config.max_num_batched_tokens,
+            # A verify step carries k+1 tokens per decoding sequence, beyond the token budget.
+            max_num_tokens=max(
+                config.max_num_batched_tokens,
+                config.max_num_seqs * (self.spec.k + 1 if self.spec is not None else 1),
+            ),
             max_pages_per_seq=self.max_pages_per_seq,
             device=self.device,
         )
@@ -130,7 +161,7 @@ class ModelRunner:
         # More pages than every sequence slot at full length could ever use are wasted.
         useful = cfg.max_num_seqs * self.max_pages_per_seq + 1
         per_page = MLAKVPool.bytes_per_page(
-            mc.num_hidden_layers, self.page_size, mc.kv_cache_dim, self.kv_cache_dtype
+            self.num_kv_layers, self.page_size, mc.kv_cache_dim, self.kv_cache_dtype
         )
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -205,6 +236,12 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states -> logits of the rows in batch.logits_indices. [num_logits, vocab] fp32.
         Uniform batches may be captured into a CUDA graph as they are (no host reads)."""
+        return self.forward_with_hidden(batch)[0]
+
+    @torch.inference_mode()
+    def forward_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits [num_logits, vocab] fp32, final-normed hidden states of every token row
+        [num_tokens, hidden] in the model dtype). The draft model reads the latter."""
         if batch.mode.is_uniform and batch.q_len > self.attn_backend.max_uniform_q_len:
             raise ValueError(
                 f"{batch.mode.value} batch with q_len {batch.q_len}: attention backend "
@@ -212,7 +249,7 @@ class ModelRunner:
             )
         self.attn_backend.prepare(batch)
         hidden = self.model(batch)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        return self.model.compute_logits(hidden[batch.logits_indices]), hidden
 
     def prompt_logprobs(self, logits: torch.Tensor, host: HostBatch) -> list[PromptLogprobs]:
         """Prompt logprobs of the step's prompt spans, from the rows after the sampling rows."""
@@ -220,9 +257,13 @@ class ModelRunner:
         first = len(host.logits_indices) - num_prompt_rows
         return compute_prompt_logprobs(logits[first:], host.prompt_spans)
 
-    def _read_back(self, values: torch.Tensor) -> list:
+    def read_back(self, values: torch.Tensor) -> list:
         """One pinned non-blocking copy and one wait on its event: the accounted sync.
-        values: int64 [n] or [r, n] (several per-row results read back together)."""
+        values: int64 [n] or [r, n] (several per-row results read back together; a
+        speculative step packs its tokens, accept lengths, flags and next drafts in it)."""
+        if values.numel() > self._ids_host.numel():
+            pin = self.device.type == "cuda"
+            self._ids_host = torch.empty(values.numel(), dtype=torch.int64, pin_memory=pin)
         host = self._ids_host[: values.numel()].view(values.shape)
         host.copy_(values, non_blocking=True)
         if self._ids_ready is not None:
@@ -230,6 +271,13 @@ class ModelRunner:
             self._ids_ready.synchronize()
         self.num_host_waits += 1
         return host.tolist()
+
+    def admit(self, sched: SchedulerOutput) -> None:
+        """Write the per-slot sampling state of the requests admitted this step."""
+        for r in sched.admitted:
+            self.sampling_slots.admit(
+                r.slot, r.params, r.seed, r.prompt_token_ids, r.output_token_ids
+            )
 
     @torch.inference_mode()
     def sample(
@@ -239,8 +287,7 @@ class ModelRunner:
         scheduling order). Per-request sampling state lives in device slots, written once when
         the scheduler admits a request; a step uploads only slot indices and steps."""
         slots = self.sampling_slots
-        for r in sched.admitted:
-            slots.admit(r.slot, r.params, r.seed, r.prompt_token_ids, r.output_token_ids)
+        self.admit(sched)
         sampling = [s.request for s in sched.scheduled if s.samples]
         if not sampling:
             return StepResult(token_ids=[])
@@ -255,14 +302,14 @@ class ModelRunner:
         out = self.sampler(logits[: len(sampling)], sb, mask)  # prompt-logprob rows come after
         slots.record(sb.slots, out.token_ids)
         # The step's one host sync: sampled ids and the per-row finite flags in one copy.
-        ids, finite = self._read_back(torch.stack((out.token_ids, out.finite.to(torch.int64))))
-        result = StepResult(token_ids=ids)
+        ids, finite = self.read_back(torch.stack((out.token_ids, out.finite.to(torch.int64))))
+        result = StepResult(token_ids=[[t] for t in ids])
         if not all(finite):
             result.errors = [None if ok else NONFINITE_LOGITS for ok in finite]
         if any(r.params.logprobs is not None for r in sampling):
-            result.logprobs = out.logprobs.tolist()
-            result.ranks = out.ranks.tolist()
+            result.logprobs = [[x] for x in out.logprobs.tolist()]
+            result.ranks = [[x] for x in out.ranks.tolist()]
             if out.top_ids is not None:
-                result.top_ids = out.top_ids.tolist()
-                result.top_logprobs = out.top_logprobs.tolist()
+                result.top_ids = [[x] for x in out.top_ids.tolist()]
+                result.top_logprobs = [[x] for x in out.top_logprobs.tolist()]
         return result

@@ -59,6 +59,14 @@ class Request:
     # With params.structured_outputs: its xgrammar GrammarMatcher (engine/grammar.py), which
     # has accepted every output token so far.
     grammar: Any = None
+    # Speculative decoding: the draft tokens proposed after the last emitted one (the next
+    # verify step checks them).
+    draft_token_ids: list[int] = field(default_factory=list)
+    # Whether the draft model's own KV cache holds every position this request computed. A
+    # decode step that does not speculate skips the draft entirely (its cost is the point), so
+    # the request's draft cache goes stale and it drafts no more until a recomputation from
+    # its prompt (after preemption) refills it.
+    draft_cache_valid: bool = True
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,6 +6,12 @@ admitted in arrival order while pages and sequence slots last, their prompts chu
 budget. When a running request needs a page and none is free, the newest running request is
 preempted: its pages are freed and it goes back to the front of the queue, to be recomputed
 from its prompt and the tokens it already generated.
+
+With speculative decoding (`num_lookahead_tokens` > 0) every scheduled request also gets pages
+for that many KV slots past its step (the verify and draft forwards write them), reserved here
+before the step, so nothing allocates inside it; admission counts them too. A decode is still
+scheduled as one token: the speculative decoder widens it, and `after_step` learns how many
+extra tokens each request accepted.
 """
 
 from __future__ import annotations
@@ -72,8 +78,10 @@ class Scheduler:
         page_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self.allocator = allocator
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -172,10 +180,17 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def after_step(self, out: SchedulerOutput) -> None:
-        """The forward wrote KV for every scheduled token."""
+    def after_step(self, out: SchedulerOutput, num_accepted: list[int] | None = None) -> None:
+        """The forward wrote KV for every scheduled token. `num_accepted` (speculation): per
+        sampled request, in scheduling order, the draft tokens it accepted, whose KV the
+        verify forward wrote as well."""
+        sampled = 0
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+            if s.samples:
+                if num_accepted is not None and s.is_decode:
+                    s.request.num_computed_tokens += num_accepted[sampled]
+                sampled += 1
 
     # ----- pages -----
     def num_pages_for(self, num_tokens: int) -> int:
@@ -183,7 +198,8 @@ class Scheduler:
 
     def _reserve(self, request: Request, num_new: int) -> bool:
         """Make sure pages exist for the request's KV up to num_computed + num_new tokens."""
-        needed = self.num_pages_for(request.num_computed_tokens + num_new) - len(request.pages)
+        total = request.num_computed_tokens + num_new + self.num_lookahead_tokens
+        needed = self.num_pages_for(total) - len(request.pages)
         if needed <= 0:
             return True
         if not self.allocator.can_allocate(needed):

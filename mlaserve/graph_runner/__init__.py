@@ -2,6 +2,6 @@
 at start-up against the model runner's preallocated buffers and replayed with padding."""
 
 from mlaserve.graph_runner.compile_watch import CompileWatch
-from mlaserve.graph_runner.cuda_graph_runner import CaptureReport, CudaGraphRunner
+from mlaserve.graph_runner.cuda_graph_runner import CaptureReport, CudaGraphRunner, TargetOutput
 
-__all__ = ["CaptureReport", "CompileWatch", "CudaGraphRunner"]
+__all__ = ["CaptureReport", "CompileWatch", "CudaGraphRunner", "TargetOutput"]

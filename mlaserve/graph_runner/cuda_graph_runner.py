@@ -31,11 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
-from mlaserve.engine.forward_batch import ForwardMode
+from mlaserve.engine.forward_batch import ForwardBatch, ForwardMode
 from mlaserve.engine.input_buffers import HostBatch
 from mlaserve.engine.model_runner import ModelRunner
 
-__all__ = ["CaptureReport", "CudaGraphRunner"]
+__all__ = ["CaptureReport", "CudaGraphRunner", "TargetOutput"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +48,24 @@ class CaptureReport:
     pool_bytes: int  # device memory the graphs' shared pool holds after capture
 
 
+@dataclass(frozen=True)
+class TargetOutput:
+    """One target forward. Uniform batches may be padded to a captured size: `logits` and
+    `hidden` then hold every padded row (a graph's static outputs: valid until the next replay
+    of a graph captured before any reader), and the real rows are the first `num_rows`."""
+
+    logits: torch.Tensor  # [rows, vocab] fp32 (all bs*q_len rows for uniform modes)
+    hidden: torch.Tensor  # [tokens, hidden] final-normed, every token row of the batch
+    batch: ForwardBatch  # the forward's inputs (views of the runner's input buffers)
+    num_rows: int  # real logits rows: num_seqs * q_len (uniform) or len(logits_indices)
+    graphed: bool  # replayed from a CUDA graph (a draft graph may read `hidden` in place)
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph | None  # None when replays run eagerly (use_graphs=False)
     logits: torch.Tensor | None  # the graph's static output, [bs * q_len, vocab] fp32
+    hidden: torch.Tensor | None = None  # [bs * q_len, hidden]: what a draft model reads
 
 
 class CudaGraphRunner:
@@ -89,7 +103,7 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         for mode, q_len in self.shapes:
             for bs in reversed(self.batch_sizes):
-                self.runner.forward(self._dummy_batch(mode, q_len, bs))
+                self.runner.forward_with_hidden(self.dummy_batch(mode, q_len, bs))
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
         t1 = time.perf_counter()
@@ -116,26 +130,27 @@ class CudaGraphRunner:
         )
         return report
 
-    def _dummy_batch(self, mode: ForwardMode, q_len: int, bs: int):
+    def dummy_batch(self, mode: ForwardMode, q_len: int, bs: int):
         """A batch of `bs` padding rows: the buffers' contents at capture do not matter (the
         graph re-reads them on replay), they only must be valid, and padding rows are."""
         host = HostBatch(mode, [], [], [], [], [], [], [])
-        return self.runner.make_batch(host, pad_to=bs, max_seq_len=self._bound, q_len=q_len)
+        return self.runner.make_batch(host, pad_to=bs, max_seq_len=self.bound, q_len=q_len)
 
     @property
-    def _bound(self) -> int:
-        return self.runner.max_model_len
+    def bound(self) -> int:
+        # Speculative windows may run up to num_lookahead_tokens past the context capacity.
+        return self.runner.max_model_len + self.runner.num_lookahead_tokens
 
     def _capture_one(self, mode: ForwardMode, q_len: int, bs: int) -> _Graph:
         if not self.use_graphs:
             return _Graph(graph=None, logits=None)
-        batch = self._dummy_batch(mode, q_len, bs)
+        batch = self.dummy_batch(mode, q_len, bs)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.runner.forward(batch)
+            logits, hidden = self.runner.forward_with_hidden(batch)
         if self.pool is None:
             self.pool = graph.pool()
-        return _Graph(graph=graph, logits=logits)
+        return _Graph(graph=graph, logits=logits, hidden=hidden)
 
     def _free_memory(self) -> int:
         """Device memory not yet reserved by this process's caching allocator (graph pools are
@@ -155,10 +170,16 @@ class CudaGraphRunner:
         i = bisect.bisect_left(self.batch_sizes, host.num_seqs)
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None
 
-    @torch.inference_mode()
     def run(self, host: HostBatch) -> torch.Tensor:
         """Forward one step. Returns the logits of the rows the step samples from:
         [num_seqs * q_len, vocab] for uniform modes, [len(logits_indices), vocab] for EXTEND."""
+        out = self.run_with_hidden(host)
+        return out.logits[: out.num_rows]
+
+    @torch.inference_mode()
+    def run_with_hidden(self, host: HostBatch) -> TargetOutput:
+        """`run`, keeping what a draft model reads: the final-normed hidden states of every row
+        of the (padded) batch, and the batch itself (views of the input buffers)."""
         size = self.padded_size(host)
         if size is None:
             if not host.mode.is_uniform:
@@ -168,15 +189,19 @@ class CudaGraphRunner:
             else:
                 reason = "batch_too_large"
             self.num_eager_steps[reason] += 1
-            return self.runner.forward(self.runner.make_batch(host))
+            batch = self.runner.make_batch(host)
+            logits, hidden = self.runner.forward_with_hidden(batch)
+            rows = logits.shape[0]
+            return TargetOutput(logits, hidden, batch, rows, graphed=False)
         q_len = host.q_lens[0]
-        batch = self.runner.make_batch(host, pad_to=size, max_seq_len=self._bound)
+        batch = self.runner.make_batch(host, pad_to=size, max_seq_len=self.bound)
         entry = self.graphs.get((host.mode, q_len, size))
         rows = host.num_seqs * q_len
         if entry is None or entry.graph is None:
             # Not captured (yet), or use_graphs=False: the same padded batch, run eagerly.
             self.num_eager_steps["no_graphs"] += 1
-            return self.runner.forward(batch)[:rows]
+            logits, hidden = self.runner.forward_with_hidden(batch)
+            return TargetOutput(logits, hidden, batch, rows, graphed=False)
         entry.graph.replay()
         self.num_replays += 1
-        return entry.logits[:rows]
+        return TargetOutput(entry.logits, entry.hidden, batch, rows, graphed=True)

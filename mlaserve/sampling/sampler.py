@@ -30,7 +30,15 @@ from mlaserve.sampling.sampling_batch import SamplingBatch
 # Up to this k, `topk` is cheaper than sorting a 100k+ vocabulary.
 TOPK_INSTEAD_OF_SORT = 1024
 
-__all__ = ["Sampler", "SamplerOutput", "adjust_logits", "filter_logits", "sample"]
+__all__ = [
+    "Sampler",
+    "SamplerOutput",
+    "adjust_logits",
+    "filter_logits",
+    "finite_rows",
+    "raw_logprobs",
+    "sample",
+]
 
 
 class SamplerOutput(NamedTuple):
@@ -76,13 +84,13 @@ class Sampler:
             token_ids = sample(x, batch)
             if batch.any_greedy:
                 token_ids = torch.where(batch.is_greedy, x.argmax(dim=-1), token_ids)
-        finite = _finite_rows(logits, token_ids, batch.all_greedy)
+        finite = finite_rows(logits, token_ids, batch.all_greedy)
         if not batch.need_logprobs:
             return SamplerOutput(token_ids, None, None, None, None, finite)
-        return _raw_logprobs(logits, token_ids, batch.max_num_logprobs)._replace(finite=finite)
+        return raw_logprobs(logits, token_ids, batch.max_num_logprobs)._replace(finite=finite)
 
 
-def _finite_rows(logits: torch.Tensor, token_ids: torch.Tensor, all_greedy: bool) -> torch.Tensor:
+def finite_rows(logits: torch.Tensor, token_ids: torch.Tensor, all_greedy: bool) -> torch.Tensor:
     """[n] bool: the row's logits are all finite (NaN/inf become a per-request error, never a
     token). Greedy batches need no extra pass over [n, V]: argmax propagates NaN (and picks
     +inf), so the chosen logit is finite exactly when the row is (an all -inf row too)."""
@@ -155,7 +163,9 @@ def filter_logits(
     return x, sorted_ids
 
 
-def _raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int | None) -> SamplerOutput:
+def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int | None) -> SamplerOutput:
+    """Raw log-probs, ranks and the top-k of chosen tokens. logits [n, V] float32, token_ids
+    [n] int64 (also used by speculative decoding for the tokens a verify emits)."""
     # logit - logsumexp == log_softmax, without materialising the [n, V] log-probs.
     lse = logits.logsumexp(dim=-1)
     chosen = logits.gather(1, token_ids.unsqueeze(1))  # [n, 1]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlaserve.outputs import RequestOutput
+from mlaserve.outputs import RequestMetrics, RequestOutput
 from mlaserve.service.errors import BadRequestError
 from mlaserve.service.logprobs import chat_logprobs, prompt_logprobs
 from mlaserve.service.parsers import (
@@ -258,7 +258,10 @@ class Chat:
             created=fanout.created,
             model=model,
             choices=sorted(choices, key=lambda c: c.index),
-            usage=fanout.usage(sum(len(o.outputs[0].token_ids) for o in finals.values())),
+            usage=fanout.usage(
+                sum(len(o.outputs[0].token_ids) for o in finals.values()),
+                [o.metrics for o in finals.values()] if req.return_spec_stats else None,
+            ),
             prompt_logprobs=prompt_logprobs(next(iter(finals.values())).prompt_logprobs),
         )
         return JSONResponse(response.model_dump(mode="json"))
@@ -300,6 +303,7 @@ class Chat:
         mode: _ToolMode,
     ) -> AsyncIterator[str]:
         sent_tokens: dict[str, int] = defaultdict(int)  # generated, per choice
+        last_metrics: dict[str, RequestMetrics] = {}  # for return_spec_stats
         want_logprobs = num_logprobs is not None
         parsers = {sub.request_id: new_parser() for sub in fanout.subrequests}
 
@@ -324,6 +328,7 @@ class Chat:
                     continue
                 text = out.new_text
                 sent_tokens[rid] += len(c.token_ids)  # counted in usage even if not sent now
+                last_metrics[rid] = out.metrics
                 parser = parsers[rid]
                 finish_reason = c.finish_reason if out.finished else None
                 if parser is None:
@@ -349,7 +354,8 @@ class Chat:
                 )
                 yield chunk([choice])
             if req.include_usage_in_stream:
-                yield chunk([], usage=fanout.usage(sum(sent_tokens.values())))
+                spec = list(last_metrics.values()) if req.return_spec_stats else None
+                yield chunk([], usage=fanout.usage(sum(sent_tokens.values()), spec))
         except STREAM_ERRORS as e:
             yield self.serving.error_frame(e)
         yield sse_frame("[DONE]")

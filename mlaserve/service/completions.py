@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlaserve.outputs import RequestOutput
+from mlaserve.outputs import RequestMetrics, RequestOutput
 from mlaserve.service.errors import BadRequestError
 from mlaserve.service.logprobs import completion_logprobs, prompt_logprobs
 from mlaserve.service.protocol import CompletionChoice, CompletionRequest, CompletionResponse
@@ -83,7 +83,10 @@ class Completions:
             created=fanout.created,
             model=model,
             choices=sorted(choices, key=lambda c: c.index),
-            usage=fanout.usage(generated),
+            usage=fanout.usage(
+                generated,
+                [o.metrics for o in finals.values()] if req.return_spec_stats else None,
+            ),
         )
         return JSONResponse(response.model_dump(mode="json"))
 
@@ -174,6 +177,7 @@ class Completions:
         # sum of the sent tokens' lengths, as in the non-streamed response; NOT the characters
         # sent, which lag behind by the stop-string holdback).
         sent_tokens: dict[str, int] = defaultdict(int)  # generated, per choice
+        last_metrics: dict[str, RequestMetrics] = {}  # for return_spec_stats
         text_offsets: dict[str, int] = defaultdict(int)
         started: set[str] = set()
         want_logprobs = req.logprobs is not None
@@ -198,6 +202,7 @@ class Completions:
                 started.add(rid)
                 if not score_only:
                     sent_tokens[rid] += len(c.token_ids)  # counted in usage even if not sent now
+                last_metrics[rid] = out.metrics
                 text, token_ids, entries, _ = self._parts(out, req, echo, index // req.n, first)
                 if not (text or out.finished or (want_logprobs and token_ids)):
                     continue  # e.g. a token that ends inside a multi-byte character
@@ -218,7 +223,8 @@ class Completions:
                 )
                 yield chunk([choice])
             if req.include_usage_in_stream:
-                yield chunk([], usage=fanout.usage(sum(sent_tokens.values())))
+                spec = list(last_metrics.values()) if req.return_spec_stats else None
+                yield chunk([], usage=fanout.usage(sum(sent_tokens.values()), spec))
         except STREAM_ERRORS as e:
             yield self.serving.error_frame(e)
         yield sse_frame("[DONE]")

@@ -40,6 +40,17 @@ if TYPE_CHECKING:
 
 __all__ = ["PREFIX", "REQUEST_LATENCY_BUCKETS", "TOKEN_LATENCY_BUCKETS", "Metrics"]
 
+
+@dataclass
+class _SpecSeen:
+    """The engine's speculative totals at the last `on_stats` call."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    accepted_per_pos: list[int]
+    accept_lengths: dict[int, int]
+
+
 PREFIX = "mlaserve:"
 # Per-token latencies: sub-millisecond (small batches on a GPU) to seconds (a stalled step).
 TOKEN_LATENCY_BUCKETS = (
@@ -174,6 +185,20 @@ class Metrics:
             "Tokens emitted per verification step (accepted drafts + the bonus token).",
             ACCEPT_LENGTH_BUCKETS,
         )
+        self.spec_decode_policy_steps = Counter(
+            PREFIX + "spec_decode_policy_steps",
+            "Steps by the speculation policy's decision (on/off) and its reason "
+            "(pays, does_not_pay, probe, cap, unmeasured, too_large).",
+            [*labels, "decision", "reason"],
+            registry=r,
+        )
+        self.spec_decode_accept_length_estimate = Gauge(
+            PREFIX + "spec_decode_accept_length_estimate",
+            "The policy's running accept-length estimate (compared with the measured "
+            "break-even per batch size).",
+            labels,
+            registry=r,
+        )
         # CUDA graphs: how steps ran, and JIT compiles after start-up (expected 0).
         self.cuda_graph_replays = Counter(
             PREFIX + "cuda_graph_replays", "Forward steps replayed from a CUDA graph.", labels,
@@ -193,6 +218,8 @@ class Metrics:
         )
         self._seen = {"replays": 0, "compiles": 0, "preemptions": 0, "steps": -1}
         self._seen_eager: dict[str, int] = {}
+        self._seen_spec = _SpecSeen(0, 0, [], {})
+        self._seen_decisions: dict[str, int] = {}
 
     # ----- lifecycle -----
     def bind_model(self, model_name: str) -> None:
@@ -313,6 +340,45 @@ class Metrics:
             if total > seen:
                 self.eager_steps.labels(model, reason).inc(total - seen)
                 self._seen_eager[reason] = total
+        if stats.spec_num_drafts > self._seen_spec_drafts:
+            self._on_spec_totals(stats)
+        if stats.spec_decisions and model is not None:
+            for key, total in stats.spec_decisions.items():
+                seen = self._seen_decisions.get(key, 0)
+                if total > seen:
+                    decision, reason = key.split(":", 1)
+                    self.spec_decode_policy_steps.labels(model, decision, reason).inc(total - seen)
+                    self._seen_decisions[key] = total
+            self.spec_decode_accept_length_estimate.labels(model).set(
+                stats.spec_accept_length_estimate
+            )
+
+    def _on_spec_totals(self, stats: EngineStats) -> None:
+        """Turn the engine's speculative running totals into what is new since the last call."""
+        seen = self._seen_spec
+        per_pos = [
+            total - (seen.accepted_per_pos[i] if i < len(seen.accepted_per_pos) else 0)
+            for i, total in enumerate(stats.spec_accepted_per_pos)
+        ]
+        lengths = []
+        for length, total in stats.spec_accept_lengths.items():
+            lengths += [length] * (total - seen.accept_lengths.get(length, 0))
+        self.on_spec_decode(
+            stats.spec_num_drafts - seen.num_drafts,
+            stats.spec_num_draft_tokens - seen.num_draft_tokens,
+            per_pos,
+            lengths,
+        )
+        self._seen_spec = _SpecSeen(
+            stats.spec_num_drafts,
+            stats.spec_num_draft_tokens,
+            list(stats.spec_accepted_per_pos),
+            dict(stats.spec_accept_lengths),
+        )
+
+    @property
+    def _seen_spec_drafts(self) -> int:
+        return self._seen_spec.num_drafts
 
     def on_spec_decode(
         self,

@@ -115,6 +115,9 @@ class SamplingRequest(_Body):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_spec_stats: bool = Field(
+        False, description="Add speculative-decoding draft/accept counts to `usage`."
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -384,10 +387,26 @@ class DetokenizeRequest(_Body):
 
 
 # ----- responses -----
+class SpecStatsInfo(BaseModel):
+    """Speculative decoding for one HTTP request (all its choices): draft tokens verified and
+    accepted."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    spec_stats: SpecStatsInfo | None = None  # only with "return_spec_stats": true
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_spec_stats(self, handler: SerializerFunctionWrapHandler) -> dict:
+        data = handler(self)
+        if data.get("spec_stats") is None:
+            data.pop("spec_stats", None)
+        return data
 
 
 class CompletionLogprobs(BaseModel):

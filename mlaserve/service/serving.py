@@ -25,14 +25,14 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from mlaserve.outputs import RequestOutput
+from mlaserve.outputs import RequestMetrics, RequestOutput
 from mlaserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from mlaserve.service.async_engine import (
     AsyncEngine,
@@ -54,6 +54,7 @@ from mlaserve.service.protocol import (
     MAX_PROMPTS,
     MAX_SEED,
     SamplingRequest,
+    SpecStatsInfo,
     UsageInfo,
 )
 from mlaserve.service.request_stream import DeltaAccumulator, RequestStream, SubRequest
@@ -90,12 +91,24 @@ class Fanout:
     def index_of(self, engine_request_id: str) -> int:
         return int(engine_request_id.rsplit("-", 1)[1])
 
-    def usage(self, completion_tokens: int) -> UsageInfo:
+    def usage(
+        self, completion_tokens: int, spec_metrics: Iterable[RequestMetrics] | None = None
+    ) -> UsageInfo:
+        """spec_metrics: the final metrics of every choice when the request asked for
+        `return_spec_stats` (their draft/accept counts are summed), else None."""
         prompt_tokens = sum(len(p) for p in self.prompts)
+        spec = None
+        if spec_metrics is not None:
+            ms = list(spec_metrics)
+            spec = SpecStatsInfo(
+                num_draft_tokens=sum(m.num_draft_tokens for m in ms),
+                num_accepted_tokens=sum(m.num_accepted_tokens for m in ms),
+            )
         return UsageInfo(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            spec_stats=spec,
         )
 
 

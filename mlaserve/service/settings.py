@@ -129,6 +129,11 @@ _HELP = {
     "24 32, then steps of 16 up to max_num_seqs)",
     "seed": "engine seed for requests that give none",
     "served_model_name": "model name in the API; default: derived from the model folder",
+    "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "mtp", '
+    '"num_speculative_tokens": 3}\' (needs a checkpoint with MTP weights)',
+    "num_speculative_tokens": "shorthand for speculative_config with method 'mtp' and k tokens",
+    "speculative_disable_batch_size": "never speculate in decode steps of more requests than "
+    "this (below it, the measured cost policy decides)",
     "host": "address to listen on",
     "port": "port to listen on",
     "api_key": "require 'Authorization: Bearer KEY' (not on /health, /ready, /metrics)",

@@ -93,3 +93,24 @@ def test_oldest_request_preempts_itself_when_alone_cannot_grow() -> None:
     out = run_step(sched)
     assert out.scheduled == [] and out.preempted == [a]
     assert alloc.num_free_pages == 1
+
+
+def test_lookahead_pages_are_reserved_before_the_step_and_count_in_admission() -> None:
+    # Speculation with k = 2 writes up to 2k = 4 slots past a decode's own token.
+    sched = Scheduler(
+        PageAllocator(5), page_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+        num_lookahead_tokens=4,
+    )  # fmt: skip
+    a, b = make("a", 5), make("b", 5)
+    sched.add(a)
+    sched.add(b)
+    out = run_step(sched)
+    # a: 5 prompt tokens + 4 lookahead = 9 slots = 3 pages; b would need 3 of the 1 left.
+    assert [s.request.request_id for s in out.scheduled] == ["a"]
+    assert len(a.pages) == 3 and b.status is RequestStatus.WAITING
+    # A decode (1 token) reserves its lookahead too: 5 computed + 1 + 4 = 10 -> still 3 pages.
+    out = sched.schedule()
+    assert out.scheduled[0].is_decode and len(a.pages) == 3
+    # The verify step accepted 2 drafts: they were computed too.
+    sched.after_step(out, num_accepted=[2])
+    assert a.num_computed_tokens == 5 + 1 + 2

@@ -1,0 +1,247 @@
+"""Speculative decoding on the GPU: what it buys end to end, and what one speculative step costs.
+
+    python3 bench/spec.py [--v3lite /tmp/v3lite]     (make it: bench/make_checkpoint.py --arch v3
+                                                     --mtp --out /tmp/v3lite)
+
+Part 1, the default model (its trained MTP layer, real prompts, real accept lengths): time per
+output token through `LLMEngine.step()` (all graphed) with speculation off and on (k = 1, 2, 3),
+at batch sizes 1, 4, 16, 32. "on" is what the engine does (the cost policy decides per step);
+"forced" has the policy's costs removed, so every decode step speculates. TPOT = decode-phase
+wall time / output tokens per request after the first.
+
+Part 2, a V2-Lite-sized DeepSeek-V3-architecture checkpoint with one MTP layer (random weights,
+so accept lengths mean nothing there): per captured batch size, the device time of
+  decode  = DECODE graph + argmax (a plain step: an engine without speculation, and a step of a
+            speculative engine whose policy says no: it does no draft work),
+  spec    = VERIFY graph (k+1 rows) + argmax + DRAFT_EXTEND graph + DRAFT graph (k tokens),
+  draft   = the DRAFT graph alone (top-1 + k-1 chain steps), per draft token,
+the break-even accept length spec / decode (device) and the policy's (engine steps, wall time,
+host work included), and each step's bytes floor: every non-expert weight
+once + the routed experts its tokens touch (expected distinct experts under uniform routing,
+n (1 - (1 - topk/n)^tokens), per MoE layer) over the device copy bandwidth. A verify step's
+target touches experts for bs*(k+1) tokens; the draft reads the MTP layer (its experts for its
+rows) once in DRAFT_EXTEND and k-1 times in the chain, and its LM head k times.
+
+Prints a table per part and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import copy_bandwidth
+
+from mlaserve import LLM, SamplingParams
+from mlaserve.spec.step_timer import step_fns, time_replays
+
+BATCH_SIZES = (1, 4, 16, 32)
+TEXTS = [
+    "def fibonacci(n):",
+    "The capital of France is",
+    "import numpy as np\n",
+    "class Stack:\n    def __init__(self):",
+    "Once upon a time,",
+    "SELECT name FROM users WHERE",
+    "for i in range(10):",
+    "The quick brown fox",
+]
+
+
+def prompts_for(llm: LLM, n: int) -> list[list[int]]:
+    tok = llm.tokenizer
+    return [[*tok.encode(TEXTS[i % len(TEXTS)]), 100 + i] for i in range(n)]
+
+
+def tpot_ms(llm: LLM, bs: int, new_tokens: int) -> tuple[float, float | None]:
+    """-> (ms per output token after the first, mean accept length of this run or None)."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    stats0 = engine.get_stats()
+    for i, p in enumerate(prompts_for(llm, bs)):
+        engine.add_request(f"b{bs}-{i}-{time.monotonic_ns()}", p, params)
+    engine.step()  # the prefill (and its drafts)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    stats = engine.get_stats()
+    drafts = stats.spec_num_drafts - stats0.spec_num_drafts
+    accept = None
+    if drafts:
+        emitted = sum(n * c for n, c in stats.spec_accept_lengths.items()) - sum(
+            n * c for n, c in stats0.spec_accept_lengths.items()
+        )
+        accept = emitted / drafts
+    return elapsed / (new_tokens - 1) * 1e3, accept
+
+
+def part1(new_tokens: int, rounds: int) -> list[dict]:
+    kw = {"max_num_seqs": 32, "num_pages": 1024, "cuda_graph_batch_sizes": BATCH_SIZES}
+    rows = []
+    engines = {"off": LLM(**kw)}
+    for k in (1, 2, 3):
+        engines[k] = LLM(num_speculative_tokens=k, **kw)
+    for bs in BATCH_SIZES:
+        off = statistics.median(tpot_ms(engines["off"], bs, new_tokens)[0] for _ in range(rounds))
+        for k in (1, 2, 3):
+            llm = engines[k]
+            policy = llm.engine.spec_decoder.policy
+            on = [tpot_ms(llm, bs, new_tokens) for _ in range(rounds)]
+            costs, policy.costs = policy.costs, None  # forced: every step speculates
+            forced = [tpot_ms(llm, bs, new_tokens) for _ in range(rounds)]
+            policy.costs = costs
+            acc = [a for _, a in forced if a is not None]
+            rows.append(
+                {
+                    "bs": bs,
+                    "k": k,
+                    "tpot_off_ms": round(off, 4),
+                    "tpot_on_ms": round(statistics.median(t for t, _ in on), 4),
+                    "tpot_forced_ms": round(statistics.median(t for t, _ in forced), 4),
+                    "accept_length": round(statistics.mean(acc), 3) if acc else None,
+                    "break_even": round(costs.break_even(bs), 3) if costs else None,
+                }
+            )
+    print("\ndefault model: TPOT (ms) speculation off / on (policy) / forced, accept length")
+    print(" bs  k    off      on   forced  on/off  accept  break-even")
+    for r in rows:
+        print(
+            f"{r['bs']:3d} {r['k']:2d} {r['tpot_off_ms']:7.3f} {r['tpot_on_ms']:7.3f} "
+            f"{r['tpot_forced_ms']:7.3f} {r['tpot_on_ms'] / r['tpot_off_ms']:6.2f}x "
+            f"{r['accept_length'] or 0:6.2f} {r['break_even'] or 0:8.2f}"
+        )
+    return rows
+
+
+def _bytes(module: torch.nn.Module, skip=()) -> tuple[int, int]:
+    """(bytes of non-routed-expert weights, bytes of routed-expert weights) of `module`."""
+    dense = experts = 0
+    for name, p in module.named_parameters():
+        if any(s in name for s in skip) or "embed_tokens" in name:
+            continue
+        nbytes = p.numel() * p.element_size()
+        if ".experts." in name:
+            experts += nbytes
+        else:
+            dense += nbytes
+    return dense, experts
+
+
+def floors_ms(llm: LLM, bs: int, k: int, bandwidth: float) -> dict[str, float]:
+    mc = llm.engine.model_config
+    model = llm.engine.runner.model
+    n, topk = mc.n_routed_experts, mc.num_experts_per_tok
+    moe_layers = sum(mc.is_moe_layer(i) for i in range(mc.num_hidden_layers))
+    t_dense, t_experts = _bytes(model, skip=("mtp.",))
+    per_expert = t_experts / (moe_layers * n)
+    mtp = model.mtp
+    head = mtp.shared_head.head.weight
+    head_bytes = head.numel() * head.element_size()
+    m_dense, m_experts = _bytes(mtp)
+    m_dense -= head_bytes
+    m_per_expert = m_experts / n
+
+    def touched(tokens: int) -> float:
+        return n * (1 - (1 - topk / n) ** tokens)
+
+    def target(tokens: int) -> float:
+        return t_dense + touched(tokens) * per_expert * moe_layers
+
+    def mtp_layer(tokens: int) -> float:
+        return m_dense + touched(tokens) * m_per_expert
+
+    decode = target(bs)
+    spec = target(bs * (k + 1)) + mtp_layer(bs * (k + 1)) + k * head_bytes
+    spec += (k - 1) * mtp_layer(bs)
+    draft = (head_bytes + (k - 1) * (mtp_layer(bs) + head_bytes)) / k
+    return {
+        name: b / bandwidth * 1e3
+        for name, b in (("decode", decode), ("spec", spec), ("draft", draft))
+    }
+
+
+def part2(path: str, k: int, iters: int) -> list[dict]:
+    llm = LLM(
+        path,
+        num_speculative_tokens=k,
+        max_num_seqs=32,
+        num_pages=512,
+        cuda_graph_batch_sizes=BATCH_SIZES,
+    )
+    engine = llm.engine
+    graphs, drafter = engine.graphs, engine.spec_decoder.drafter
+    bandwidth = copy_bandwidth(engine.runner.device)
+    rows = []
+    for size in BATCH_SIZES:
+        decode, spec = step_fns(graphs, drafter, k, size)
+
+        def draft(s=size) -> None:
+            drafter.graphs[("draft", 1, s)].graph.replay()
+
+        def draft_extend(s=size) -> None:
+            drafter.graphs[("extend", k + 1, s)].graph.replay()
+
+        t = {
+            "decode": time_replays(decode, iters),
+            "spec": time_replays(spec, iters),
+            "draft": time_replays(draft, iters) / k,
+            "draft_extend": time_replays(draft_extend, iters),
+        }
+        costs = engine.spec_costs
+        floor = floors_ms(llm, size, k, bandwidth)
+        rows.append(
+            {
+                "bs": size,
+                "k": k,
+                **{f"{n}_ms": round(v * 1e3, 4) for n, v in t.items()},
+                **{f"{n}_floor_ms": round(v, 4) for n, v in floor.items()},
+                "break_even_device": round(t["spec"] / t["decode"], 3),
+                "break_even_wall": round(costs.break_even(size), 3) if costs else None,
+                "spec_over_floor": round(t["spec"] * 1e3 / floor["spec"], 3),
+                "draft_step_over_decode": round(t["draft"] / t["decode"], 3),
+            }
+        )
+    print(f"\nV3-lite (random weights, 1 MTP layer), k={k}: device ms per step, floors, break-even")
+    print(
+        " bs  decode    spec  d-ext draft/tok | floor: decode   spec | spec/floor"
+        "  break-even: device  engine wall"
+    )
+    for r in rows:
+        print(
+            f"{r['bs']:3d} {r['decode_ms']:7.3f} {r['spec_ms']:7.3f} {r['draft_extend_ms']:6.3f} "
+            f"{r['draft_ms']:6.3f}    | {r['decode_floor_ms']:12.3f} {r['spec_floor_ms']:6.3f} "
+            f"| {r['spec_over_floor']:9.2f}   {r['break_even_device']:12.2f} "
+            f"{r['break_even_wall'] or 0:12.2f}"
+        )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--v3lite", default=None, help="bench/make_checkpoint.py --arch v3 --mtp")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--k", type=int, default=3)
+    args = ap.parse_args()
+    result = {"device": torch.cuda.get_device_name()}
+    if args.v3lite:  # first: the issue's step-cost targets
+        result["v3lite"] = part2(args.v3lite, args.k, iters=20)
+        gc.collect()
+        torch.cuda.empty_cache()
+    result["default_model"] = part1(args.new_tokens, args.rounds)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

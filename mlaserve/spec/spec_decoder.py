@@ -1,0 +1,226 @@
+"""One engine step with speculative decoding.
+
+    decode step, every request holding k drafts (the policy said speculate):
+        VERIFY target forward over [last token, d_1..d_k]  (graph: VERIFY, q_len k+1)
+        -> lossless acceptance on the device (`sampling/rejection.accept_draft`)
+        -> draft-extend over the k+1 rows, fixed stride (graph) -> [draft graph: k drafts]
+    decode step otherwise (a plain step):
+        DECODE target forward (graph, q_len 1) -> sampler; if the next step speculates,
+        draft-extend over the one row -> draft graph; if not, no draft work at all (a plain
+        engine's step), and those requests' draft caches go stale: they draft no more (see
+        `Request.draft_cache_valid`), so the policy's "off" costs what speculation-off costs
+    EXTEND step (prefill chunks, maybe with decodes):
+        target forward -> sampler -> the draft over the same rows (eager) -> [draft graph]
+
+Whether the NEXT step speculates is decided at the end of this one (`SpecPolicy`, from the
+batch size and the running accept length), since its drafts are drafted now.
+
+The only device->host transfer is one packed int64 copy: the emitted tokens, the accept
+lengths, the per-request finite flags and the next drafts (the host builds the next verify
+batch from them; reading them in the same copy costs no extra wait). Logprobs, when a request
+asks for them, come after it as in the plain path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from mlaserve.engine.forward_batch import ForwardMode
+from mlaserve.engine.input_buffers import HostBatch
+from mlaserve.engine.model_runner import NONFINITE_LOGITS, ModelRunner, StepResult
+from mlaserve.engine.request import Request
+from mlaserve.engine.scheduler import SchedulerOutput
+from mlaserve.graph_runner import CudaGraphRunner
+from mlaserve.sampling.rejection import accept_draft
+from mlaserve.sampling.sampler import finite_rows, raw_logprobs
+from mlaserve.spec.mtp_drafter import Drafter, target_mode
+from mlaserve.spec.spec_policy import SpecPolicy
+from mlaserve.spec.spec_stats import SpecStats
+
+__all__ = ["SpecDecoder"]
+
+logger = logging.getLogger(__name__)
+
+LOG_INTERVAL_S = 30.0  # the periodic acceptance log line
+
+
+class SpecDecoder:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        graphs: CudaGraphRunner,
+        drafter: Drafter,
+        k: int,
+        policy: SpecPolicy | None = None,
+    ) -> None:
+        self.runner = runner
+        self.graphs = graphs
+        self.drafter = drafter
+        self.k = k
+        self.policy = policy or SpecPolicy(k)
+        self.stats = SpecStats(k)
+        self._last_log = time.monotonic()
+
+    def reset_stats(self) -> None:
+        self.stats = SpecStats(self.k)
+        self.policy.decisions.clear()
+
+    def log_line(self) -> str:
+        st = self.stats
+        rates = [a / max(st.num_drafts, 1) for a in st.accepted_per_pos]
+        return (
+            f"spec decode (mtp, k={self.k}): mean accept length {st.mean_accept_length:.2f}, "
+            f"draft acceptance {st.num_accepted_tokens / max(st.num_draft_tokens, 1):.1%}, "
+            f"per position {' '.join(f'{r:.2f}' for r in rates)} over {st.num_drafts} drafts; "
+            f"policy estimate {self.policy.accept_length_estimate:.2f}"
+        )
+
+    @torch.inference_mode()
+    def step(self, sched: SchedulerOutput) -> tuple[StepResult, list[int]]:
+        """-> (the tokens each sampled request emits, in scheduling order; the draft tokens each
+        accepted, for `Scheduler.after_step`). Drafts for the next step land in
+        `request.draft_token_ids` (empty when the next step does not speculate)."""
+        self.runner.admit(sched)
+        for s in sched.scheduled:
+            if s.request.num_computed_tokens == 0:  # (re)computed from its prompt
+                s.request.draft_cache_valid = True
+        speculate = self.policy.decide(len(sched.scheduled)).speculate
+        if sched.mode is ForwardMode.DECODE:
+            result, accepted = self._decode(sched, speculate)
+        else:
+            result, accepted = self._extend(sched, speculate)
+        if time.monotonic() - self._last_log >= LOG_INTERVAL_S and self.stats.num_drafts:
+            self._last_log = time.monotonic()
+            logger.info("%s", self.log_line())
+        return result, accepted
+
+    # ----- EXTEND: plain target forward, then the draft over the same rows -----
+    def _extend(self, sched: SchedulerOutput, speculate: bool) -> tuple[StepResult, list[int]]:
+        """The draft runs over every row (prefill keeps its cache complete); it drafts when the
+        next step speculates and every request's draft cache is whole."""
+        target = self.graphs.run_with_hidden(self.runner.build_host_batch(sched))
+        requests = [s.request for s in sched.scheduled if s.samples]
+        draft = speculate and all(r.draft_cache_valid for r in requests)
+        n = len(requests)
+        dev = target.hidden.device
+        sampled = torch.empty(0, dtype=torch.int64, device=dev)
+        out = None
+        if n:
+            slots = self.runner.sampling_slots
+            sb = slots.batch([r.slot for r in requests], [r.num_output_tokens for r in requests])
+            out = self.runner.sampler(target.logits[:n], sb)
+            slots.record(sb.slots, out.token_ids)
+            sampled = out.token_ids
+        drafts = self.drafter.after_extend(sched, target, sampled, requests, draft)
+        for s in sched.scheduled:
+            s.request.draft_token_ids = []
+        if not n:
+            return StepResult(token_ids=[]), []
+        parts = [sampled, out.finite.to(torch.int64)]
+        if drafts is not None:
+            parts.append(drafts.reshape(-1))
+        values = self.runner.read_back(torch.cat(parts))
+        self._set_drafts(requests, values[2 * n :] if drafts is not None else None)
+        result = StepResult(token_ids=[[t] for t in values[:n]])
+        self._errors(result, values[n : 2 * n])
+        if out.logprobs is not None:
+            self._logprobs(result, out, [1] * n, 1)
+        return result, [0] * n
+
+    # ----- DECODE: verify k drafts, or a plain step -----
+    def _decode(self, sched: SchedulerOutput, speculate: bool) -> tuple[StepResult, list[int]]:
+        """Speculating next: draft-extend (+ drafts if every draft cache is whole). Not: no
+        draft work at all (the step costs what a plain engine's does) and the requests' draft
+        caches go stale."""
+        k, ps = self.k, self.runner.page_size
+        requests = [s.request for s in sched.scheduled]
+        bs = len(requests)
+        verify = all(len(r.draft_token_ids) == k for r in requests)
+        q = k + 1 if verify else 1
+        host = HostBatch(target_mode(q), [], [], [], [], [], [], [])
+        for r in requests:
+            start = r.num_tokens - 1
+            host.input_ids.append(r.token_at(start))
+            if verify:
+                host.input_ids.extend(r.draft_token_ids)
+            host.positions.extend(range(start, start + q))
+            host.slot_mapping.extend(
+                r.pages[p // ps] * ps + p % ps for p in range(start, start + q)
+            )
+            host.seq_lens.append(start + q)
+            host.q_lens.append(q)
+            host.block_tables.append(r.pages)
+        target = self.graphs.run_with_hidden(host)
+        logits = target.logits[: bs * q]
+        slots = self.runner.sampling_slots
+        row_slots = [r.slot for r in requests]
+        steps = [r.num_output_tokens for r in requests]
+        if verify:
+            sb = slots.verify_batch(row_slots, steps, k)
+            # The drafts are still in the input buffer (verify rows 1..k).
+            drafts_in = target.batch.input_ids.view(-1, q)[:bs, 1:]
+            accept_len, out_tokens = accept_draft(logits.view(bs, q, -1), drafts_in, sb)
+            slots.record(sb.slots[::q], out_tokens, accept_len)
+            # A request is finite when every row it emits from is (NaN/inf: an error).
+            row_ok = finite_rows(logits, out_tokens.reshape(-1), sb.all_greedy).view(bs, q)
+            emitted = torch.arange(q, device=logits.device) < accept_len.unsqueeze(1)
+            finite = (row_ok | ~emitted).all(dim=1)
+        else:
+            sb = slots.batch(row_slots, steps)
+            out = self.runner.sampler(logits, sb)
+            slots.record(sb.slots, out.token_ids)
+            out_tokens, finite = out.token_ids.unsqueeze(1), out.finite
+            accept_len = torch.ones(bs, dtype=torch.int64, device=logits.device)
+        drafts = None
+        if speculate:
+            draft = all(r.draft_cache_valid for r in requests)
+            drafts = self.drafter.after_decode(target, out_tokens, accept_len, requests, draft)
+        else:
+            for r in requests:
+                r.draft_cache_valid = False
+        parts = [out_tokens.reshape(-1), accept_len, finite.to(torch.int64)]
+        if drafts is not None:
+            parts.append(drafts.reshape(-1))
+        values = self.runner.read_back(torch.cat(parts))
+        lens = values[bs * q : bs * q + bs]
+        off = bs * q + 2 * bs
+        self._set_drafts(requests, values[off:] if drafts is not None else None)
+        result = StepResult(token_ids=[values[i * q : i * q + lens[i]] for i in range(bs)])
+        self._errors(result, values[bs * q + bs : off])
+        if verify:
+            for r, n in zip(requests, lens, strict=True):
+                if r.metrics is not None:
+                    r.metrics.num_draft_tokens += k
+                    r.metrics.num_accepted_tokens += n - 1
+            self.stats.record(lens)
+            self.policy.observe(lens)
+        if sb.need_logprobs:
+            lp = raw_logprobs(logits.float(), out_tokens.reshape(-1), sb.max_num_logprobs)
+            self._logprobs(result, lp, lens, q)
+        return result, [n - 1 for n in lens]
+
+    # ----- helpers -----
+    def _set_drafts(self, requests: list[Request], values: list[int] | None) -> None:
+        k = self.k
+        for i, r in enumerate(requests):
+            r.draft_token_ids = values[i * k : (i + 1) * k] if values is not None else []
+
+    @staticmethod
+    def _errors(result: StepResult, finite: list[int]) -> None:
+        if not all(finite):
+            result.errors = [None if ok else NONFINITE_LOGITS for ok in finite]
+
+    @staticmethod
+    def _logprobs(result: StepResult, out, lens: list[int], stride: int) -> None:
+        lp, ranks = out.logprobs.tolist(), out.ranks.tolist()
+
+        def cut(values: list) -> list[list]:
+            return [values[i * stride : i * stride + n] for i, n in enumerate(lens)]
+
+        result.logprobs, result.ranks = cut(lp), cut(ranks)
+        if out.top_ids is not None:
+            result.top_ids = cut(out.top_ids.tolist())
+            result.top_logprobs = cut(out.top_logprobs.tolist())

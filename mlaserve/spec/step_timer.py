@@ -1,0 +1,108 @@
+"""What one speculative step and one plain step cost, per captured batch size (what `SpecPolicy`
+decides from).
+
+`measure_engine_step_costs` (start-up): the wall time of real engine steps, host work included
+(batch building, acceptance, the read-back), on throwaway requests with short prompts: per
+captured size, `steps` decode steps with every decision forced to speculate, then `steps`
+forced not to (after two steps each to settle: drafts are made one step ahead). On a small
+model the host work is a large share of a step, which device time alone would miss.
+
+`step_fns` / `time_replays` (bench/spec.py): device time of the graphs alone. A plain step: the
+DECODE graph and an argmax over its logits (the greedy sampler). A speculative step: the VERIFY
+graph (k+1 rows per request), an argmax over its logits (greedy acceptance's one pass over [bs*(k+1), V]), the
+(k+1)-row DRAFT_EXTEND graph and the DRAFT graph (k tokens). Inputs are the padding rows the
+capture used (short contexts): both steps read the same weights, and at long contexts the
+attention share grows alike for both (k+1 query rows share one KV read per request).
+
+Device time between CUDA events, median of `iters` back-to-back runs after one warm run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from mlaserve.graph_runner import CudaGraphRunner
+from mlaserve.spec.mtp_drafter import MTPDrafter, target_mode
+from mlaserve.spec.spec_policy import StepCosts
+
+__all__ = ["measure_engine_step_costs", "step_fns", "time_replays"]
+
+
+def time_replays(fn, iters: int) -> float:
+    """Median seconds of `fn()` on the current stream (one warm run first)."""
+    fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def step_fns(graphs: CudaGraphRunner, drafter: MTPDrafter, k: int, size: int):
+    """(plain step, speculative step) at a captured size, as replays of the captured graphs."""
+
+    def replay(q: int) -> torch.Tensor:
+        entry = graphs.graphs[(target_mode(q), q, size)]
+        graphs.dummy_batch(target_mode(q), q, size)  # padding rows into the input buffers
+        entry.graph.replay()
+        return entry.logits
+
+    drafter.reset_accept()
+
+    def plain() -> None:
+        replay(1).argmax(dim=-1)
+
+    def spec() -> None:
+        replay(k + 1).argmax(dim=-1)
+        drafter.graphs[("extend", k + 1, size)].graph.replay()
+        drafter.graphs[("draft", 1, size)].graph.replay()
+
+    return plain, spec
+
+
+def measure_engine_step_costs(engine: Any, steps: int = 6) -> StepCosts | None:
+    """engine: an `LLMEngine` with a speculative decoder and captured graphs (typed loosely:
+    the engine composes this package, not the other way round). Runs throwaway requests to
+    completion of the measurement, then aborts them. None without graphs."""
+    dec = engine.spec_decoder
+    sizes = [b for b in engine.graphs.batch_sizes if b <= engine.config.max_num_seqs]
+    if dec is None or not engine.graphs.use_graphs or not sizes:
+        return None
+    from mlaserve.sampling_params import SamplingParams  # the request API, not the engine's
+
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(
+        max_tokens=4 * steps * (dec.k + 1) + 8, temperature=0.0, ignore_eos=True
+    )
+    policy = dec.policy
+    plain_s, spec_s = {}, {}
+    try:
+        for size in sizes:
+            ids = [f"__spec_cost_{size}_{i}" for i in range(size)]
+            for i, rid in enumerate(ids):
+                engine.add_request(rid, [(31 * i + 7 * j + 3) % vocab for j in range(8)], params)
+            for forced, table in ((True, spec_s), (False, plain_s)):
+                policy.forced = forced
+                while engine.scheduler.num_waiting:
+                    engine.step()  # the prefill
+                for _ in range(2):
+                    engine.step()
+                times = []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    engine.step()
+                    times.append(time.perf_counter() - t0)
+                table[size] = statistics.median(times)
+            for rid in ids:
+                engine.abort_request(rid)
+    finally:
+        policy.forced = None
+    return StepCosts(plain_s=plain_s, spec_s=spec_s)

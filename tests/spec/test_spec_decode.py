@@ -1,0 +1,236 @@
+"""Speculative decoding on CPU (reference backend, eager): lossless against speculation off,
+full acceptance with a draft that is the target itself, stop conditions inside an accepted
+window, pages all free at the end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mlaserve import LLM, SamplingParams
+from mlaserve.spec import StepCosts
+from tests.spec.oracle_drafter import OracleDrafter
+
+K = 3
+NEW_TOKENS = 16
+PROMPT_LENS = [1, 3, 7, 12, 20, 33, 5, 48]
+CPU = {"device": "cpu", "dtype": "float32", "kv_cache_dtype": "auto", "page_size": 4}
+
+
+def prompts_for(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def token_ids(results) -> list[list[int]]:
+    return [r.outputs[0].token_ids for r in results]
+
+
+def assert_pages_free(llm: LLM) -> None:
+    stats = llm.engine.get_stats()
+    assert stats.num_free_pages == stats.num_total_pages
+    assert stats.num_running == stats.num_waiting == 0
+
+
+@pytest.fixture(scope="module")
+def mtp_path(checkpoint):
+    return str(checkpoint("v3_mtp"))
+
+
+@pytest.fixture(scope="module")
+def reference(mtp_path):
+    """Speculation off: greedy continuations (long enough for the oracle's look-ahead)."""
+    prompts = prompts_for(512)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS + 2 * K, temperature=0.0, ignore_eos=True)
+    llm = LLM(mtp_path, **CPU)
+    return llm, prompts, token_ids(llm.generate(prompts, greedy))
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 3, 8])
+def test_greedy_lossless_mtp_draft(mtp_path, reference, max_num_seqs: int) -> None:
+    _, prompts, expected = reference
+    llm = LLM(mtp_path, num_speculative_tokens=K, max_num_seqs=max_num_seqs, **CPU)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    got = token_ids(llm.generate(prompts, params))
+    assert got == [e[:NEW_TOKENS] for e in expected]
+    stats = llm.engine.get_stats()
+    # Every request decodes NEW_TOKENS - 1 tokens after its first through verify steps.
+    assert stats.spec_num_drafts >= (NEW_TOKENS - 1) * len(prompts) // (K + 1)
+    assert stats.spec_num_draft_tokens == K * stats.spec_num_drafts
+    assert sum(stats.spec_accept_lengths.values()) == stats.spec_num_drafts
+    assert_pages_free(llm)
+
+
+def oracle_llm(mtp_path: str, reference, **kw) -> LLM:
+    _, prompts, expected = reference
+    llm = LLM(mtp_path, num_speculative_tokens=K, **CPU, **kw)
+    futures = {tuple(p): e for p, e in zip(prompts, expected, strict=True)}
+    llm.engine.spec_decoder.drafter = OracleDrafter(K, futures)
+    return llm
+
+
+def test_self_speculation_accepts_every_token(mtp_path, reference) -> None:
+    _, prompts, expected = reference
+    llm = oracle_llm(mtp_path, reference)
+    n = 1 + 4 * (K + 1)  # the prefill's token, then four full windows
+    results = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    assert token_ids(results) == [e[:n] for e in expected]
+    stats = llm.engine.get_stats()
+    assert stats.spec_accept_lengths == {K + 1: 4 * len(prompts)}
+    assert stats.spec_accepted_per_pos == [4 * len(prompts)] * K
+    assert all(r.outputs[0].finish_reason == "length" for r in results)
+    assert all(r.metrics.num_draft_tokens == 4 * K for r in results)
+    assert all(r.metrics.num_accepted_tokens == 4 * K for r in results)
+    assert_pages_free(llm)
+
+
+def test_seeded_sampling_is_reproducible(mtp_path, reference) -> None:
+    """Sampled requests go through `sampling/rejection.accept_draft` (lossless in distribution,
+    its chi-square tests are in tests/sampling): not token-identical to speculation off, but
+    keyed by (seed, output index), so a seeded request emits the same tokens on every run and
+    its first token (sampled after the prefill, before any verify) is speculation-off's."""
+    base, prompts, _ = reference
+    params = [
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=t, top_p=0.9, seed=i, ignore_eos=True)
+        for i, t in enumerate([0.7, 1.0, 1.3, 0.5, 1.0, 0.8, 1.1, 0.9])
+    ]
+    expected = token_ids(base.generate(prompts, params))
+    llm = LLM(mtp_path, num_speculative_tokens=K, **CPU)
+    first, second = (
+        token_ids(llm.generate(prompts, params)),
+        token_ids(llm.generate(prompts, params)),
+    )
+    assert first == second
+    assert [t[0] for t in first] == [t[0] for t in expected]
+    assert all(len(t) == NEW_TOKENS for t in first)
+    assert llm.engine.get_stats().spec_num_drafts > 0
+    assert_pages_free(llm)
+
+
+def _stop_cases(expected: list[list[int]], tokenizer) -> list[SamplingParams]:
+    """Stops that fire inside a verify window (output index 6: window [5, 9) with K = 3)."""
+    e = expected[2]
+    text = tokenizer.decode(e[:7])
+    return [
+        SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),  # max_tokens mid-window
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, stop_token_ids=[e[6]]),
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, stop=[text[-2:]]),
+        SamplingParams(
+            max_tokens=NEW_TOKENS,
+            temperature=0.0,
+            stop=[text[-2:]],
+            include_stop_str_in_output=True,
+        ),
+    ]
+
+
+def test_stops_inside_an_accepted_window(mtp_path, reference) -> None:
+    base, prompts, expected = reference
+    llm = oracle_llm(mtp_path, reference)
+    for params in _stop_cases(expected, base.tokenizer):
+        want = base.generate(prompts, params)
+        got = llm.generate(prompts, params)
+        for w, g in zip(want, got, strict=True):
+            w, g = w.outputs[0], g.outputs[0]
+            assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == (
+                w.token_ids,
+                w.text,
+                w.finish_reason,
+                w.stop_reason,
+            ), params
+        assert want[2].outputs[0].finish_reason in ("stop", "length")
+        assert len(want[2].outputs[0].token_ids) <= 7
+    assert_pages_free(llm)
+
+
+def test_eos_inside_an_accepted_window(mtp_path, reference) -> None:
+    """An EOS id the target emits mid-window ends the request there, as without speculation
+    (the model's EOS is made the token at output index 6 of one prompt)."""
+    base, prompts, expected = reference
+    eos = expected[2][6]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    llm = oracle_llm(mtp_path, reference)
+    saved = base.engine.eos_token_ids
+    for engine in (base.engine, llm.engine):
+        engine.eos_token_ids = [eos]
+    try:
+        want, got = base.generate(prompts, params), llm.generate(prompts, params)
+    finally:
+        base.engine.eos_token_ids = saved
+    assert token_ids(got) == token_ids(want)
+    assert [g.outputs[0].finish_reason for g in got] == [w.outputs[0].finish_reason for w in want]
+    assert got[2].outputs[0].token_ids[-1] == eos and len(got[2].outputs[0].token_ids) <= 7
+    assert_pages_free(llm)
+
+
+def test_context_end_inside_a_window(mtp_path, reference) -> None:
+    """Requests that run into max_model_len mid-window stop where speculation-off stops (the
+    verify and draft forwards may write past it: the lookahead pages exist)."""
+    _, prompts, _ = reference
+    llm = oracle_llm(mtp_path, reference, max_model_len=50)
+    base = LLM(mtp_path, max_model_len=50, **CPU)
+    long = [p for p in prompts if len(p) >= 20]  # 33 and 48 tokens: 17 and 2 left
+    params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    want, got = base.generate(long, params), llm.generate(long, params)
+    assert token_ids(got) == token_ids(want)
+    assert [len(p) + len(g.outputs[0].token_ids) for p, g in zip(long, got)] == [50] * len(long)
+    assert_pages_free(llm)
+
+
+def test_logprobs_of_every_emitted_token(mtp_path, reference) -> None:
+    base, prompts, _ = reference
+    params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True, logprobs=2)
+    want = base.generate(prompts[:3], params)
+    got = oracle_llm(mtp_path, reference).generate(prompts[:3], params)
+    for w, g in zip(want, got, strict=True):
+        w, g = w.outputs[0], g.outputs[0]
+        assert g.token_ids == w.token_ids and len(g.logprobs) == len(w.logprobs) == 9
+        for wl, gl in zip(w.logprobs, g.logprobs, strict=True):
+            assert wl.keys() == gl.keys()
+            for t in wl:
+                assert gl[t].rank == wl[t].rank
+                assert gl[t].logprob == pytest.approx(wl[t].logprob, abs=1e-4)
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
+
+
+def test_policy_switches_between_plain_and_speculative_steps(mtp_path, reference) -> None:
+    """With step costs under which speculation pays only at batch size <= 2 (data, as a GPU
+    start-up would measure them): two requests speculate; six more arrive, the batch of eight
+    runs plain steps with no draft work (those requests' draft caches go stale, so they never
+    draft again); two fresh requests alone speculate again. Outputs stay speculation-off's."""
+    _, prompts, expected = reference
+    llm = LLM(mtp_path, num_speculative_tokens=K, max_num_seqs=8, **CPU)
+    engine = llm.engine
+    engine.spec_decoder.policy.costs = StepCosts(
+        plain_s={2: 1.0, 4: 1.0, 8: 1.0}, spec_s={2: 1.1, 4: 5.0, 8: 5.0}
+    )
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    out: dict[str, list[int]] = {}
+
+    def run(ids: list[int], steps: int | None = None) -> None:
+        for i in ids:
+            engine.add_request(str(i), prompts[i], params)
+        n = 0
+        while engine.has_unfinished_requests() and (steps is None or n < steps):
+            for o in engine.step():
+                out[o.request_id] = list(o.outputs[0].token_ids)
+            n += 1
+
+    run([0, 1], steps=3)
+    drafts_alone = engine.get_stats().spec_num_drafts
+    assert drafts_alone > 0
+    run([2, 3, 4, 5, 6, 7])
+    stats = engine.get_stats()
+    assert stats.spec_decisions.get("off:does_not_pay", 0) > 0
+    drafts_after_crowd = stats.spec_num_drafts
+    for i in (0, 1):
+        engine.add_request(f"fresh-{i}", prompts[i], params)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] = list(o.outputs[0].token_ids)
+    assert engine.get_stats().spec_num_drafts > drafts_after_crowd  # fresh requests speculate
+    for i, e in enumerate(expected):
+        assert out[str(i)] == e[:NEW_TOKENS], i
+    assert [out[f"fresh-{i}"] for i in (0, 1)] == [e[:NEW_TOKENS] for e in expected[:2]]
+    assert_pages_free(llm)
