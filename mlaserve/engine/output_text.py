@@ -2,61 +2,63 @@
 
 A `str` attribute grown with `+=` is copied whole on every step (CPython extends a string in
 place only when nothing else references it, and an attribute always does): O(length) host work
-per token, O(length^2) over a generation. Here a step appends its delta to a list, and what a
-step reads back (the tail that a stop string may end in, the text not yet streamed) walks the
-list from the end: O(what is read). The whole text is joined only when it is asked for
-(cumulative outputs, the final output), and the joined string is kept, so joins do not repeat.
+per token, O(length^2) over a generation. Here the text is split in two: a bounded `tail` string
+that deltas are appended to and that every per-step read lands in (the text a stop string may
+end in, the text not yet streamed), and the older text as chunks, moved out of the tail
+`_KEEP` characters at a time and joined only when the whole text is asked for (a cumulative or
+final output). Per step that is O(_KEEP) at worst, whatever the length; a read reaching further
+back than the tail (a stop string longer than `_KEEP`) is still correct, only O(length).
 """
 
 from __future__ import annotations
 
 __all__ = ["OutputText"]
 
+# Characters that stay in the tail after a spill; the tail holds at most 2 * _KEEP. Stop
+# strings and the streaming holdback (the longest stop string) are far shorter in practice.
+_KEEP = 512
+
 
 class OutputText:
-    __slots__ = ("_length", "_pieces")
+    __slots__ = ("_head", "_head_len", "_tail")
 
     def __init__(self) -> None:
-        self._pieces: list[str] = []  # concatenated in order: the text
-        self._length = 0
+        self._head: list[str] = []  # older text, in order: text = "".join(head) + tail
+        self._head_len = 0
+        self._tail = ""
 
     def __len__(self) -> int:
-        return self._length
+        return self._head_len + len(self._tail)
 
     def __str__(self) -> str:
-        """The whole text. O(length) the first time after an append, then O(1)."""
-        if len(self._pieces) > 1:
-            self._pieces = ["".join(self._pieces)]
-        return self._pieces[0] if self._pieces else ""
+        """The whole text: O(length). The joined head is kept, so the next call joins less."""
+        if len(self._head) > 1:
+            self._head = ["".join(self._head)]
+        return self._head[0] + self._tail if self._head else self._tail
 
     def __repr__(self) -> str:
         return f"OutputText({str(self)!r})"
 
     def append(self, delta: str) -> None:
-        if delta:
-            self._pieces.append(delta)
-            self._length += len(delta)
+        tail = self._tail + delta
+        if len(tail) > 2 * _KEEP:
+            cut = len(tail) - _KEEP
+            self._head.append(tail[:cut])
+            self._head_len += cut
+            tail = tail[cut:]
+        self._tail = tail
 
     def tail(self, start: int) -> str:
-        """text[start:] for 0 <= start: O(length - start), plus the piece it starts in."""
-        need = self._length - max(start, 0)
-        if need <= 0:
-            return ""
-        parts, got, i = [], 0, len(self._pieces)
-        while got < need:
-            i -= 1
-            parts.append(self._pieces[i])
-            got += len(self._pieces[i])
-        parts.reverse()
-        text = "".join(parts)
-        return text[got - need :] if got > need else text
+        """text[start:] (0 <= start): one slice of the tail when it starts there."""
+        k = start - self._head_len
+        return self._tail[k:] if k >= 0 else str(self)[start:]
 
     def truncate(self, length: int) -> None:
-        """Keep text[:length] (a stop string cut off): O(what is removed)."""
-        length = max(length, 0)
-        while self._length > length:
-            last = self._pieces.pop()
-            self._length -= len(last)
-            if self._length < length:
-                self._pieces.append(last[: length - self._length])
-                self._length = length
+        """Keep text[:length] (a stop string cut off)."""
+        k = length - self._head_len
+        if k >= 0:
+            self._tail = self._tail[:k]
+            return
+        text = str(self)[: max(length, 0)]
+        self._head, self._head_len, self._tail = [], 0, ""
+        self.append(text)
