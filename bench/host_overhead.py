@@ -2,6 +2,7 @@
 
     python3 bench/host_overhead.py [--model PATH] [--device cpu|cuda] [--streams 64]
                                    [--output-len 2000] [--kinds delta cumulative]
+                                   [--clock wall|thread] [--threads N]
 
 `--streams` requests decode `--output-len` tokens each, all at once (sampled, logprobs=1, a stop
 string: every per-token path of `_postprocess` runs). Each step is split into device work, the
@@ -16,6 +17,11 @@ last ten steps (~`--output-len` tokens), and the growth between them, per output
 
 On CPU the forward is host work too, but it is excluded all the same: the figure is the part of
 a step that a CUDA-graph replay cannot hide. Prints a table and one JSON line. Not a test.
+
+`--clock thread` times with the engine thread's CPU time instead of wall time: on a machine
+shared with other work, wall time also counts the time the thread waited for a core, and ten
+steps' medians then swing by tens of percent between runs of the same code. With `--threads 1`
+(torch runs every op on the calling thread) the thread's CPU time is all of a step's host work.
 
 `--fake-forward` replaces the model forward by random logits of the right shape: the host work
 measured is unchanged (the sampler, the D2H copy and everything around them still run), but a
@@ -47,16 +53,17 @@ PHASES = ("schedule", "build_host_batch", "make_batch", "postprocess")
 class _Clock:
     """Accumulates the time spent in wrapped callables during one step."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, now: Callable[[], float]) -> None:
         self.device = device
+        self.now = now
         self.device_s = 0.0
         self.phase_s = dict.fromkeys(PHASES, 0.0)
 
     def phase(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
+            t0 = self.now()
             out = fn(*args, **kwargs)
-            self.phase_s[name] += time.perf_counter() - t0
+            self.phase_s[name] += self.now() - t0
             return out
 
         return timed
@@ -68,19 +75,24 @@ class _Clock:
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             self.sync()
-            t0 = time.perf_counter()
+            t0 = self.now()
             out = fn(*args, **kwargs)
             self.sync()
-            self.device_s += time.perf_counter() - t0
+            self.device_s += self.now() - t0
             return out
 
         return timed
 
 
 def run(
-    engine: LLMEngine, kind: RequestOutputKind, streams: int, output_len: int, fake_forward: bool
+    engine: LLMEngine,
+    kind: RequestOutputKind,
+    streams: int,
+    output_len: int,
+    fake_forward: bool,
+    now: Callable[[], float],
 ) -> dict:
-    clock = _Clock(engine.runner.device)
+    clock = _Clock(engine.runner.device, now)
     runner = engine.runner
     vocab = engine.model_config.vocab_size
     # Bench-only instrumentation: time the device work; what is left of a step is host work.
@@ -117,10 +129,10 @@ def run(
         clock.device_s = 0.0
         clock.phase_s = dict.fromkeys(PHASES, 0.0)
         clock.sync()
-        t0 = time.perf_counter()
+        t0 = now()
         outputs = engine.step()
         clock.sync()
-        total = time.perf_counter() - t0
+        total = now() - t0
         if outputs:
             host_ms.append((total - clock.device_s) * 1e3)
             phases.append({k: v * 1e3 for k, v in clock.phase_s.items()})
@@ -154,6 +166,9 @@ def main() -> None:
         "--kinds", nargs="+", choices=sorted(KINDS), default=["delta", "cumulative"]
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument(
+        "--clock", choices=["wall", "thread"], default="wall", help="wall or thread CPU time"
+    )
     parser.add_argument("--fake-forward", action="store_true", help="random logits, no model")
     args = parser.parse_args()
     if args.threads:
@@ -164,13 +179,20 @@ def main() -> None:
         kwargs["model"] = args.model
     engine = LLMEngine(EngineConfig(**kwargs))
     engine.warmup()
+    # Logprob entries decode each sampled token once (Tokenizer.id_to_piece caches it). Decode
+    # the whole vocabulary first: otherwise early steps also pay for first-seen tokens, which
+    # late steps do not, and the growth reads lower than it is.
+    for token in range(engine.model_config.vocab_size):
+        engine.tokenizer.id_to_piece(token)
+    now = time.thread_time if args.clock == "thread" else time.perf_counter
     rows = [
-        run(engine, KINDS[k], args.streams, args.output_len, args.fake_forward) for k in args.kinds
+        run(engine, KINDS[k], args.streams, args.output_len, args.fake_forward, now)
+        for k in args.kinds
     ]
     n = args.output_len
     forward = "fake (random logits)" if args.fake_forward else "the model"
-    print(f"host time per step, {args.streams} streams, device {engine.runner.device}, "
-          f"forward: {forward}")  # fmt: skip
+    print(f"host time per step ({args.clock} clock), {args.streams} streams, device "
+          f"{engine.runner.device}, forward: {forward}")  # fmt: skip
     print(f"{'kind':<12}{'at 10 (ms)':>12}{f'at {n} (ms)':>14}{'growth':>9}")
     for r in rows:
         at_n = r[f"host_ms_at_{n}"]
@@ -180,6 +202,7 @@ def main() -> None:
             print(f"  {phase:<18}{a:>8.3f}{b:>14.3f}")
     print(json.dumps({"bench": "host_overhead", "streams": args.streams, "output_len": n,
                       "device": str(engine.runner.device), "fake_forward": args.fake_forward,
+                      "clock": args.clock,
                       "results": rows}))  # fmt: skip
 
 

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from mlaserve.config import EngineConfig
 from mlaserve.llm_engine import LLMEngine
 from mlaserve.outputs import RequestOutput
-from mlaserve.sampling_params import SamplingParams
+from mlaserve.sampling_params import RequestOutputKind, SamplingParams
 from mlaserve.tokenizer import Tokenizer
 
 __all__ = ["LLM"]
@@ -84,7 +84,13 @@ class LLM:
                 ids = []
                 for i in range(params.n):
                     rid = str(next(self._ids))
-                    sub = params.replace(n=1, seed=None if params.seed is None else params.seed + i)
+                    # Only final outputs are returned: the engine need not build the others
+                    # (a cumulative output per step copies everything generated so far).
+                    sub = params.replace(
+                        n=1,
+                        seed=None if params.seed is None else params.seed + i,
+                        output_kind=RequestOutputKind.FINAL_ONLY,
+                    )
                     self.engine.add_request(rid, prompt, sub)
                     added.append(rid)
                     ids.append(rid)

@@ -383,8 +383,9 @@ class LLMEngine:
         if request.logprobs is not None:
             request.logprobs.append(self._logprob_entry(token, i, j, result))
             request.cumulative_logprob += result.logprobs[i][j]
-        text_before = len(request.output_text)
-        request.output_text += request.detokenizer.step([token])
+        text = request.output_text
+        text_before = len(text)
+        text.append(request.detokenizer.step([token]))
 
         n_out = request.num_output_tokens
         if request.grammar is not None and not request.grammar.accept_token(token):
@@ -397,14 +398,17 @@ class LLMEngine:
             ):
                 self._finish(request, FinishReason.STOP, token)
             elif params.stop:
+                # Only a stop string ending in the new text can complete now: search the new
+                # text and the longest stop's length before it, not the whole output.
+                start = max(text_before - max(map(len, params.stop)) + 1, 0)
                 hit = find_stop(
-                    request.output_text,
-                    len(request.output_text) - text_before,
+                    text.tail(start),
+                    len(text) - text_before,
                     params.stop,
                     params.include_stop_str_in_output,
                 )
                 if hit is not None:
-                    request.output_text = request.output_text[: hit[0]]
+                    text.truncate(start + hit[0])
                     self._finish(request, FinishReason.STOP, hit[1])
         grammar = request.grammar
         if not request.is_finished and grammar is not None and grammar.is_terminated():
@@ -414,7 +418,7 @@ class LLMEngine:
         ):
             self._finish(request, FinishReason.LENGTH, None)
         if request.is_finished and not isinstance(request.stop_reason, str):
-            request.output_text += request.detokenizer.flush()
+            text.append(request.detokenizer.flush())
         return self._release_text(request)
 
     def _release_text(self, request: Request) -> str:
@@ -425,7 +429,7 @@ class LLMEngine:
         released = request.num_released_chars
         upto = max(released, len(request.output_text) - held)
         request.num_released_chars = upto
-        return request.output_text[released:upto]
+        return request.output_text.tail(released)[: upto - released]
 
     def _finish(
         self, request: Request, reason: FinishReason, stop_reason: int | str | None
@@ -471,7 +475,7 @@ class LLMEngine:
             if logprobs is not None:
                 logprobs = logprobs[len(logprobs) - num_new :]
         else:
-            text = request.output_text
+            text = str(request.output_text)
             token_ids = list(token_ids)
             logprobs = list(logprobs) if logprobs is not None else None
         reason = "error" if error is not None else request.finish_reason

@@ -9,6 +9,12 @@ Host -> device traffic is one copy per step: every array is packed into a pinned
 row (two of them, used in turn, so a row is never rewritten while its copy may be in flight),
 copied to a device staging row, and split into the typed buffers by device-side copies.
 
+Page tables are not sent whole. A persistent device table holds one row per sequence slot (the
+scheduler's `Request.slot`); a step sends only the entries that changed since that row was last
+written (a decode step: the pages appended, usually none) and the slot of each batch row, and
+the device gathers the batch's rows into `block_tables`. Host work and traffic per step are
+O(batch + new pages), not O(batch x pages per sequence).
+
 Padding (CUDA-graph replay of a smaller batch in a larger graph) is explicit: rows
 `num_seqs <= b < bs` get token 0, position 0, KV write slot 0 (page 0, the dummy page the
 allocator never hands out), a page-table row of zeros and seq_len = q_len (the fewest keys a
@@ -46,6 +52,10 @@ class HostBatch:
     # EXTEND only: prompt positions scored for prompt logprobs. Their rows follow the sampling
     # rows in logits_indices (see engine/prompt_logprobs.py); empty unless a request asked.
     prompt_spans: list[PromptLogprobSpan] = field(default_factory=list)
+    # Per sequence: the row of the persistent page table it owns (its slot). A row's pages list
+    # must only grow while it is the same list object (a new list after pages were freed); then
+    # a step uploads only the pages appended since. None: rows 0.. are rewritten whole.
+    table_rows: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -71,10 +81,19 @@ class InputBuffers:
         self.seq_lens = zeros(max_num_seqs, dtype=torch.int32)
         self.cu_q_lens = zeros(max_num_seqs + 1, dtype=torch.int32)
         self.block_tables = zeros(max_num_seqs, max_pages_per_seq, dtype=torch.int32)
+        # Persistent page table, one row per slot; row max_num_seqs stays zero (padding rows).
+        self._page_rows = zeros(max_num_seqs + 1, max_pages_per_seq, dtype=torch.int32)
+        # What each row holds: its length, the pages list it was written from (identity: that
+        # list only grows) and its last page (a cheap check that the written prefix is intact).
+        self._row_len = [0] * max_num_seqs
+        self._row_pages: list[list[int] | None] = [None] * max_num_seqs
+        self._row_last: list[int | None] = [None] * max_num_seqs
+        self.last_page_writes = 0  # page-table entries the last fill uploaded (tests, benches)
 
-        # Staging: [4 token arrays | seq_lens | cu_q_lens | block table], int64.
-        self._staging_len = 4 * max_num_tokens + 2 * max_num_seqs + 1
-        self._staging_len += max_num_seqs * max_pages_per_seq
+        # Staging: [4 token arrays | seq_lens | cu_q_lens | table rows | n entry indices into
+        # the flat page table | n entry values], int64; only the used prefix is uploaded.
+        self._staging_len = 4 * max_num_tokens + 3 * max_num_seqs + 1
+        self._staging_len += 2 * max_num_seqs * max_pages_per_seq
         pin = device.type == "cuda"
         self._host = [
             torch.zeros(self._staging_len, dtype=torch.int64, pin_memory=pin) for _ in range(2)
@@ -140,12 +159,9 @@ class InputBuffers:
         np.cumsum(host.q_lens, out=cu[1 : num_seqs + 1])
         cu[num_seqs + 1 :] = cu[num_seqs] + q_len * np.arange(1, bs - num_seqs + 1)
         off += smax + 1
-        table = stage[off : off + bs * self.max_pages_per_seq].reshape(bs, -1)
-        table[:] = 0
-        for i, pages in enumerate(host.block_tables):
-            table[i, : len(pages)] = pages
+        n_writes = self._stage_page_table(host, stage[off:], bs)
 
-        self._upload(num_tokens, n_logits, bs)
+        self._upload(num_tokens, n_logits, bs, n_writes)
         self._turn ^= 1
         return ForwardBatch(
             mode=mode,
@@ -166,13 +182,52 @@ class InputBuffers:
             **batch_kwargs,
         )
 
-    def _upload(self, num_tokens: int, n_logits: int, bs: int) -> None:
-        """One host->device copy of the staging row, then device-side splits."""
+    def _stage_page_table(self, host: HostBatch, stage: np.ndarray, bs: int) -> int:
+        """Stage each batch row's table row and the entries that changed in those rows
+        (after `stage[:max_num_seqs]`); returns how many entries."""
+        num_seqs, smax, width = host.num_seqs, self.max_num_seqs, self.max_pages_per_seq
+        owned = host.table_rows is not None
+        rows = host.table_rows if owned else range(num_seqs)
+        index: list[int] = []
+        values: list[int] = []
+        row_len, row_pages, row_last = self._row_len, self._row_pages, self._row_last
+        for row, pages in zip(rows, host.block_tables, strict=True):
+            n, done, base = len(pages), row_len[row], row * width
+            if n > width:
+                raise ValueError(f"{n} pages exceed the page table's {width} per sequence")
+            if (
+                owned
+                and row_pages[row] is pages
+                and done <= n
+                and (done == 0 or pages[done - 1] == row_last[row])
+            ):
+                if n > done:  # the pages appended since the row was written
+                    index.extend(range(base + done, base + n))
+                    values.extend(pages[done:])
+            else:  # a new owner (or rows that are not owned): the whole row, stale tail zeroed
+                index.extend(range(base, base + max(n, done)))
+                values.extend(pages)
+                values.extend([0] * (done - n))
+            row_len[row] = n
+            row_pages[row] = pages if owned else None
+            row_last[row] = pages[-1] if n else None
+        stage[:num_seqs] = rows
+        stage[num_seqs:bs] = smax  # padding rows gather the zero row
+        k = len(index)
+        stage[smax : smax + k] = index
+        stage[smax + k : smax + 2 * k] = values
+        self.last_page_writes = k
+        return k
+
+    def _upload(self, num_tokens: int, n_logits: int, bs: int, n_writes: int) -> None:
+        """One host->device copy of the staging row's used prefix, then device-side splits."""
+        tmax, smax = self.max_num_tokens, self.max_num_seqs
+        table_off = 4 * tmax + 2 * smax + 1
+        used = table_off + smax + 2 * n_writes
         src = self._host[self._turn]
         if self._dev is not None:
-            self._dev.copy_(src, non_blocking=True)
+            self._dev[:used].copy_(src[:used], non_blocking=True)
             src = self._dev
-        tmax, smax, pages = self.max_num_tokens, self.max_num_seqs, self.max_pages_per_seq
         self.input_ids[:num_tokens].copy_(src[:num_tokens])
         self.positions[:num_tokens].copy_(src[tmax : tmax + num_tokens])
         self.slot_mapping[:num_tokens].copy_(src[2 * tmax : 2 * tmax + num_tokens])
@@ -182,4 +237,7 @@ class InputBuffers:
         off += smax
         self.cu_q_lens[: bs + 1].copy_(src[off : off + bs + 1])
         off += smax + 1
-        self.block_tables[:bs].view(-1).copy_(src[off : off + bs * pages])
+        writes = src[off + smax : off + smax + 2 * n_writes].view(2, n_writes)
+        if n_writes:
+            self._page_rows.view(-1).index_copy_(0, writes[0], writes[1].to(torch.int32))
+        torch.index_select(self._page_rows, 0, src[off : off + bs], out=self.block_tables[:bs])

@@ -191,7 +191,7 @@ class ModelRunner:
     def build_host_batch(self, sched: SchedulerOutput) -> HostBatch:
         """The scheduler's decision as host lists; the forward mode is the scheduler's."""
         ps = self.page_size
-        host = HostBatch(sched.mode, [], [], [], [], [], [], [])
+        host = HostBatch(sched.mode, [], [], [], [], [], [], [], table_rows=[])
         for s in sched.scheduled:
             r, start = s.request, s.request.num_computed_tokens
             end = start + s.num_new_tokens
@@ -201,6 +201,7 @@ class ModelRunner:
             host.seq_lens.append(end)
             host.q_lens.append(s.num_new_tokens)
             host.block_tables.append(r.pages)
+            host.table_rows.append(r.slot)
             if s.samples:
                 host.logits_indices.append(len(host.input_ids) - 1)
         if not sched.mode.is_uniform and any(

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mlaserve.engine.output_text import OutputText
 from mlaserve.outputs import RequestMetrics
 
 if TYPE_CHECKING:
@@ -41,6 +42,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # Tokens whose KV is in the cache. A token is "computed" once a forward wrote its KV.
     num_computed_tokens: int = 0
+    # KV pages, in order. The list only grows while it holds pages; freeing them replaces it
+    # with a new list (the input buffers rely on this to upload only appended pages).
     pages: list[int] = field(default_factory=list)
     # Row of the per-request device state (SamplingSlots) while RUNNING, in [0, max_num_seqs);
     # assigned by the scheduler at admission, freed at finish and preemption.
@@ -48,7 +51,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     detokenizer: IncrementalDetokenizer | None = None
-    output_text: str = ""
+    output_text: OutputText = field(default_factory=OutputText)  # grown by deltas
     num_released_chars: int = 0  # prefix of output_text already handed to callers
     logprobs: list[dict] | None = None
     # With params.prompt_logprobs: one entry per prompt token scored so far, [None] for token 0

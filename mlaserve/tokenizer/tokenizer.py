@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 __all__ = ["ChatTemplateError", "Tokenizer"]
@@ -76,13 +77,20 @@ class Tokenizer:
         """Longest vocabulary piece (added tokens included), in characters; 0 when
         `min_num_tokens` cannot bound anything. Computed once (a pass over the vocabulary)."""
         if self._max_piece_chars is None:
-            backend = getattr(self.hf, "backend_tokenizer", None)
+            backend = self.backend_tokenizer
             if backend is None or backend.normalizer is not None:
                 self._max_piece_chars = 0
             else:
                 pieces = backend.get_vocab(with_added_tokens=True)
                 self._max_piece_chars = max(map(len, pieces), default=0)
         return self._max_piece_chars
+
+    @property
+    def backend_tokenizer(self) -> tokenizers.Tokenizer | None:
+        """The Rust `tokenizers.Tokenizer` behind a fast tokenizer (None for others). Its
+        `decode` is `self.decode` without the transformers layer (which never cleans up spaces
+        here)."""
+        return getattr(self.hf, "backend_tokenizer", None)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(
