@@ -1,7 +1,8 @@
 """Prometheus metrics named after vLLM's (`vllm:*` -> `mlaserve:*`), so dashboards carry over.
 
-Everything here is fed from the engine thread after each step (prometheus-client is
-thread-safe; the per-request bookkeeping is only touched by that thread):
+Everything here is fed on the event loop from the engine process's messages: each step's
+outputs, the requests it added and aborted, and its `EngineStats` when they change (the
+per-request bookkeeping is only touched there):
 
 - latency histograms from the timestamps in `RequestOutput.metrics`: time to first token,
   inter-token latency (a step that delivers k tokens after an interval counts as k samples of
@@ -179,7 +180,7 @@ class Metrics:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
 
-    # ----- fed by the engine thread -----
+    # ----- fed from the engine process's messages -----
     def on_added(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
             self._tracked[request_id] = _Tracked()
