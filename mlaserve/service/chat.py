@@ -30,6 +30,7 @@ from mlaserve.service.protocol import (
 )
 from mlaserve.service.request_stream import RequestStream
 from mlaserve.service.serving import STREAM_ERRORS, ClientDisconnected, Fanout, Serving, sse_frame
+from mlaserve.service.sse_chunks import ChunkFrames
 
 if TYPE_CHECKING:
     from mlaserve.tokenizer import Tokenizer
@@ -142,6 +143,7 @@ class Chat:
     ) -> AsyncIterator[str]:
         sent_tokens: dict[str, int] = defaultdict(int)  # generated, per choice
         want_logprobs = num_logprobs is not None
+        frames = ChunkFrames.chat(fanout.request_id, fanout.created, model)
 
         def chunk(choices: list[ChatChunkChoice], **extra: object) -> str:
             body = ChatCompletionChunk(
@@ -166,16 +168,17 @@ class Chat:
                 sent_tokens[rid] += len(c.token_ids)  # counted in usage even if not sent now
                 if not (text or out.finished or (want_logprobs and c.token_ids)):
                     continue  # e.g. a token that ends inside a multi-byte character
-                logprobs = None
-                if num_logprobs is not None and c.logprobs is not None:
-                    logprobs = chat_logprobs(c.token_ids, c.logprobs, num_logprobs)
+                finish_reason = c.finish_reason if out.finished else None
+                if num_logprobs is None or c.logprobs is None:
+                    yield frames.text(index, text, finish_reason)
+                    continue
                 choice = ChatChunkChoice(
                     index=index,
                     delta=ChatDelta(content=text),
-                    logprobs=logprobs,
-                    finish_reason=c.finish_reason if out.finished else None,
+                    logprobs=chat_logprobs(c.token_ids, c.logprobs, num_logprobs),
+                    finish_reason=finish_reason,
                 )
-                yield chunk([choice])
+                yield frames.choice(choice)
             if req.include_usage_in_stream:
                 yield chunk([], usage=fanout.usage(sum(sent_tokens.values())))
         except STREAM_ERRORS as e:

@@ -15,6 +15,7 @@ from mlaserve.service.logprobs import completion_logprobs
 from mlaserve.service.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from mlaserve.service.request_stream import RequestStream
 from mlaserve.service.serving import STREAM_ERRORS, ClientDisconnected, Fanout, Serving, sse_frame
+from mlaserve.service.sse_chunks import ChunkFrames
 
 __all__ = ["Completions"]
 
@@ -96,6 +97,7 @@ class Completions:
         sent_tokens: dict[str, int] = defaultdict(int)  # generated, per choice
         text_offsets: dict[str, int] = defaultdict(int)
         want_logprobs = req.logprobs is not None
+        frames = ChunkFrames.completion(fanout.request_id, fanout.created, model)
 
         def chunk(choices: list[CompletionChoice], **extra: object) -> str:
             body = CompletionResponse(
@@ -124,10 +126,13 @@ class Completions:
                     if logprobs.tokens:
                         text_offsets[rid] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                 finish_reason = c.finish_reason if out.finished else None
+                if logprobs is None:
+                    yield frames.text(index, text, finish_reason)
+                    continue
                 choice = CompletionChoice(
                     index=index, text=text, logprobs=logprobs, finish_reason=finish_reason
                 )
-                yield chunk([choice])
+                yield frames.choice(choice)
             if req.include_usage_in_stream:
                 yield chunk([], usage=fanout.usage(sum(sent_tokens.values())))
         except STREAM_ERRORS as e:
