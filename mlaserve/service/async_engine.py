@@ -68,8 +68,6 @@ __all__ = [
 
 logger = logging.getLogger("mlaserve.service")
 
-# Messages handled per wake-up before the loop serves others (the pipe stays readable).
-_MAX_MESSAGES_PER_WAKEUP = 64
 _KILL_WAIT_S = 5.0
 
 
@@ -132,6 +130,7 @@ class AsyncEngine:
         self._add_ids = itertools.count()
         self._adds: dict[int, asyncio.Future[None]] = {}  # ADD sent, ADDED not yet back
         self._streams: dict[str, RequestStream] = {}  # the stream of each unfinished request
+        self._metric_calls: list[tuple[Callable[[Any], None], Any]] = []
 
     # ----- status -----
     @property
@@ -219,11 +218,13 @@ class AsyncEngine:
         proc = self._proc
         if proc is not None:
             self._stopping = True
-            self._send(core.STOP)
-            await asyncio.to_thread(proc.join, timeout)
-            if proc.is_alive():
-                logger.warning("the engine process did not stop in %.0f s: killing it", timeout)
-                self._kill()
+            if self._engine_warm:  # serving: it aborts what runs and exits
+                self._send(core.STOP)
+                await asyncio.to_thread(proc.join, timeout)
+                if proc.is_alive():
+                    logger.warning("the engine process did not stop in %.0f s: killing it", timeout)
+            # Still loading (commands wait until warm-up ends), or stuck: nothing to save.
+            await asyncio.to_thread(self._kill)
             self._close()
             atexit.unregister(self._kill)
         if self.state is not EngineState.DEAD:
@@ -330,40 +331,41 @@ class AsyncEngine:
 
     # ----- messages from the engine process (on the event loop) -----
     def _on_readable(self) -> None:
+        """One message per call: the selector calls again while the pipe holds more (asking
+        `conn.poll()` instead would build a selector object per message)."""
         conn = self._outputs
+        if conn is None:
+            return
         try:
-            for _ in range(_MAX_MESSAGES_PER_WAKEUP):
-                if conn is None or conn.closed:
-                    return
-                self._handle(pickle.loads(conn.recv_bytes()))
-                if not conn.poll():
-                    return
+            data = conn.recv_bytes()
         except (EOFError, OSError):
             self._on_eof()
+            return
+        self._handle(pickle.loads(data))
 
     def _handle(self, message: tuple) -> None:
         tag = message[0]
         if tag == core.STEP:
             _, wire, stats = message
             outputs = decode_outputs(wire)
-            self.metrics.on_outputs(outputs)
             self._dispatch(outputs)
+            self._metric(self.metrics.on_outputs, outputs)
             if stats is not None:
-                self.metrics.on_stats(stats)
+                self._metric(self.metrics.on_stats, stats)
         elif tag == core.ADDED:
             _, add_id, error, added = message
             done = self._adds.pop(add_id, None)
             if error is None:
-                self.metrics.on_added(added)
+                self._metric(self.metrics.on_added, added)
             if done is not None and not done.done():
                 if error is None:
                     done.set_result(None)
                 else:
                     done.set_exception(error)
         elif tag == core.ABORTED:
-            self.metrics.on_aborted(message[1])
+            self._metric(self.metrics.on_aborted, message[1])
         elif tag == core.STATS:
-            self.metrics.on_stats(message[1])
+            self._metric(self.metrics.on_stats, message[1])
         elif tag == core.LOADED:
             self._on_loaded(message[1])
         elif tag == core.READY:
@@ -374,6 +376,19 @@ class AsyncEngine:
             _, phase, error = message
             self._die(RuntimeError(error) if isinstance(error, str) else error, phase == "load")
         # STOPPED needs nothing: shutdown() waits for the process itself.
+
+    def _metric(self, record: Callable[[Any], None], arg: Any) -> None:
+        """Record metrics after the woken streams ran (their tasks were scheduled first), so a
+        token's SSE frame leaves before its bookkeeping; one FIFO keeps the records in order."""
+        if not self._metric_calls:
+            assert self._loop is not None
+            self._loop.call_soon(self._record_metrics)
+        self._metric_calls.append((record, arg))
+
+    def _record_metrics(self) -> None:
+        calls, self._metric_calls = self._metric_calls, []
+        for record, arg in calls:
+            record(arg)
 
     def _on_loaded(self, info: core.EngineInfo) -> None:
         self.model_name = info.model_name
