@@ -2,6 +2,7 @@
 
     python3 bench/decode.py                          # the shipped default model
     python3 bench/decode.py --model /tmp/v2lite      # bench/make_checkpoint.py's V2-Lite shape
+    python3 bench/decode.py --model /tmp/v2lite /tmp/v2lite-fp8   # bf16 vs its FP8 twin, one run
 
 For each (context, batch size): `bs` requests whose prompts' KV is already in the cache (the
 pages are allocated by the scheduler and hold random values: a prefill's cost is bench/
@@ -12,6 +13,8 @@ graph runner switched off), interleaved, `--rounds` times; medians are reported.
 Columns:
 - eager / graph: wall time per engine step (host batch build + forward + sampling + postprocess);
 - replay: the graph replay alone (CUDA events), i.e. the GPU time of a graphed forward;
+- kern/layer: GPU kernels in one replay of the decode graph (torch.profiler), over the layer
+  count (the LM head, embedding and sampling-free glue are spread over the layers);
 - floor: bytes a decode step must read / device copy bandwidth measured in this run. Bytes =
   every non-expert weight once + the routed experts the step's tokens touch + the KV read.
   Routed experts: `floor` counts the expected number of distinct experts under uniform random
@@ -27,6 +30,7 @@ Prints a table and one JSON line.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -122,11 +126,32 @@ def time_steps(llm: LLM, steps: int) -> float:
     return (time.perf_counter() - t0) / steps * 1e3
 
 
-def time_replay(llm: LLM, bs: int) -> float:
+def decode_graph(llm: LLM, bs: int) -> torch.cuda.CUDAGraph:
     graphs = llm.engine.graphs
     size = min(s for s in graphs.batch_sizes if s >= bs)
-    graph = next(g for (m, q, b), g in graphs.graphs.items() if b == size and q == 1).graph
-    return replay_ms(graph, 20)
+    return next(g for (m, q, b), g in graphs.graphs.items() if b == size and q == 1).graph
+
+
+def time_replay(llm: LLM, bs: int) -> float:
+    return replay_ms(decode_graph(llm, bs), 20)
+
+
+def kernels_per_replay(graph: torch.cuda.CUDAGraph) -> int:
+    """GPU kernels one replay of the decode graph runs (torch.profiler / CUPTI records each kernel
+    node of a replayed graph; memcpy and memset nodes are not counted)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    return sum(
+        1
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and not e.name.lower().startswith(("memcpy", "memset"))
+    )
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, iters: int) -> float:
@@ -214,27 +239,16 @@ def attention_overhead(llm: LLM, bs: int, ctx: int) -> dict:
     return result
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="checkpoint folder (default: shipped model)")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--kv-cache-dtype", default="fp8_e4m3")
-    ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--dtype", default="auto")
-    args = ap.parse_args()
-    device = torch.device("cuda")
-    bandwidth = copy_bandwidth(device)
-    mc = ModelConfig.from_pretrained(args.model) if args.model else None
+def bench_model(model: str | None, args: argparse.Namespace, bandwidth: float) -> dict:
+    """Every (context, batch size) cell for one checkpoint; prints its table; returns its report."""
+    mc = ModelConfig.from_pretrained(model) if model else None
     limit = mc.max_position_embeddings if mc else None
     max_len = max(args.contexts) + args.steps * (args.rounds * 2 + 2) + 16
     if limit is not None and max_len > limit:
         raise SystemExit(f"--contexts: {max_len} tokens exceed the model's limit {limit}")
     t0 = time.perf_counter()
     llm = LLM(
-        args.model,
+        model,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
@@ -258,6 +272,7 @@ def main() -> None:
                 engine.graphs.enabled = True
                 graph.append(time_steps(llm, args.steps))
             replay = time_replay(llm, bs)
+            kernels = kernels_per_replay(decode_graph(llm, bs))
             attn = attention_overhead(llm, bs, ctx) if ctx == args.contexts[0] else {}
             finish_all(llm)
             row = {
@@ -267,6 +282,8 @@ def main() -> None:
                 "graph_ms": statistics.median(graph),
                 "graph_ms_range": [min(graph), max(graph)],
                 "replay_ms": replay,
+                "kernels_per_step": kernels,
+                "kernels_per_layer": kernels / engine.model_config.num_hidden_layers,
                 "floor_ms": floor_ms(llm, bs, ctx, bandwidth, upper_bound=False),
                 "floor_ub_ms": floor_ms(llm, bs, ctx, bandwidth, upper_bound=True),
                 **{f"attn_{k}": v for k, v in attn.items()},
@@ -277,10 +294,12 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     stats = engine.get_stats()
-    name = args.model or "default-model"
+    name = model or "default-model"
     report = engine.graph_report
+    weights = engine.model_config.quantization
     print(
-        f"\ndevice: {torch.cuda.get_device_name()}  model: {name}  KV {args.kv_cache_dtype}  "
+        f"\ndevice: {torch.cuda.get_device_name()}  model: {name}  "
+        f"weights {'fp8 block' if weights else 'unquantized'}  KV {args.kv_cache_dtype}  "
         f"backend {engine.runner.attn_backend.name}  copy BW {bandwidth / 1e12:.2f} TB/s  "
         f"load {load_s:.1f} s  graphs {report.num_graphs} ({report.pool_bytes / 2**20:.0f} MiB, "
         f"capture {report.capture_s:.2f} s)  compiles while serving "
@@ -288,7 +307,7 @@ def main() -> None:
     )
     print(
         f"{'ctx':>5} {'bs':>3} {'eager ms':>9} {'graph ms':>9} {'speedup':>7} {'replay ms':>9} "
-        f"{'floor ms':>8} {'g/floor':>7} {'floor_ub':>8} {'g/f_ub':>6} "
+        f"{'floor ms':>8} {'g/floor':>7} {'floor_ub':>8} {'g/f_ub':>6} {'kern/layer':>10} "
         f"{'attn adapter/direct/kernel ms (overhead, glue)':>46}"
     )
     for r in rows:
@@ -302,24 +321,84 @@ def main() -> None:
             f"{r['ctx']:>5} {r['bs']:>3} {r['eager_ms']:>9.2f} {r['graph_ms']:>9.3f} "
             f"{r['speedup']:>7.2f} {r['replay_ms']:>9.3f} {r['floor_ms']:>8.3f} "
             f"{r['graph_vs_floor']:>7.2f} {r['floor_ub_ms']:>8.3f} {r['graph_vs_floor_ub']:>6.2f} "
-            f"{attn:>46}"
+            f"{r['kernels_per_layer']:>10.1f} {attn:>46}"
         )
-    print(
-        json.dumps(
+    result = {
+        "model": name,
+        "fp8_weights": weights is not None,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "backend": engine.runner.attn_backend.name,
+        "graph_pool_mib": report.pool_bytes / 2**20,
+        "capture_s": report.capture_s,
+        "compiles_while_serving": stats.num_compiles_while_serving,
+        "rows": rows,
+    }
+    del llm, engine, pool
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def compare(first: dict, second: dict) -> list[dict]:
+    """Per cell: second's graphed step over first's, and each one's bytes floor."""
+    out = []
+    for a, b in zip(first["rows"], second["rows"], strict=True):
+        out.append(
             {
-                "bench": "decode",
-                "device": torch.cuda.get_device_name(),
-                "model": name,
-                "kv_cache_dtype": args.kv_cache_dtype,
-                "backend": engine.runner.attn_backend.name,
-                "copy_bandwidth_tbs": bandwidth / 1e12,
-                "graph_pool_mib": report.pool_bytes / 2**20,
-                "capture_s": report.capture_s,
-                "compiles_while_serving": stats.num_compiles_while_serving,
-                "rows": rows,
+                "ctx": a["ctx"],
+                "bs": a["bs"],
+                "first_graph_ms": a["graph_ms"],
+                "second_graph_ms": b["graph_ms"],
+                "ratio": b["graph_ms"] / a["graph_ms"],
+                "first_floor_ms": a["floor_ms"],
+                "second_floor_ms": b["floor_ms"],
+                "second_vs_own_floor": b["graph_ms"] / b["floor_ms"],
             }
         )
+    print(f"\n{second['model']} vs {first['model']} (graphed step, same run)")
+    print(
+        f"{'ctx':>5} {'bs':>3} {'first ms':>9} {'second ms':>9} {'ratio':>6} "
+        f"{'floor 1st':>9} {'floor 2nd':>9} {'2nd/floor':>9}"
     )
+    for r in out:
+        print(
+            f"{r['ctx']:>5} {r['bs']:>3} {r['first_graph_ms']:>9.3f} {r['second_graph_ms']:>9.3f} "
+            f"{r['ratio']:>6.2f} {r['first_floor_ms']:>9.3f} {r['second_floor_ms']:>9.3f} "
+            f"{r['second_vs_own_floor']:>9.2f}"
+        )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--model",
+        nargs="+",
+        default=[None],
+        help="checkpoint folder(s) (default: shipped model); with two, also their step ratio "
+        "(e.g. a bf16 checkpoint and its FP8 block-quantized twin from tools/fp8_checkpoint.py)",
+    )
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kv-cache-dtype", default="fp8_e4m3")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args()
+    if len(args.model) > 2:
+        raise SystemExit("--model: at most two checkpoints (the second is compared to the first)")
+    bandwidth = copy_bandwidth(torch.device("cuda"))
+    results = [bench_model(m, args, bandwidth) for m in args.model]
+    summary = {
+        "bench": "decode",
+        "device": torch.cuda.get_device_name(),
+        "copy_bandwidth_tbs": bandwidth / 1e12,
+        "models": results,
+    }
+    if len(results) == 2:
+        summary["comparison"] = compare(*results)
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

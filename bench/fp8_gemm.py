@@ -8,7 +8,8 @@ heads, no q_lora; dense MLP 10944; 64 routed experts of 1408, top-6; 2 shared ex
     bf16    F.linear / torch._grouped_mm on bf16 weights (what the model runs today)
     fp8     block_fp8_linear / grouped_block_fp8_linear as the model runs it: the activation
             quantisation included, the GEMM picked by `gemm_backend`
-    triton  the Triton block-FP8 GEMM forced (dense only), and
+    triton  the W8A8 Triton block-FP8 GEMM forced (activation quantisation + GEMM; at M <= 64
+            the default is the one-launch W8A16 kernel), dense and experts, and
     torch   torch's blockwise F.scaled_mm forced (dense, SM90 only; M >= 16, N, K % 128 == 0)
 
 Timing: each op is captured `--iters` times in one CUDA graph and replayed (GPU time, no launch
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from mlaserve.ops.fp8_gemm import block_fp8_linear, gemm_backend
-from mlaserve.ops.fp8_grouped_gemm import grouped_block_fp8_linear
+from mlaserve.ops.fp8_grouped_gemm import GROUPED_W8A16_MAX_ROWS, grouped_block_fp8_linear
 from mlaserve.ops.fp8_quant import quantize_weight_block
 
 HBM_BYTES_PER_S = 3.0e12
@@ -132,7 +133,13 @@ def bench_experts(name: str, n: int, k: int, ms: list[int], iters: int) -> list[
         row["fp8_us"] = graph_time_us(
             lambda i, x=x, c=counts: grouped_block_fp8_linear(x, c, *w8[i % copies]), iters
         )
-        row["fp8_gemm"] = "triton_grouped"
+        row["fp8_gemm"] = "triton_grouped_" + (
+            "w8a16" if pairs <= GROUPED_W8A16_MAX_ROWS else "w8a8"
+        )
+        row["triton_us"] = graph_time_us(  # the W8A8 form forced (activation quantisation)
+            lambda i, x=x, c=counts: grouped_block_fp8_linear(x, c, *w8[i % copies], w8a16=False),
+            iters,
+        )
         row["bf16_floor_us"] = 2 * touched * n * k / HBM_BYTES_PER_S * 1e6
         row["fp8_floor_us"] = touched * n * k * (1 + 4 / 128**2) / HBM_BYTES_PER_S * 1e6
         rows.append(row)

@@ -25,8 +25,10 @@ fi
 [ "$what" = tests ] && exit 0
 [ -n "${writer:-}" ] && wait "$writer"
 tail -1 "$out/make_checkpoint.log"
-timeout 170 python3 bench/decode.py --model $ckpt --rounds 2 >"$out/decode_v2lite.log" 2>&1
-tail -11 "$out/decode_v2lite.log" | head -10
+# bf16 and its FP8 block-quantized twin (issue 9), in one run: per-model tables, then the ratio.
+python3 tools/fp8_checkpoint.py $ckpt $ckpt-fp8 --device cuda >"$out/fp8_checkpoint.log" 2>&1
+timeout 330 python3 bench/decode.py --model $ckpt $ckpt-fp8 --rounds 2 >"$out/decode_v2lite.log" 2>&1
+grep -A10 -E "^device:|vs /tmp" "$out/decode_v2lite.log"
 timeout 60 python3 bench/decode.py --contexts 1024 --rounds 2 >"$out/decode_default.log" 2>&1
 tail -6 "$out/decode_default.log" | head -5
 timeout 70 python3 bench/serve_tpot.py >"$out/serve_tpot.log" 2>&1

@@ -8,7 +8,8 @@ the device and a `SamplingBatch` already built (from `SamplingSlots`, as the eng
 it is the sampler's own device time: CUDA events around each call on a GPU, wall time on CPU.
 `batch` is the separate per-step cost of `SamplingSlots.batch` (host + one small copy). The
 noise rows time the counter-based Gumbel noise alone, fused (Triton, CUDA only) and reference
-(torch ops). The budget column is 5% of a 2.5 ms V2-Lite bs-1 decode step (125 us, issue 8).
+(torch ops). `[graph]` rows: the same call captured in a CUDA graph and replayed, i.e. its
+device time without host launch gaps (which in the engine overlap the forward). The budget column is 5% of a 2.5 ms V2-Lite bs-1 decode step (125 us, issue 8).
 Prints a table and one JSON line.
 """
 
@@ -73,6 +74,9 @@ def main() -> None:
     ap.add_argument("--spec-k", type=int, default=3, help="draft tokens for the accept rows")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument(
+        "--profile", action="store_true", help="top kernels per case at the largest vocab, bs 1/64"
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
     sampler = Sampler()
@@ -91,6 +95,8 @@ def main() -> None:
                     slots.admit(s, CASES[name], seed=s, prompt_ids=[1, 2, 3])
                 batch = slots.batch(list(range(bs)), [5] * bs)
                 add(vocab, bs, name, timer(device, partial(sampler, logits, batch), *_n(args)))
+                if device.type == "cuda" and name != "greedy":
+                    add(vocab, bs, f"{name} [graph]", _graph_us(partial(sampler, logits, batch)))
                 if name in ("greedy", "k+p+min-p"):
                     add(vocab, bs, f"batch ({name})", _host_timer(slots, bs, args))
                     k = args.spec_k
@@ -123,8 +129,60 @@ def main() -> None:
             print(f"# vocab {vocab} bs {bs} done", flush=True)
 
     _print_table(rows, args)
+    if args.profile and device.type == "cuda":
+        _profile(sampler, max(args.vocabs), args)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(json.dumps({"bench": "sampler", "device": name, "budget_us": BUDGET_US, "rows": rows}))
+
+
+def _graph_us(fn: Callable[[], object], iters: int = 20) -> float:
+    """Device time of one call: the call captured in a CUDA graph, mean over replays. Host
+    launch cost excluded: in the engine it overlaps the forward still running on the GPU."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def _profile(sampler: Sampler, vocab: int, args: argparse.Namespace) -> None:
+    """Where a call's GPU time goes: torch.profiler over 10 calls, top kernels per case."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device("cuda")
+    for bs in (1, 64):
+        logits = torch.randn(bs, vocab, device=device) * 4
+        for name in args.cases:
+            slots = SamplingSlots(bs, vocab, device)
+            for s in range(bs):
+                slots.admit(s, CASES[name], seed=s, prompt_ids=[1, 2, 3])
+            batch = slots.batch(list(range(bs)), [5] * bs)
+            for _ in range(3):
+                sampler(logits, batch)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    sampler(logits, batch)
+                torch.cuda.synchronize()
+            events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+            events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+            total = sum(e.self_device_time_total for e in events) / 10
+            launches = sum(e.count for e in events) / 10
+            print(
+                f"\nprofile vocab {vocab} bs {bs} {name}: {total:.1f} us GPU, {launches:.0f} kernels"
+            )
+            for e in events[:6]:
+                print(
+                    f"  {e.self_device_time_total / 10:8.1f} us  x{e.count // 10:<3} {e.key[:80]}"
+                )
 
 
 def _n(args: argparse.Namespace) -> tuple[int, int]:

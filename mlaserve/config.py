@@ -391,6 +391,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None = min(model max_position_embeddings, 8192)
     max_num_batched_tokens: int = 2048
     kv_cache_memory_fraction: float = 0.85  # of free GPU memory after the weights are loaded
+    # vLLM's meaning: the share of the GPU's total memory for weights + KV cache + graphs. When
+    # set, the KV cache gets kv_cache_memory_fraction of (this share - what the weights took).
+    gpu_memory_utilization: float | None = None
     num_pages: int | None = None  # explicit KV pool size; overrides the fraction
     attention_backend: str = "auto"
     # CUDA graphs for decode steps: None = on when the device is CUDA.
@@ -420,6 +423,10 @@ class EngineConfig:
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ConfigError(
                 f"kv_cache_memory_fraction: must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         if self.attention_backend not in ("auto", *available_backends()):
             raise ConfigError(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlaserve.config import EngineConfig, ModelConfig
+from mlaserve.config import ConfigError, EngineConfig, ModelConfig
 from mlaserve.engine.forward_batch import ForwardBatch
 from mlaserve.engine.input_buffers import HostBatch, InputBuffers
 from mlaserve.engine.scheduler import SchedulerOutput
@@ -130,11 +130,28 @@ class ModelRunner:
             mc.num_hidden_layers, self.page_size, mc.kv_cache_dim, self.kv_cache_dtype
         )
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
             budget = int(free * cfg.kv_cache_memory_fraction)
+            if cfg.gpu_memory_utilization is not None:
+                budget = self._budget_within_share(free, total)
         else:
             budget = CPU_KV_CACHE_BYTES
         return max(2, min(useful, budget // per_page))
+
+    def _budget_within_share(self, free: int, total: int) -> int:
+        """KV bytes under vLLM's --gpu-memory-utilization: this process may hold
+        `utilization * total` bytes in all; the weights (and whatever else it holds now) come
+        off first, and the KV cache takes kv_cache_memory_fraction of the rest, leaving the
+        remainder for activations and CUDA graphs. Never more than is actually free."""
+        cfg = self.config
+        share = int(cfg.gpu_memory_utilization * total)
+        held = torch.cuda.memory_reserved(self.device)
+        if held >= share:
+            raise ConfigError(
+                f"gpu_memory_utilization: {cfg.gpu_memory_utilization} of {total / 2**30:.1f} GiB "
+                f"is {share / 2**30:.1f} GiB, but the weights already take {held / 2**30:.1f} GiB"
+            )
+        return int(min(free, share - held) * cfg.kv_cache_memory_fraction)
 
     # ----- one step -----
     def build_host_batch(self, sched: SchedulerOutput) -> HostBatch:

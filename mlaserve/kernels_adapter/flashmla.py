@@ -14,8 +14,13 @@ forward with `get_mla_decoding_metadata` — a kernel on the current stream, whi
 captures and re-runs on replay. One schedule per forward, shared by all layers.
 
 Only uniform batches (DECODE / VERIFY / DRAFT_EXTEND, q_len <= 8) use the kernel: the batch's
-stated mode decides, never its shapes. EXTEND batches (prefill chunks) go through the reference
-backend's math until a prefill kernel is adapted.
+stated mode decides, never its shapes. EXTEND batches (prefill chunks) run in the MHA form of
+`mha_extend.py` (`forward_extend_mha`): each sequence's cached latent context is dequantised and
+up-projected to per-head bf16 K [S, H, 192] / V [S, H, 128], then one causal varlen
+FlashAttention-2 launch per layer (`flash_varlen.py`, torch's own kernels) attends the whole
+ragged batch, bottom-right aligned, so chunks over a cached prefix stay exact. Batches of a few
+fresh prompts (no cached prefix) go to cuDNN's SDPA instead (`cudnn_fresh.py`), which is faster
+where its top-left causal mask is the right one.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from mlaserve.kernels_adapter.base import AttentionBackend, BackendUnsupportedError
-from mlaserve.kernels_adapter.reference import ReferenceBackend
+from mlaserve.kernels_adapter.cudnn_fresh import CudnnFreshAttention
+from mlaserve.kernels_adapter.flash_varlen import FlashVarlenAttention, flash_varlen_available
+from mlaserve.kernels_adapter.mha_extend import ExtendLayout, extend_layout, mha_context_kv
 from mlaserve.kv_cache.kv_pool import FP8_E4M3_MAX
 from mlaserve.ops import fused_ops_enabled
 
@@ -78,7 +85,8 @@ class FlashMLABackend(AttentionBackend):
     # it for MTP verify up to a handful of tokens. A 1000-token "decode" trips its metadata
     # assertion (flash_fwd_mla_metadata.cu:64), which is why EXTEND never reaches it.
     max_uniform_q_len: ClassVar[int] = 8
-    accepts_written_kv: ClassVar[bool] = True  # its EXTEND path, the reference's, does too
+    mha_extend: ClassVar[bool] = True
+    accepts_written_kv: ClassVar[bool] = True  # decode only: EXTEND writes in forward_extend_mha
 
     @classmethod
     def check_supported(
@@ -105,6 +113,8 @@ class FlashMLABackend(AttentionBackend):
                 "kv_lora_rank/qk_rope_head_dim must be 512/64, got "
                 f"{model_config.kv_lora_rank}/{model_config.qk_rope_head_dim}"
             )
+        elif not flash_varlen_available(device):
+            problem = "its prefill path needs torch.nn.attention.varlen (torch >= 2.10)"
         if problem:
             raise BackendUnsupportedError(f"attention_backend 'flashmla': {problem}")
         _import_flash_mla()
@@ -116,7 +126,8 @@ class FlashMLABackend(AttentionBackend):
         # q enters the fp8 kernel unscaled (|q| is far below e4m3's 448 for real models), so its
         # descale is 1; the latent cache's own scale comes from the pool per layer.
         self._q_descale = torch.ones(1, dtype=torch.float32, device=self.device)
-        self._extend = ReferenceBackend(model_config, *args, **kwargs)
+        self._prefill = FlashVarlenAttention(self.device)
+        self._prefill_fresh = CudnnFreshAttention(self.device)
         # cat + clamp + cast of the query in one Triton kernel (`mlaserve/ops/q_prep.py`).
         self._prepare_q = None
         if fused_ops_enabled(self.device):
@@ -126,7 +137,7 @@ class FlashMLABackend(AttentionBackend):
 
     def prepare(self, batch: ForwardBatch) -> None:
         if not batch.mode.is_uniform:
-            self._extend.prepare(batch)
+            batch.attn_metadata = extend_layout(batch)  # host lengths; shared by all layers
             return
         fm = self._flash_mla
         sched, _ = fm.get_mla_metadata()  # a fresh schedule object for every forward
@@ -149,7 +160,9 @@ class FlashMLABackend(AttentionBackend):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         if not batch.mode.is_uniform:
-            return self._extend.forward(layer_id, q_nope, q_pe, kv_c, k_pe, batch)
+            raise NotImplementedError(
+                "flashmla: EXTEND batches take the MHA form (forward_extend_mha)"
+            )
         pool = batch.kv_pool
         if kv_c is not None:  # else the layer has written it (`accepts_written_kv`)
             pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)
@@ -181,3 +194,23 @@ class FlashMLABackend(AttentionBackend):
             **extra,
         )  # [bs, q_len, H, 512] bf16
         return out.reshape(num_tokens, num_heads, rank).to(q_nope.dtype)
+
+    def forward_extend_mha(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Writes the new latent KV, up-projects every sequence's whole context (fp8 cache:
+        dequantised first) to bf16 K/V, then one causal varlen FA2 launch. [T, H, d_v]."""
+        layout: ExtendLayout = batch.attn_metadata
+        _, k, v = mha_context_kv(layer_id, kv_c, k_pe, w_uk, w_uv, batch, layout)
+        if self._prefill_fresh.takes(layout, q.dtype):  # no cached prefix: cuDNN is faster
+            out = self._prefill_fresh(q, k, v, layout, self.softmax_scale)
+            if out is not None:
+                return out
+        return self._prefill(q, k, v, layout, self.softmax_scale)

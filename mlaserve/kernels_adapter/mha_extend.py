@@ -77,6 +77,12 @@ class ExtendLayout:
     def num_kv_tokens(self) -> int:
         return sum(self.kv_lens)
 
+    @property
+    def all_fresh(self) -> bool:
+        """No sequence has a cached prefix (every q_len == kv_len): a top-left causal mask is
+        then the same as the bottom-right one."""
+        return self.q_lens == self.kv_lens
+
 
 def extend_layout(batch: ForwardBatch) -> ExtendLayout:
     """The layout of an EXTEND batch, from its host lengths and its device page table."""
@@ -108,14 +114,18 @@ def extend_layout(batch: ForwardBatch) -> ExtendLayout:
     )
 
 
-def gather_context_latent(pool: MLAKVPool, layer_id: int, layout: ExtendLayout) -> torch.Tensor:
-    """[S, r + d_r] fp32: every sequence's context latent, dequantized (value = stored * scale)."""
+def gather_context_latent(
+    pool: MLAKVPool, layer_id: int, layout: ExtendLayout, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """[S, r + d_r] in `dtype`: every sequence's context latent, dequantized (value = stored *
+    scale). For bf16 the product is rounded once, as fp32-then-cast would (e4m3 -> bf16 is exact
+    and torch multiplies bf16 in fp32), without the fp32 copy."""
     flat = pool.kv_buffers[layer_id].view(-1, pool.dim)
     # Index bytes: gathering float8 rows has no kernel on every device.
     rows = (
         flat.view(torch.uint8)[layout.context_slots] if pool.is_fp8 else flat[layout.context_slots]
     )
-    rows = rows.view(pool.dtype).float()
+    rows = rows.view(pool.dtype).to(dtype)
     return rows * pool.k_scales[layer_id] if pool.is_fp8 else rows
 
 
@@ -124,12 +134,36 @@ def up_project(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """latent [S, r + d_r]; w_uk [H, d_n, r]; w_uv [H, r, d_v] -> k [S, H, d_n + d_r], v [S, H,
     d_v], computed in the weights' dtype (what a kernel would get from kv_b_proj)."""
-    rank = w_uk.shape[-1]
+    heads, d_n, rank = w_uk.shape
     c = latent[:, :rank].to(w_uk.dtype)
+    k_pe = latent[:, None, rank:].to(w_uk.dtype).expand(-1, heads, -1)
+    kv_b = _kv_b_weight(w_uk, w_uv)
+    if kv_b is not None:  # one GEMM: [S, r] @ [r, H * (d_n + d_v)]
+        kv = (c @ kv_b.T).view(c.shape[0], heads, -1)
+        return torch.cat([kv[..., :d_n], k_pe], dim=-1), kv[..., d_n:]
     k_nope = torch.einsum("sr,hnr->shn", c, w_uk)
     v = torch.einsum("sr,hrv->shv", c, w_uv.to(w_uk.dtype))
-    k_pe = latent[:, None, rank:].to(w_uk.dtype).expand(-1, w_uk.shape[0], -1)
     return torch.cat([k_nope, k_pe], dim=-1), v
+
+
+def _kv_b_weight(w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor | None:
+    """kv_b_proj's weight [H * (d_n + d_v), r] when w_uk / w_uv are the views the model splits
+    it into (`MLAAttention.process_weights_after_loading`: per head, d_n rows of W_UK then d_v
+    rows of W_UV, w_uv transposed), else None."""
+    heads, d_n, rank = w_uk.shape
+    w_v = w_uv.transpose(1, 2)  # [H, d_v, r]
+    d_v = w_v.shape[1]
+    row = (d_n + d_v) * rank
+    if (
+        w_v.dtype != w_uk.dtype
+        or w_v.shape != (heads, d_v, rank)
+        or w_uk.stride() != (row, rank, 1)
+        or w_v.stride() != (row, rank, 1)
+        or w_v.untyped_storage().data_ptr() != w_uk.untyped_storage().data_ptr()
+        or w_v.storage_offset() != w_uk.storage_offset() + d_n * rank
+    ):
+        return None
+    return w_uk.as_strided((heads * (d_n + d_v), rank), (rank, 1))
 
 
 def mha_context_kv(
@@ -149,7 +183,9 @@ def mha_context_kv(
     batch.kv_pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)
     if layout is None:
         layout = extend_layout(batch)
-    k, v = up_project(gather_context_latent(batch.kv_pool, layer_id, layout), w_uk, w_uv)
+    # fp32 latent where the weights are fp32 (the CPU oracle), else straight to their dtype.
+    dtype = torch.float32 if w_uk.dtype == torch.float32 else w_uk.dtype
+    k, v = up_project(gather_context_latent(batch.kv_pool, layer_id, layout, dtype), w_uk, w_uv)
     return layout, k, v
 
 

@@ -134,7 +134,10 @@ def load_weights(
     consumed = set(scales.values())
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for file in sorted({file for file, _ in index.values()}):
+    files = sorted({file for file, _ in index.values()})
+    for shard, file in enumerate(files, 1):
+        # Progress per shard, as vLLM shows it: a 671B checkpoint is 163 files and minutes.
+        logger.info("loading weights: shard %d/%d (%s)", shard, len(files), file.name)
         with safe_open(file, framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if key in consumed:

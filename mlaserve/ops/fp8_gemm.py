@@ -6,6 +6,12 @@ Steps: quantise x per token and 128-wide group (dynamic, `fp8_quant`), then one 
 GEMM. Which GEMM (`gemm_backend`: a pure function of the device, the shape and the dtype,
 decided on the host; nothing reads device memory, so the whole op is graph-capturable):
 
+    triton_w8a16     W8A16_MIN_M <= M <= W8A16_MAX_M, SM90 (and SM100 without flashinfer):
+                     `fp8_triton.w8a16_block_fp8_matmul_triton`, the FP8 weight widened to the
+                     activations' dtype in registers. One launch where W8A8 takes an activation
+                     quantisation, a split-K GEMM and its reduction: measured on an H100, W8A8
+                     made the V2-Lite bs-1 graphed step 1.35x the bf16 one (7.5 vs 5.5 ms) from
+                     launches alone. Exact activations, and the same FP8 weight bytes.
     triton           `fp8_triton.w8a8_block_fp8_matmul_triton` (SGLang/vLLM's design). Decode-
                      sized M is memory-bound; this kernel streams the FP8 weight once, half the
                      bytes of bf16. Any SM89+ GPU, SM90 and SM100 included; the fallback for
@@ -43,6 +49,8 @@ from mlaserve.ops.fp8_quant import (
 
 __all__ = [
     "TORCH_BLOCKWISE_MIN_M",
+    "W8A16_MAX_M",
+    "W8A16_MIN_M",
     "GemmBackend",
     "block_fp8_linear",
     "block_fp8_matmul_reference",
@@ -51,10 +59,17 @@ __all__ = [
     "gemm_backend",
 ]
 
-GemmBackend = Literal["triton", "torch_blockwise", "flashinfer", "emulated"]
+GemmBackend = Literal["triton_w8a16", "triton", "torch_blockwise", "flashinfer", "emulated"]
 # Below this M torch's blockwise scaled_mm loses to bf16 (and to the memory-bound Triton kernel).
 # Measured points: loses at 16 and 64, wins at 2048; bench/fp8_gemm.py refines the crossover.
 TORCH_BLOCKWISE_MIN_M = 256
+# From W8A16_MIN_M to W8A16_MAX_M tokens the W8A16 kernel: memory- and launch-bound sizes, where
+# the activation quantisation W8A8 needs costs more than the fp8 tensor-core rate gains. At
+# M = 1 the split-K W8A8 GEMM wins despite its extra launches: the W8A16 kernel has no K split,
+# so too few weight loads are in flight (H100, V2-Lite FP8, graphed bs-1 replay: 5.76 ms with
+# W8A8 at M = 1 vs 6.21 ms with W8A16; bs 8: W8A16 8.01 vs W8A8 8.12 ms; bench/fp8_gemm.py).
+W8A16_MIN_M = 2
+W8A16_MAX_M = 64
 
 
 @functools.cache
@@ -100,6 +115,8 @@ def choose_gemm(
         return "torch_blockwise"
     if major == 10 and has_flashinfer and blocks and k >= 256 and dtype == torch.bfloat16:
         return "flashinfer"
+    if W8A16_MIN_M <= m <= W8A16_MAX_M:
+        return "triton_w8a16"
     return "triton"
 
 
@@ -140,6 +157,10 @@ def block_fp8_linear(
 
         x_q, x_s = per_token_group_quant_fp8(x2, column_major_scales=True)
         y = gemm_fp8_nt_groupwise(x_q, w_q, x_s, w_s, out_dtype=x.dtype, backend="trtllm")
+    elif backend == "triton_w8a16":
+        from mlaserve.ops.fp8_triton import w8a16_block_fp8_matmul_triton
+
+        y = w8a16_block_fp8_matmul_triton(x2, w_q, w_s)
     else:
         from mlaserve.ops.fp8_triton import w8a8_block_fp8_matmul_triton
 

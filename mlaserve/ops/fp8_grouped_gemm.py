@@ -6,7 +6,8 @@
 Rows [sum(counts[:e]), sum(counts[:e+1])) of x belong to expert e (the layout
 `FusedExperts._forward_sorted` builds). On CUDA with Triton the rows are quantised per token and
 128-wide group and one Triton kernel (the block-FP8 `fused_moe` design of SGLang/vLLM) runs all
-experts; `align_blocks` gives it a block -> expert map built with device ops only (static sizes,
+experts (up to GROUPED_W8A16_MAX_ROWS rows, decode sizes, the rows stay unquantised and the
+kernel widens the FP8 weight instead: one launch fewer per GEMM, exact activations); `align_blocks` gives it a block -> expert map built with device ops only (static sizes,
 no host sync: graph-capturable). Elsewhere (CPU) a loop over experts with the same quantised
 activations and dequantised weights; it reads `counts` on the host.
 
@@ -18,6 +19,8 @@ expert's FP8 weight once is what halves the bytes.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from mlaserve.ops.fp8_quant import (
@@ -27,7 +30,18 @@ from mlaserve.ops.fp8_quant import (
     triton_available,
 )
 
-__all__ = ["align_blocks", "grouped_block_fp8_linear", "grouped_block_m"]
+__all__ = [
+    "GROUPED_W8A16_MAX_ROWS",
+    "GroupedLayout",
+    "align_blocks",
+    "grouped_block_fp8_linear",
+    "grouped_block_m",
+    "grouped_layout",
+]
+
+
+# Up to this many rows (tokens x top_k) the W8A16 form: no activation quantisation launch.
+GROUPED_W8A16_MAX_ROWS = 64
 
 
 def grouped_block_m(num_rows: int) -> int:
@@ -65,6 +79,20 @@ def align_blocks(
     return sorted_rows, block_expert
 
 
+class GroupedLayout(NamedTuple):
+    """`align_blocks`' block -> expert map for one routing, shared by the GEMMs that use it
+    (an MoE's gate_up and down run on the same rows)."""
+
+    sorted_rows: torch.Tensor
+    block_expert: torch.Tensor
+    block_m: int
+
+
+def grouped_layout(counts: torch.Tensor, num_rows: int) -> GroupedLayout:
+    block_m = grouped_block_m(num_rows)
+    return GroupedLayout(*align_blocks(counts, num_rows, block_m), block_m)
+
+
 def grouped_block_fp8_linear(
     x: torch.Tensor,
     counts: torch.Tensor,
@@ -72,16 +100,25 @@ def grouped_block_fp8_linear(
     w_s: torch.Tensor,
     *,
     emulated: bool | None = None,
+    layout: GroupedLayout | None = None,
+    w8a16: bool | None = None,
 ) -> torch.Tensor:
     """x [R, K] rows grouped by expert, counts [E], W_q [E, N, K], S_w [E, N/bn, Kb] -> [R, N]
     in x's dtype. `emulated` forces the loop (True) or the kernel (False); None: kernel on CUDA
-    with Triton."""
+    with Triton. `layout`: `grouped_layout(counts, R)` if the caller already has it. `w8a16`
+    forces the activation form; None: W8A16 in the kernel up to GROUPED_W8A16_MAX_ROWS rows,
+    W8A8 otherwise and in the emulated loop."""
     if emulated is None:
         emulated = not (x.is_cuda and triton_available())
     num_rows = x.shape[0]
+    if w8a16 is None:  # the emulated loop keeps W8A8's math, as block_fp8_linear's does
+        w8a16 = not emulated and num_rows <= GROUPED_W8A16_MAX_ROWS
     if emulated:
-        x_q, x_s = per_token_group_quant_fp8_torch(x)
-        x_deq = dequantize_weight_block(x_q, x_s)
+        if w8a16:
+            x_deq = x.float()
+        else:
+            x_q, x_s = per_token_group_quant_fp8_torch(x)
+            x_deq = dequantize_weight_block(x_q, x_s)
         out = x.new_empty(num_rows, w_q.shape[1])
         start = 0
         for e, n in enumerate(counts.tolist()):  # host sync: the CPU path only
@@ -92,9 +129,9 @@ def grouped_block_fp8_linear(
         return out
     from mlaserve.ops.fp8_triton import grouped_block_fp8_matmul_triton
 
-    block_m = grouped_block_m(num_rows)
-    sorted_rows, block_expert = align_blocks(counts, num_rows, block_m)
-    x_q, x_s = per_token_group_quant_fp8(x)
+    if layout is None:
+        layout = grouped_layout(counts, num_rows)
+    x_q, x_s = (x, None) if w8a16 else per_token_group_quant_fp8(x)
     return grouped_block_fp8_matmul_triton(
-        x_q, x_s, w_q, w_s, sorted_rows, block_expert, block_m, out_dtype=x.dtype
+        x_q, x_s, w_q, w_s, layout.sorted_rows, layout.block_expert, layout.block_m, x.dtype
     )

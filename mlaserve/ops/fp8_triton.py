@@ -10,6 +10,9 @@ accumulator.
     per_token_group_quant_fp8_triton  x [M, K] -> x_q [M, K] e4m3, S_x [M, Kb] fp32
     w8a8_block_fp8_matmul_triton      x_q [M, K], S_x [M, Kb], W_q [N, K], S_w [N/bn, Kb]
                                       -> [M, N] in out_dtype (split-K at decode-sized M)
+    w8a16_block_fp8_matmul_triton     x [M, K] bf16/fp16/fp32, W_q [N, K], S_w [N/bn, Kb]
+                                      -> [M, N]: the weight widened in registers, no activation
+                                      quantisation, one launch (decode-sized M)
     grouped_block_fp8_matmul_triton   rows of x_q grouped by expert (`align_blocks` layout),
                                       W_q [E, N, K], S_w [E, N/bn, Kb] -> [R, N]
 
@@ -28,6 +31,7 @@ __all__ = [
     "grouped_block_fp8_matmul_triton",
     "per_token_group_quant_fp8_triton",
     "w8a8_block_fp8_matmul_triton",
+    "w8a16_block_fp8_matmul_triton",
 ]
 
 _GROUP_K = 128
@@ -82,7 +86,10 @@ def _block_fp8_matmul_kernel(
     stride_am, stride_ak, stride_bn, stride_bk, stride_cs, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bsn, stride_bsk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    A_FP8: tl.constexpr,
 ):  # fmt: skip
+    # A_FP8: a is e4m3 with per-(row, K block) scales as_ptr (W8A8); otherwise a is in its own
+    # 16/32-bit dtype and as_ptr is unused (W8A16: b's e4m3 codes widen exactly to a's dtype).
     # Grouped launch order (GROUP_M rows of tiles share B tiles in L2).
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -119,9 +126,12 @@ def _block_fp8_matmul_kernel(
         a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         kb_s = tl.minimum(kb, num_kb - 1)  # in bounds; a and b are zero past the end anyway
-        a_s = tl.load(as_ptrs + kb_s * stride_ask)
         b_s = tl.load(bs_ptrs + kb_s * stride_bsk)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        if A_FP8:
+            a_s = tl.load(as_ptrs + kb_s * stride_ask)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        else:
+            acc += tl.dot(a, b.to(a.dtype)) * b_s[None, :]
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -181,10 +191,54 @@ def w8a8_block_fp8_matmul_triton(
         x_q.stride(0), x_q.stride(1), w_q.stride(0), w_q.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         x_s.stride(0), x_s.stride(1), w_s.stride(0), w_s.stride(1),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_GROUP_K, GROUP_M=8,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_GROUP_K, GROUP_M=8, A_FP8=True,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out[0] if splits == 1 else out.sum(0).to(out_dtype)
+
+
+def _w8a16_config(m: int, n: int) -> dict[str, int]:
+    """Tiles for the W8A16 GEMM at decode-sized M (<= W8A16_MAX_M): one launch, no K split
+    (a split needs a second, reducing launch, and at these sizes launches cost more than the
+    bytes), so N tiles shrink until the launch has about one program per SM."""
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    m_tiles = triton.cdiv(m, block_m)
+    block_n = 64
+    while block_n > 16 and m_tiles * triton.cdiv(n, block_n) < _NUM_PROGRAMS_TARGET // 2:
+        block_n //= 2
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 4}
+
+
+def w8a16_block_fp8_matmul_triton(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_s: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """x [M, K] bf16/fp16/fp32, w_q [N, K] e4m3, w_s [N/bn, Kb] fp32 -> [M, N] (x's dtype by
+    default): the weight widened to x's dtype in registers and block-rescaled per K step, so
+    the activations are never quantised (exact where W8A8 rounds them to e4m3) and the op is
+    one kernel launch. For decode-sized M, where the step is bound by bytes and launches."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = w_q.shape[0]
+    group_n = _group_n(n, w_s.shape[0])
+    out = torch.empty((1, m, n), dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0:
+        return out[0]
+    cfg = _w8a16_config(m, n)
+    num_kb = triton.cdiv(k, _GROUP_K)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), 1)
+    _block_fp8_matmul_kernel[grid](
+        x, w_q, out, x, w_s, m, n, k, group_n, num_kb,
+        x.stride(0), x.stride(1), w_q.stride(0), w_q.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        0, 0, w_s.stride(0), w_s.stride(1),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_GROUP_K, GROUP_M=8, A_FP8=False,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out[0]
 
 
 def _group_n(n: int, scale_rows: int) -> int:
@@ -201,8 +255,9 @@ def _grouped_block_fp8_matmul_kernel(
     R, N, K, group_n,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_FP8: tl.constexpr,
 ):  # fmt: skip
+    # A_FP8 as in _block_fp8_matmul_kernel: W8A8 with activation scales, or W8A16 without.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -225,9 +280,12 @@ def _grouped_block_fp8_matmul_kernel(
         k_left = K - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        a_s = tl.load(as_ptrs + kb * stride_ask, mask=row_ok, other=0.0)
         b_s = tl.load(bs_ptrs + kb * stride_bsk)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        if A_FP8:
+            a_s = tl.load(as_ptrs + kb * stride_ask, mask=row_ok, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        else:
+            acc += tl.dot(a, b.to(a.dtype)) * b_s[None, :]
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -237,7 +295,7 @@ def _grouped_block_fp8_matmul_kernel(
 
 def grouped_block_fp8_matmul_triton(
     x_q: torch.Tensor,
-    x_s: torch.Tensor,
+    x_s: torch.Tensor | None,
     w_q: torch.Tensor,
     w_s: torch.Tensor,
     sorted_rows: torch.Tensor,
@@ -247,21 +305,28 @@ def grouped_block_fp8_matmul_triton(
 ) -> torch.Tensor:
     """Row r of the output = x[r] @ W[e(r)]^T, for rows grouped by expert.
 
-    x_q [R, K] e4m3, x_s [R, Kb] fp32, w_q [E, N, K] e4m3, w_s [E, N/bn, Kb] fp32;
+    x_q [R, K] e4m3, x_s [R, Kb] fp32 (W8A8), or x_q [R, K] bf16/fp16/fp32 and x_s None
+    (W8A16: the weight widened to x's dtype, the activations never quantised);
+    w_q [E, N, K] e4m3, w_s [E, N/bn, Kb] fp32;
     sorted_rows [num_blocks * block_m] int32 and block_expert [num_blocks] int32 from
     `fp8_grouped_gemm.align_blocks` (each block of block_m slots holds rows of one expert, R
     marks an empty slot, expert -1 an unused block). -> [R, N] in out_dtype."""
+    if x_s is None and x_q.stride(-1) != 1:
+        x_q = x_q.contiguous()
     r, k = x_q.shape
     n = w_q.shape[1]
     group_n = _group_n(n, w_s.shape[1])
+    a_fp8 = x_s is not None
+    a_s = x_s if a_fp8 else x_q  # unused when not a_fp8
     out = torch.empty((r, n), dtype=out_dtype, device=x_q.device)
     block_n = 64 if r <= 64 else 128
     grid = (block_expert.shape[0], triton.cdiv(n, block_n))
     _grouped_block_fp8_matmul_kernel[grid](
-        x_q, w_q, out, x_s, w_s, sorted_rows, block_expert, r, n, k, group_n,
+        x_q, w_q, out, a_s, w_s, sorted_rows, block_expert, r, n, k, group_n,
         x_q.stride(0), x_q.stride(1), w_q.stride(0), w_q.stride(1), w_q.stride(2),
-        out.stride(0), out.stride(1), x_s.stride(0), x_s.stride(1),
+        out.stride(0), out.stride(1), a_s.stride(0) if a_fp8 else 0, a_s.stride(1) if a_fp8 else 0,
         w_s.stride(0), w_s.stride(1), w_s.stride(2),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_GROUP_K, num_warps=4, num_stages=3,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_GROUP_K, A_FP8=a_fp8,
+        num_warps=4, num_stages=3,
     )  # fmt: skip
     return out

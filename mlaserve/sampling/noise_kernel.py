@@ -28,9 +28,12 @@ try:  # Optional: absent on CPU-only installs.
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-__all__ = ["fused_noise", "fused_noise_available"]
+__all__ = ["fused_gumbel_argmax", "fused_noise", "fused_noise_available"]
 
 _BLOCK = 1024
+# Columns per program of the argmax kernel: 129280 / 2048 = 64 programs per row, so one row
+# (bs 1) still spreads over the GPU; [n, 64] partial maxima are reduced by torch.
+_ARGMAX_BLOCK = 2048
 
 
 def fused_noise_available(device: torch.device) -> bool:
@@ -72,7 +75,81 @@ def fused_noise(keys: torch.Tensor, token_ids: torch.Tensor, gumbel: bool) -> to
     return out
 
 
+def fused_gumbel_argmax(
+    x: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, token_ids: torch.Tensor | None
+) -> torch.Tensor:
+    """argmax over columns of x + gumbel(seed, step, token), without materialising the noise.
+
+    x: [n, C] float32 (contiguous rows). seeds, steps: [n] int64 (the key `random.stream_keys`
+    derives is computed in the kernel). token_ids: [n, C] int64, the token each column stands
+    for, or None when column c is token c. Returns [n] int64 column indices. Same noise bits and
+    the same float32 sums as `x + gumbel_noise(...)`, so the same column as its argmax (ties go
+    to the lowest column, as torch's argmax); rows holding NaN return an arbitrary column (the
+    sampler reports those rows as errors)."""
+    if triton is None:
+        raise RuntimeError("fused_gumbel_argmax: Triton is not installed")
+    n, cols = x.shape
+    x = x.contiguous()
+    if token_ids is not None:
+        token_ids = token_ids.contiguous()
+    blocks = triton.cdiv(cols, _ARGMAX_BLOCK)
+    best = torch.empty(n, blocks, dtype=torch.float32, device=x.device)
+    where = torch.empty(n, blocks, dtype=torch.int64, device=x.device)
+    if n == 0 or cols == 0:
+        return torch.zeros(n, dtype=torch.int64, device=x.device)
+    _gumbel_argmax_kernel[(n, blocks)](
+        x,
+        seeds.contiguous(),
+        steps.contiguous(),
+        x if token_ids is None else token_ids,  # unread without HAS_IDS
+        best,
+        where,
+        cols,
+        blocks,
+        BLOCK=_ARGMAX_BLOCK,
+        HAS_IDS=token_ids is not None,
+        LIBDEVICE_LOG=os.environ.get("TRITON_INTERPRET") != "1",
+        num_warps=8,
+    )
+    return where.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1)
+
+
 if triton is not None:
+
+    @triton.jit
+    def _mix64(z):
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+        return z ^ (z >> 31)
+
+    @triton.jit
+    def _gumbel_argmax_kernel(x_ptr, seeds_ptr, steps_ptr, ids_ptr, best_ptr, where_ptr, cols,
+                              blocks, BLOCK: tl.constexpr, HAS_IDS: tl.constexpr,
+                              LIBDEVICE_LOG: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0)
+        block = tl.program_id(1)
+        offs = block * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < cols
+        # random.stream_keys: key = mix64(mix64(seed) + (step + 1) * GAMMA), on uint64.
+        seed = tl.load(seeds_ptr + row).to(tl.uint64, bitcast=True)
+        step = tl.load(steps_ptr + row).to(tl.uint64, bitcast=True)
+        key = _mix64(_mix64(seed) + (step + 1) * 0x9E3779B97F4A7C15)
+        base = row.to(tl.int64) * cols
+        if HAS_IDS:
+            ids = tl.load(ids_ptr + base + offs, mask=mask, other=0)
+        else:
+            ids = offs.to(tl.int64)
+        z = _mix64(key + (ids.to(tl.uint64, bitcast=True) + 1) * 0x9E3779B97F4A7C15)
+        u = ((z >> 41).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23, exact
+        if LIBDEVICE_LOG:
+            g = -libdevice.log(-libdevice.log(u))
+        else:
+            g = -tl.log(-tl.log(u))
+        v = tl.load(x_ptr + base + offs, mask=mask, other=float("-inf")) + g
+        v = tl.where(mask, v, float("-inf"))
+        m, i = tl.max(v, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        tl.store(best_ptr + row * blocks + block, m)
+        tl.store(where_ptr + row * blocks + block, block * BLOCK + i.to(tl.int64))
 
     @triton.jit
     def _noise_kernel(keys_ptr, ids_ptr, out_ptr, vocab, ids_row_stride, BLOCK: tl.constexpr,

@@ -25,9 +25,14 @@ from __future__ import annotations
 
 import torch
 
-from mlaserve.sampling.noise_kernel import fused_noise, fused_noise_available
+from mlaserve.sampling.noise_kernel import (
+    fused_gumbel_argmax,
+    fused_noise,
+    fused_noise_available,
+)
 
 __all__ = [
+    "gumbel_argmax",
     "gumbel_noise",
     "mix64",
     "reference_gumbel_noise",
@@ -118,3 +123,17 @@ def reference_gumbel_noise(
     """`gumbel_noise` in plain torch ops."""
     u = reference_uniform_noise(seeds, steps, token_ids)
     return u.log_().neg_().log_().neg_()
+
+
+def gumbel_argmax(
+    x: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, token_ids: torch.Tensor | None
+) -> torch.Tensor:
+    """The Gumbel-max draw `argmax(x + gumbel_noise(seeds, steps, ids))` over each row: a sample
+    of softmax(x). x: [n, C] float32; token_ids: [n, C] int64 (the token each column stands
+    for) or None (column c is token c). Returns [n] int64 column indices. On CUDA one Triton
+    kernel (`noise_kernel.fused_gumbel_argmax`: no [n, C] noise tensor, no key kernels), the
+    same column as the torch ops below, which are the reference and the path elsewhere."""
+    if fused_noise_available(x.device):
+        return fused_gumbel_argmax(x, seeds, steps, token_ids)
+    ids = torch.arange(x.shape[1], device=x.device) if token_ids is None else token_ids
+    return (x + gumbel_noise(seeds, steps, ids)).argmax(dim=-1)

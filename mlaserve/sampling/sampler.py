@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from mlaserve.sampling.penalties import apply_min_tokens, apply_penalties
-from mlaserve.sampling.random import gumbel_noise
+from mlaserve.sampling.random import gumbel_argmax
 from mlaserve.sampling.sampling_batch import SamplingBatch
 
 # Up to this k, `topk` is cheaper than sorting a 100k+ vocabulary.
@@ -93,8 +93,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     penalties. Returns [n] int64. Greedy rows get an arbitrary token (the caller overrides them)."""
     x, sorted_ids = filter_logits(logits, batch)
     # The noise follows the token id, not the column, so sorting does not change the draw.
-    token_ids = torch.arange(x.shape[1], device=x.device) if sorted_ids is None else sorted_ids
-    best = (x + gumbel_noise(batch.seeds, batch.steps, token_ids)).argmax(dim=-1)
+    best = gumbel_argmax(x, batch.seeds, batch.steps, sorted_ids)
     if sorted_ids is None:
         return best
     return sorted_ids.gather(1, best.unsqueeze(1)).squeeze(1)
@@ -135,10 +134,9 @@ def filter_logits(
             # NOTE: `top_p < 1` keeps p = 1 an exact no-op despite cumsum rounding.
             top_ps = batch.top_ps.unsqueeze(1)
             x = x.masked_fill((mass_before >= top_ps) & (top_ps < 1.0), -math.inf)
-        row_max = x[:, :1]
-    else:
-        row_max = x.amax(dim=-1, keepdim=True)
     if batch.use_min_p:
+        # Sorted: the best logit is column 0; otherwise one reduction (only min-p needs it).
+        row_max = x[:, :1] if sorted_ids is not None else x.amax(dim=-1, keepdim=True)
         # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p): no softmax needed, and the
         # ratio is the same before or after top-k/top-p renormalisation. log(0) = -inf keeps all.
         x = x.masked_fill(x < row_max + batch.min_ps.log().unsqueeze(1), -math.inf)

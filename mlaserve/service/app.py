@@ -27,10 +27,11 @@ import mlaserve
 from mlaserve.service.async_engine import AsyncEngine
 from mlaserve.service.auth import UNAUTHENTICATED_PATHS, APIKeyMiddleware
 from mlaserve.service.body_limit import BodySizeLimitMiddleware
-from mlaserve.service.chat import Chat, render_chat
+from mlaserve.service.chat import Chat, ChatOptions, render_chat
 from mlaserve.service.completions import Completions
 from mlaserve.service.errors import BadRequestError, install_error_handlers
 from mlaserve.service.protocol import (
+    MAX_LOGPROBS,
     MAX_PROMPTS,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -76,6 +77,9 @@ def build_app(
     shutdown_timeout: float = 30.0,
     max_prompts_per_request: int = MAX_PROMPTS,
     max_prompt_tokens_per_request: int = 131072,
+    max_logprobs: int = MAX_LOGPROBS,
+    log_requests: bool = True,
+    chat_options: ChatOptions | None = None,
 ) -> FastAPI:
     """The app that serves `engine`; the engine process starts with the app's lifespan."""
 
@@ -101,8 +105,11 @@ def build_app(
         engine,
         max_prompts_per_request=max_prompts_per_request,
         max_prompt_tokens_per_request=max_prompt_tokens_per_request,
+        max_logprobs=max_logprobs,
+        log_requests=log_requests,
     )
-    completions, chat = Completions(serving), Chat(serving)
+    chat_options = chat_options or ChatOptions()
+    completions, chat = Completions(serving), Chat(serving, chat_options)
     created = int(time.time())
 
     @app.post(
@@ -144,8 +151,11 @@ def build_app(
             raise BadRequestError("give exactly one of prompt and messages", param="prompt")
         messages, prompt = body.messages, body.prompt
         if messages is not None:
+            template = chat_options.chat_template
             tokens = await serving.run_tokenizer(
-                lambda tok: render_chat(tok, messages, body.add_generation_prompt)
+                lambda tok: render_chat(
+                    tok, messages, body.add_generation_prompt, chat_template=template
+                )
             )
         else:
             tokens = await serving.run_tokenizer(

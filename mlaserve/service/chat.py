@@ -3,14 +3,23 @@
 Streaming follows OpenAI: each choice first gets a chunk with `delta.role = "assistant"`, then
 content deltas; the last one carries `finish_reason`. Usage, when asked for with
 `stream_options.include_usage`, comes in one more chunk with no choices, before `[DONE]`.
+
+Tools (with `--tool-call-parser`): `tools` reach the chat template; `tool_choice` is 'none' (the
+output is content), 'auto' (needs `--enable-auto-tool-choice`: the parser finds the calls the
+model writes, and `finish_reason` is "tool_calls"), 'required' or a named function (the opening
+of a call, up to the name or through it, is forced after the prompt, so the model can only
+write a call). With `--reasoning-parser`, `<think>...</think>` goes to `reasoning_content`.
+Streamed, a call arrives as `delta.tool_calls` pieces: first its index, id, type and name, then
+pieces of `function.arguments` that add up to the non-streamed arguments.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -18,6 +27,14 @@ from starlette.responses import JSONResponse, Response
 from mlaserve.outputs import RequestOutput
 from mlaserve.service.errors import BadRequestError
 from mlaserve.service.logprobs import chat_logprobs
+from mlaserve.service.parsers import (
+    REASONING_PARSERS,
+    TOOL_PARSERS,
+    ChatOutputParser,
+    ChatParts,
+    ToolCallDelta,
+)
+from mlaserve.service.parsers.deepseek_r1 import THINK_END, THINK_START
 from mlaserve.service.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -27,6 +44,10 @@ from mlaserve.service.protocol import (
     ChatDelta,
     ChatMessage,
     ChatResponseMessage,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
 )
 from mlaserve.service.request_stream import RequestStream
 from mlaserve.service.serving import STREAM_ERRORS, ClientDisconnected, Fanout, Serving, sse_frame
@@ -35,7 +56,17 @@ from mlaserve.service.sse_chunks import ChunkFrames
 if TYPE_CHECKING:
     from mlaserve.tokenizer import Tokenizer
 
-__all__ = ["Chat", "render_chat"]
+__all__ = ["Chat", "ChatOptions", "render_chat"]
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """The server's chat settings (vLLM's flags of the same names)."""
+
+    chat_template: str | None = None  # the template text; None: the tokenizer's own
+    tool_call_parser: str | None = None  # a key of TOOL_PARSERS
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None  # a key of REASONING_PARSERS
 
 
 def render_chat(
@@ -43,18 +74,33 @@ def render_chat(
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
     max_tokens: int | None = None,
+    *,
+    chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    continuation: Callable[[str], str] | None = None,
 ) -> list[int]:
     """Token ids of `messages` through the chat template; a template error is the client's.
     With `max_tokens`, a rendered prompt that surely has more tokens is refused before it is
-    encoded. Runs on the tokenizer thread (`Serving.run_tokenizer`)."""
+    encoded. `continuation` gives text to append to the rendered prompt (a forced tool call).
+    Runs on the tokenizer thread (`Serving.run_tokenizer`)."""
     plain = [
         {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         for m in messages
     ]
+    extra: dict[str, Any] = {}
+    if tools:
+        extra["tools"] = tools
     try:
-        text = tokenizer.render_chat_template(plain, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.render_chat_template(
+            plain,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            **extra,
+        )
     except ValueError as e:  # ChatTemplateError: no template, or the template raised
         raise BadRequestError(str(e), param="messages", code="invalid_value") from None
+    if continuation is not None:
+        text += continuation(text)
     if max_tokens is not None and tokenizer.min_num_tokens(text) > max_tokens:
         raise BadRequestError(
             f"messages: the rendered prompt has at least {tokenizer.min_num_tokens(text)} tokens "
@@ -65,17 +111,96 @@ def render_chat(
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+@dataclass(frozen=True)
+class _ToolMode:
+    """How one request treats tools: parse the output for calls, and force a call's opening."""
+
+    parse: bool = False
+    forced: str = ""  # text appended to the prompt: the opening of a call
+    finish_reason: str = "tool_calls"  # when calls were made and generation stopped normally
+
+
 class Chat:
-    def __init__(self, serving: Serving) -> None:
+    def __init__(self, serving: Serving, options: ChatOptions | None = None) -> None:
         self.serving = serving
+        self.options = options or ChatOptions()
+
+    def _tool_mode(self, req: ChatCompletionRequest) -> _ToolMode:
+        """Check tools/tool_choice against each other and the server's flags (400 otherwise)."""
+        choice, opts = req.tool_choice, self.options
+        if not req.tools:
+            if choice not in (None, "none"):
+                raise BadRequestError(
+                    "tool_choice: needs tools", param="tool_choice", code="invalid_value"
+                )
+            return _ToolMode()
+        choice = choice or "auto"
+        if choice == "none":
+            return _ToolMode()
+        parser = TOOL_PARSERS.get(opts.tool_call_parser or "")
+        if choice == "auto" and not (opts.enable_auto_tool_choice and parser is not None):
+            raise BadRequestError(
+                "tool_choice: 'auto' (the default when tools are given) needs the server started "
+                "with --enable-auto-tool-choice and --tool-call-parser",
+                param="tool_choice",
+                code="unsupported_parameter",
+            )
+        if parser is None:
+            raise BadRequestError(
+                "tool_choice: calling tools needs the server started with --tool-call-parser",
+                param="tool_choice",
+                code="unsupported_parameter",
+            )
+        if choice == "auto":
+            return _ToolMode(parse=True)
+        if choice == "required":
+            return _ToolMode(parse=True, forced=parser.forced_prefix(None))
+        name = choice.function.name
+        if name not in {t.function.name for t in req.tools}:
+            raise BadRequestError(
+                f"tool_choice: function {name!r} is not among the tools",
+                param="tool_choice",
+                code="invalid_value",
+            )
+        # OpenAI ends a call the client forced by name with "stop", not "tool_calls".
+        return _ToolMode(parse=True, forced=parser.forced_prefix(name), finish_reason="stop")
+
+    def _output_parser(self, mode: _ToolMode, req: ChatCompletionRequest) -> ChatOutputParser:
+        reasoning_cls = REASONING_PARSERS.get(self.options.reasoning_parser or "")
+        tool_cls = TOOL_PARSERS.get(self.options.tool_call_parser or "")
+        return ChatOutputParser(
+            # A forced call starts the output inside the call: there is no reasoning to read.
+            reasoning=reasoning_cls() if reasoning_cls is not None and not mode.forced else None,
+            tools=tool_cls() if mode.parse and tool_cls is not None else None,
+            forced=mode.forced,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+        )
+
+    def _continuation(self, mode: _ToolMode) -> Callable[[str], str] | None:
+        if not mode.forced:
+            return None
+        reasoning = self.options.reasoning_parser is not None
+
+        def forced(prompt: str) -> str:
+            # R1's template opens the reasoning in the prompt; a forced call closes it first.
+            still_open = prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
+            return (THINK_END + "\n\n" if reasoning and still_open else "") + mode.forced
+
+        return forced
+
+    @property
+    def _parsing(self) -> bool:
+        return (
+            self.options.tool_call_parser is not None or self.options.reasoning_parser is not None
+        )
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         arrival_time = time.time()
         s = self.serving
         s.require_ready()
         model = s.check_model(req.model)
-        s.reject_unsupported("tools", bool(req.tools))
-        s.reject_unsupported("tool_choice", req.tool_choice not in (None, "none"))
+        mode = self._tool_mode(req)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         s.reject_unsupported("logit_bias", bool(req.logit_bias))
         fmt = (req.response_format or {}).get("type", "text")
         s.reject_unsupported("response_format", fmt != "text", "only supports type 'text'")
@@ -85,8 +210,16 @@ class Chat:
                              "requires stream=true")  # fmt: skip
         s.check_sequences(1, req.n)
         limit_tokens = min(s.engine.max_model_len - 1, s.max_prompt_tokens)
+        template, continuation = self.options.chat_template, self._continuation(mode)
         prompt = await s.run_tokenizer(
-            lambda tok: render_chat(tok, req.messages, max_tokens=limit_tokens)
+            lambda tok: render_chat(
+                tok,
+                req.messages,
+                max_tokens=limit_tokens,
+                chat_template=template,
+                tools=tools,
+                continuation=continuation,
+            )
         )
         if len(prompt) > s.max_prompt_tokens:
             raise BadRequestError(
@@ -103,14 +236,21 @@ class Chat:
 
         fanout = s.fan_out("chatcmpl", req, [prompt], max_tokens, num_logprobs)
         stream = await s.submit(fanout, arrival_time)
+
+        def new_parser() -> ChatOutputParser | None:
+            return self._output_parser(mode, req) if self._parsing else None
+
         if req.stream:
-            frames = self._frames(req, model, fanout, stream, num_logprobs)
+            frames = self._frames(req, model, fanout, stream, num_logprobs, new_parser, mode)
             return s.streaming_response(stream, frames)
         try:
             finals = await s.collect(stream, raw)
         except ClientDisconnected:
             return Response(status_code=499)
-        choices = [self._choice(fanout.index_of(r), o, num_logprobs) for r, o in finals.items()]
+        choices = [
+            self._choice(fanout.index_of(r), o, num_logprobs, new_parser(), mode)
+            for r, o in finals.items()
+        ]
         response = ChatCompletionResponse(
             id=fanout.request_id,
             created=fanout.created,
@@ -121,16 +261,29 @@ class Chat:
         return JSONResponse(response.model_dump(mode="json"))
 
     @staticmethod
-    def _choice(index: int, out: RequestOutput, num_logprobs: int | None) -> ChatChoice:
+    def _choice(
+        index: int,
+        out: RequestOutput,
+        num_logprobs: int | None,
+        parser: ChatOutputParser | None,
+        mode: _ToolMode,
+    ) -> ChatChoice:
         c = out.outputs[0]
         logprobs = None
         if num_logprobs is not None and c.logprobs is not None:
             logprobs = chat_logprobs(c.token_ids, c.logprobs, num_logprobs)
+        message = ChatResponseMessage(content=c.text)
+        finish_reason = c.finish_reason
+        if parser is not None:
+            parts = parser.feed(c.text)
+            rest = parser.finish()
+            parts.reasoning += rest.reasoning
+            parts.content += rest.content
+            parts.calls.extend(rest.calls)
+            message = _message(parts)
+            finish_reason = _finish_reason(finish_reason, parser, mode)
         return ChatChoice(
-            index=index,
-            message=ChatResponseMessage(content=c.text),
-            logprobs=logprobs,
-            finish_reason=c.finish_reason,
+            index=index, message=message, logprobs=logprobs, finish_reason=finish_reason
         )
 
     async def _frames(
@@ -140,9 +293,12 @@ class Chat:
         fanout: Fanout,
         stream: RequestStream,
         num_logprobs: int | None,
+        new_parser: Callable[[], ChatOutputParser | None],
+        mode: _ToolMode,
     ) -> AsyncIterator[str]:
         sent_tokens: dict[str, int] = defaultdict(int)  # generated, per choice
         want_logprobs = num_logprobs is not None
+        parsers = {sub.request_id: new_parser() for sub in fanout.subrequests}
         frames = ChunkFrames.chat(fanout.request_id, fanout.created, model)
 
         def chunk(choices: list[ChatChunkChoice], **extra: object) -> str:
@@ -166,17 +322,31 @@ class Chat:
                     continue
                 text = out.new_text
                 sent_tokens[rid] += len(c.token_ids)  # counted in usage even if not sent now
-                if not (text or out.finished or (want_logprobs and c.token_ids)):
-                    continue  # e.g. a token that ends inside a multi-byte character
+                parser = parsers[rid]
                 finish_reason = c.finish_reason if out.finished else None
-                if num_logprobs is None or c.logprobs is None:
-                    yield frames.text(index, text, finish_reason)
+                if parser is None:
+                    delta = ChatDelta(content=text)
+                    has_news = bool(text)
+                else:
+                    parts = parser.feed(text)
+                    if out.finished:
+                        more = parser.finish()
+                        parts.reasoning += more.reasoning
+                        parts.content += more.content
+                        parts.calls.extend(more.calls)
+                        finish_reason = _finish_reason(finish_reason, parser, mode)
+                    delta = _delta(parts)
+                    has_news = bool(parts)
+                if not (has_news or out.finished or (want_logprobs and c.token_ids)):
+                    continue  # e.g. a token that ends inside a multi-byte character
+                if parser is None and (num_logprobs is None or c.logprobs is None):
+                    yield frames.text(index, text, finish_reason)  # plain content: preformatted
                     continue
+                logprobs = None
+                if num_logprobs is not None and c.logprobs is not None:
+                    logprobs = chat_logprobs(c.token_ids, c.logprobs, num_logprobs)
                 choice = ChatChunkChoice(
-                    index=index,
-                    delta=ChatDelta(content=text),
-                    logprobs=chat_logprobs(c.token_ids, c.logprobs, num_logprobs),
-                    finish_reason=finish_reason,
+                    index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
                 )
                 yield frames.choice(choice)
             if req.include_usage_in_stream:
@@ -184,3 +354,45 @@ class Chat:
         except STREAM_ERRORS as e:
             yield self.serving.error_frame(e)
         yield sse_frame("[DONE]")
+
+
+def _finish_reason(reason: str | None, parser: ChatOutputParser, mode: _ToolMode) -> str | None:
+    return mode.finish_reason if reason == "stop" and parser.called_tools else reason
+
+
+def _message(parts: ChatParts) -> ChatResponseMessage:
+    calls: dict[int, ToolCall] = {}
+    for piece in parts.calls:
+        call = calls.get(piece.index)
+        if call is None:
+            call = ToolCall(
+                id=piece.id or "", function=FunctionCall(name=piece.name or "", arguments="")
+            )
+            calls[piece.index] = call
+        call.function.arguments += piece.arguments
+    return ChatResponseMessage(
+        # OpenAI sends null content beside tool calls when the model wrote none.
+        content=parts.content if parts.content or not calls else None,
+        reasoning_content=parts.reasoning or None,
+        tool_calls=[calls[i] for i in sorted(calls)] or None,
+    )
+
+
+def _delta(parts: ChatParts) -> ChatDelta:
+    return ChatDelta(
+        content=parts.content or None,
+        reasoning_content=parts.reasoning or None,
+        tool_calls=[_delta_call(p) for p in parts.calls] or None,
+    )
+
+
+def _delta_call(piece: ToolCallDelta) -> DeltaToolCall:
+    first = piece.id is not None
+    return DeltaToolCall(
+        index=piece.index,
+        id=piece.id,
+        type="function" if first else None,
+        function=DeltaFunctionCall(
+            name=piece.name, arguments=piece.arguments if piece.arguments or first else None
+        ),
+    )

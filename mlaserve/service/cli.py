@@ -1,12 +1,20 @@
-"""`mlaserve serve`: resolve the options, start uvicorn and the engine thread, stop cleanly.
+"""`mlaserve serve [MODEL]`: resolve the options, start uvicorn and the engine thread, stop cleanly.
 
-The HTTP server comes up first (so /health and /ready answer while the weights load); the
-engine thread loads and warms up the model, then /ready turns 200. SIGTERM or SIGINT stops
-admitting requests, lets in-flight ones finish for up to `--shutdown-timeout` seconds, then
-ends every open response itself (an SSE error event `server_shutdown` and `[DONE]`, or a 503
-body) and exits 0. A model that fails to load exits 1, and so does an engine thread that dies
-while serving (after failing the open requests), so that an orchestrator restarts the server;
-a bad option exits 2.
+vLLM's command lines work: the model may be given positionally, and `--gpu-memory-utilization`,
+`--tensor-parallel-size`/`-tp` (1), `--enforce-eager`, `--max-logprobs`, `--chat-template`,
+`--disable-log-requests`, `--disable-uvicorn-access-log`, `--trust-remote-code`,
+`--tool-call-parser`, `--enable-auto-tool-choice` and `--reasoning-parser` mean what they mean
+there.
+
+Before anything starts, the options are checked, the model folder is looked at (config.json,
+tokenizer) and the port is bound: any problem is one line on stderr and exit 2 (a bad option or
+model path) or 1 (the port cannot be bound), with no traceback and no engine started. Then the
+HTTP server comes up (so /health and /ready answer while the weights load); the engine thread
+loads and warms up the model, then /ready turns 200. SIGTERM or SIGINT stops admitting
+requests, lets in-flight ones finish for up to `--shutdown-timeout` seconds, then ends every
+open response itself (an SSE error event `server_shutdown` and `[DONE]`, or a 503 body) and
+exits 0. A model that fails to load exits 1, and so does an engine thread that dies while
+serving (after failing the open requests), so that an orchestrator restarts the server.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from types import FrameType
@@ -24,7 +33,16 @@ import uvicorn
 from mlaserve.config import ConfigError
 from mlaserve.service.app import build_app, server_version
 from mlaserve.service.async_engine import AsyncEngine
-from mlaserve.service.settings import CONFIG_ENV, ServerConfig, Settings, load_settings, options
+from mlaserve.service.chat import ChatOptions
+from mlaserve.service.preflight import preflight
+from mlaserve.service.settings import (
+    CHOICES,
+    CONFIG_ENV,
+    ServerConfig,
+    Settings,
+    load_settings,
+    options,
+)
 
 __all__ = ["build_parser", "main", "resolve_torch_threads", "serve"]
 
@@ -66,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
         "command line wins over the environment, which wins over the file.",
     )
     serve_parser.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        default=argparse.SUPPRESS,
+        help="checkpoint folder, as vLLM takes it (the same as --model)",
+    )
+    serve_parser.add_argument(
         "--config",
         metavar="FILE",
         default=argparse.SUPPRESS,
@@ -77,21 +102,34 @@ def build_parser() -> argparse.ArgumentParser:
         group = server_group if opt.target is ServerConfig else engine_group
         default = "" if opt.default is None else f"default: {opt.default}; "
         text = f"{opt.help} ({default}env {opt.env})".replace("%", "%%")
+        flags = [opt.flag, *_ALIASES.get(opt.name, ())]
         if opt.base_type is bool:
             group.add_argument(
-                opt.flag, dest=opt.name, action=argparse.BooleanOptionalAction,
+                *flags, dest=opt.name, action=argparse.BooleanOptionalAction,
                 default=argparse.SUPPRESS, help=text,
             )  # fmt: skip
         else:
-            metavar = _METAVARS.get(opt.name) or _METAVARS.get(opt.base_type, "VALUE")
-            group.add_argument(
-                opt.flag, dest=opt.name, metavar=metavar, default=argparse.SUPPRESS, help=text
+            choices = CHOICES.get(opt.name)
+            metavar = (
+                "{" + ",".join(choices) + "}"
+                if choices
+                else _METAVARS.get(opt.name) or _METAVARS.get(opt.base_type, "VALUE")
             )
+            group.add_argument(
+                *flags, dest=opt.name, metavar=metavar, default=argparse.SUPPRESS, help=text
+            )
+        if opt.name == "cuda_graph":
+            group.add_argument(
+                "--enforce-eager", dest="cuda_graph", action="store_const", const=False,
+                default=argparse.SUPPRESS, help="vLLM's name for --no-cuda-graph",
+            )  # fmt: skip
     return parser
 
 
+_ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("-tp",)}
 _METAVARS: dict = {int: "N", float: "X", str: "TEXT", "model": "PATH", "tokenizer": "PATH",
-                   "api_key": "KEY", "host": "HOST", "served_model_name": "NAME"}  # fmt: skip
+                   "api_key": "KEY", "host": "HOST", "served_model_name": "NAME",
+                   "chat_template": "FILE|TEMPLATE"}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -99,11 +137,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.pop("command")
     config_file = args.pop("config", None)
     try:
+        positional = args.pop("model_tag", None)
+        if positional is not None:
+            if args.get("model", positional) != positional:
+                raise ConfigError(
+                    f"model: given twice, as {positional!r} and --model {args['model']!r}"
+                )
+            args["model"] = positional
         settings = load_settings(args, os.environ, config_file)
+        settings = preflight(settings)
     except ConfigError as e:
         print(f"mlaserve: error: {e}", file=sys.stderr)
         return 2
-    return serve(settings)
+    try:
+        sock = bind_socket(settings.server.host, settings.server.port)
+    except OSError as e:
+        where = f"{settings.server.host}:{settings.server.port}"
+        print(f"mlaserve: error: cannot listen on {where}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    with sock:
+        return serve(settings, sock)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the engine starts: a taken port is an error at once
+    (uvicorn binds only after the app's startup, i.e. after the engine began loading)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.set_inheritable(True)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class _Server(uvicorn.Server):
@@ -118,8 +186,9 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(settings: Settings) -> int:
-    """Run the server until a signal stops it; returns the process exit code."""
+def serve(settings: Settings, sock: socket.socket | None = None) -> int:
+    """Run the server until a signal stops it; returns the process exit code. `sock` is the
+    bound listening socket (`bind_socket`); without it uvicorn binds host:port itself."""
     server_cfg = settings.server
     logging.basicConfig(
         level=server_cfg.log_level.upper() if server_cfg.log_level != "trace" else "DEBUG",
@@ -130,6 +199,8 @@ def serve(settings: Settings) -> int:
         logger.info("  %s", line)
     for warning in settings.warnings:
         logger.warning(warning)
+    if server_cfg.trust_remote_code:
+        logger.info("--trust-remote-code: accepted; mlaserve runs no code from the checkpoint")
 
     threads = resolve_torch_threads(server_cfg.torch_threads, os.environ)
     logger.info("torch intra-op threads: %s", threads if threads is not None else "OMP_NUM_THREADS")
@@ -159,12 +230,21 @@ def serve(settings: Settings) -> int:
         shutdown_timeout=server_cfg.shutdown_timeout,
         max_prompts_per_request=server_cfg.max_prompts_per_request,
         max_prompt_tokens_per_request=server_cfg.max_prompt_tokens_per_request,
+        max_logprobs=server_cfg.max_logprobs,
+        log_requests=not server_cfg.disable_log_requests,
+        chat_options=ChatOptions(
+            chat_template=server_cfg.chat_template,
+            tool_call_parser=server_cfg.tool_call_parser,
+            enable_auto_tool_choice=server_cfg.enable_auto_tool_choice,
+            reasoning_parser=server_cfg.reasoning_parser,
+        ),
     )
     config = uvicorn.Config(
         app,
         host=server_cfg.host,
         port=server_cfg.port,
         log_level=server_cfg.log_level,
+        access_log=not server_cfg.disable_uvicorn_access_log,
         timeout_graceful_shutdown=server_cfg.shutdown_timeout + UVICORN_SHUTDOWN_MARGIN_S,
         lifespan="on",
     )
@@ -173,7 +253,7 @@ def serve(settings: Settings) -> int:
     # previous handler first; a no-op handler there turns SIGTERM into a clean exit 0.
     previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server.run()
+        server.run(sockets=[sock] if sock is not None else None)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

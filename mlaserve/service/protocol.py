@@ -28,15 +28,19 @@ __all__ = [
     "MAX_N",
     "ChatCompletionRequest",
     "ChatMessage",
+    "ChatTool",
     "CompletionRequest",
+    "DeltaToolCall",
     "DetokenizeRequest",
     "DetokenizeResponse",
     "ModelCard",
     "ModelList",
+    "NamedToolChoice",
     "SamplingRequest",
     "StreamOptions",
     "TokenizeRequest",
     "TokenizeResponse",
+    "ToolCall",
     "UsageInfo",
 ]
 
@@ -170,13 +174,39 @@ class ChatMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = Field(None, description="Not supported.")
-    tool_choice: Any | None = Field(None, description="Not supported.")
+    tools: list[ChatTool] | None = Field(
+        None, max_length=128, description="Functions the model may call (--tool-call-parser)."
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default: 'auto' with tools, 'none' without."
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call.")
     response_format: dict[str, Any] | None = Field(None, description="Only type 'text'.")
 
 
@@ -239,16 +269,29 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None  # with --reasoning-parser
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = Field(None, description="stop or length")
+    finish_reason: str | None = Field(None, description="stop, length or tool_calls")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -260,21 +303,38 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
+class _Delta(BaseModel):
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # OpenAI's deltas carry only what changed: the role once, then content.
+        # OpenAI's deltas carry only what changed: the role once, then content; a tool call's
+        # id and name once, then pieces of its arguments.
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_Delta):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Delta):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class ChatDelta(_Delta):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = Field(None, description="stop or length")
+    finish_reason: str | None = Field(None, description="stop, length or tool_calls")
 
 
 class ChatCompletionChunk(BaseModel):

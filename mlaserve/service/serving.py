@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import copy
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -48,6 +49,7 @@ from mlaserve.service.errors import (
     error_body,
 )
 from mlaserve.service.protocol import (
+    MAX_LOGPROBS,
     MAX_PROMPT_TOKENS,
     MAX_PROMPTS,
     MAX_SEED,
@@ -59,6 +61,8 @@ from mlaserve.service.tokenizer_worker import TokenizerBusyError
 from mlaserve.tokenizer import Tokenizer
 
 __all__ = ["Fanout", "Serving", "sse_frame"]
+
+logger = logging.getLogger("mlaserve.service")
 
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -104,10 +108,14 @@ class Serving:
         *,
         max_prompts_per_request: int = MAX_PROMPTS,
         max_prompt_tokens_per_request: int = MAX_PROMPT_TOKENS,
+        max_logprobs: int = MAX_LOGPROBS,
+        log_requests: bool = True,
     ) -> None:
         self.engine = engine
         self.max_prompts = max_prompts_per_request
         self.max_prompt_tokens = max_prompt_tokens_per_request
+        self.max_logprobs = max_logprobs
+        self.log_requests = log_requests
 
     # ----- checks -----
     def require_ready(self) -> None:
@@ -228,6 +236,14 @@ class Serving:
         logprobs: int | None,
     ) -> Fanout:
         request_id = new_request_id(prefix)
+        if logprobs is not None and logprobs > self.max_logprobs:
+            field = "top_logprobs" if prefix == "chatcmpl" else "logprobs"
+            raise BadRequestError(
+                f"{field}: at most {self.max_logprobs} (the server's --max-logprobs), got "
+                f"{logprobs}",
+                param=field,
+                code="invalid_value",
+            )
         # Validated once per request; each choice gets a shallow copy with its own max_tokens and
         # seed (validating len(prompts) * n copies was O(n) Python work per prompt).
         base = self.sampling_params(req, max(max_tokens(p) for p in prompts), req.seed, logprobs)
@@ -277,6 +293,16 @@ class Serving:
     async def submit(self, fanout: Fanout, arrival_time: float) -> RequestStream:
         """Hand the requests to the engine; map its refusals to HTTP errors."""
         self.check_sequences(len(fanout.prompts), len(fanout.subrequests) // len(fanout.prompts))
+        if self.log_requests:  # one line per HTTP request, as vLLM logs them (never the text)
+            params = fanout.subrequests[0].params
+            logger.info(
+                "request %s: %d choice(s), %d prompt tokens, max_tokens %d, temperature %s",
+                fanout.request_id,
+                len(fanout.subrequests),
+                sum(len(p) for p in fanout.prompts),
+                params.max_tokens,
+                params.temperature,
+            )
         try:
             return await self.engine.add(fanout.subrequests, arrival_time)
         except QueueFullError as e:

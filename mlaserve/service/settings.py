@@ -20,8 +20,10 @@ from typing import Any
 
 import yaml
 
-from mlaserve.config import ConfigError, EngineConfig
-from mlaserve.service.protocol import MAX_PROMPT_TOKENS, MAX_PROMPTS
+from mlaserve.config import KV_CACHE_DTYPES, MODEL_DTYPES, ConfigError, EngineConfig
+from mlaserve.kernels_adapter.registry import available_backends
+from mlaserve.service.parsers import REASONING_PARSERS, TOOL_PARSERS
+from mlaserve.service.protocol import MAX_LOGPROBS, MAX_PROMPT_TOKENS, MAX_PROMPTS
 
 __all__ = ["ENV_PREFIX", "Option", "ServerConfig", "Settings", "load_settings", "options"]
 
@@ -46,6 +48,16 @@ class ServerConfig:
     max_prompt_tokens_per_request: int = 131072
     tokenizer_queue: int = 64  # requests waiting for the tokenizer thread; more get 503
     torch_threads: int | None = None  # None: CPUs available minus the service's own threads
+    # vLLM's names, so that `vllm serve` command lines work unchanged.
+    tensor_parallel_size: int = 1  # one GPU until multi-GPU serving exists
+    max_logprobs: int = MAX_LOGPROBS  # most logprobs / top_logprobs a request may ask for
+    chat_template: str | None = None  # a Jinja file or inline template; default: the tokenizer's
+    disable_log_requests: bool = False
+    disable_uvicorn_access_log: bool = False
+    trust_remote_code: bool = False  # accepted; mlaserve never runs a checkpoint's code
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -67,6 +79,24 @@ class ServerConfig:
             _check_range("torch_threads", self.torch_threads, 1, None)
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level: expected one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(
+                f"tensor_parallel_size: only 1 is supported (one GPU) until multi-GPU serving "
+                f"exists, got {self.tensor_parallel_size}"
+            )
+        _check_range("max_logprobs", self.max_logprobs, 0, MAX_LOGPROBS)
+        _check_choice("tool_call_parser", self.tool_call_parser, TOOL_PARSERS)
+        _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError(
+                "enable_auto_tool_choice: needs --tool-call-parser (e.g. deepseek_v3) to read the "
+                "model's tool calls"
+            )
+
+
+def _check_choice(name: str, value: str | None, allowed: Mapping[str, object]) -> None:
+    if value is not None and value not in allowed:
+        raise ConfigError(f"{name}: expected one of {sorted(allowed)}, got {value!r}")
 
 
 def _check_range(name: str, value: int, low: int, high: int | None) -> None:
@@ -86,10 +116,15 @@ _HELP = {
     "max_num_seqs": "most requests running in one batch",
     "max_model_len": "context length (prompt + output); default min(model limit, 8192)",
     "max_num_batched_tokens": "token budget of one engine step (prefill chunks + decodes)",
-    "kv_cache_memory_fraction": "share of free GPU memory given to the KV cache",
+    "kv_cache_memory_fraction": "share of free GPU memory given to the KV cache (of the memory "
+    "--gpu-memory-utilization leaves after the weights, when that is set)",
+    "gpu_memory_utilization": "vLLM's meaning: fraction of the GPU's total memory this server may "
+    "use for weights, KV cache and CUDA graphs; the KV cache gets kv_cache_memory_fraction of "
+    "what is left after the weights (default: unset, the KV cache is sized from free memory)",
     "num_pages": "explicit KV-cache size in pages; overrides the memory fraction",
     "attention_backend": "MLA kernel backend ('auto' picks the best for the GPU)",
-    "cuda_graph": "capture decode steps in CUDA graphs (default: on with CUDA)",
+    "cuda_graph": "capture decode steps in CUDA graphs (default: on with CUDA; "
+    "--enforce-eager = --no-cuda-graph)",
     "cuda_graph_batch_sizes": "batch sizes to capture, e.g. '1,2,4,8' (default: 1 2 4 8 12 16 "
     "24 32, then steps of 16 up to max_num_seqs)",
     "seed": "engine seed for requests that give none",
@@ -107,6 +142,31 @@ _HELP = {
     "tokenizer_queue": "requests that may wait for the tokenizer thread; more get 503",
     "torch_threads": "torch intra-op threads; default: the CPUs available to the process minus "
     "the server's own threads (event loop, tokenizer), at least 1",
+    "tensor_parallel_size": "GPUs to shard the model over (-tp); only 1 until multi-GPU exists",
+    "max_logprobs": f"most logprobs (completions) / top_logprobs (chat) a request may ask for "
+    f"(at most {MAX_LOGPROBS})",
+    "chat_template": "chat template: a Jinja file, or the template itself; default: the "
+    "tokenizer's",
+    "disable_log_requests": "do not log one line per request (id, prompts, tokens, sampling)",
+    "disable_uvicorn_access_log": "do not log one uvicorn access line per HTTP request",
+    "trust_remote_code": "accepted for vLLM command lines; mlaserve never runs a checkpoint's "
+    "Python code (the DeepSeek models need none)",
+    "tool_call_parser": "how the model writes tool calls, for tools/tool_choice on chat "
+    "completions",
+    "enable_auto_tool_choice": "let the model decide to call tools (tool_choice 'auto', the "
+    "default when tools are given); needs --tool-call-parser",
+    "reasoning_parser": "split the model's reasoning (<think>...</think>) into reasoning_content",
+}
+
+#: Allowed values shown in --help (the configs validate them).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": MODEL_DTYPES,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
+    "attention_backend": ("auto", *available_backends()),
+    "device": ("auto", "cpu", "cuda", "cuda:N"),
+    "log_level": LOG_LEVELS,
+    "tool_call_parser": tuple(sorted(TOOL_PARSERS)),
+    "reasoning_parser": tuple(sorted(REASONING_PARSERS)),
 }
 
 

@@ -107,11 +107,18 @@ class Tokenizer:
     # ---- chat ----
 
     def render_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs: Any,
     ) -> str:
-        """The prompt text the tokenizer's own chat template makes of `messages`. Extra keyword
-        arguments reach the template (e.g. `tools=...`, or `thinking=True` for DeepSeek-V3.1)."""
-        if not self.hf.chat_template:
+        """The prompt text the tokenizer's own chat template (or `chat_template`, the server's
+        --chat-template) makes of `messages`. Extra keyword arguments reach the template (e.g.
+        `tools=...`, or `thinking=True` for DeepSeek-V3.1)."""
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+        elif not self.hf.chat_template:
             raise ChatTemplateError(
                 f"the tokenizer at {self.name!r} has no chat template; use the completions API "
                 "or add a chat_template to its tokenizer_config.json"

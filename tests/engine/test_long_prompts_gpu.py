@@ -42,12 +42,26 @@ def lengths(max_model_len: int) -> list[int]:
     return [1, 63, 64, 65, 300, 1000, 2047, 2048, 2049, max_model_len - 1]
 
 
-def generate_alone(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+def generate_alone(
+    llm: LLM, prompts: list[list[int]], margins: list[list[float]] | None = None
+) -> list[list[int]]:
+    """Greedy continuations; with `margins`, also each step's top-1 minus top-2 logprob."""
     out = []
     for p in prompts:
         room = llm.engine.max_model_len - len(p)
-        params = SamplingParams(max_tokens=min(NEW_TOKENS, room), temperature=0, ignore_eos=True)
-        out.append(llm.generate([p], params)[0].outputs[0].token_ids)
+        params = SamplingParams(
+            max_tokens=min(NEW_TOKENS, room),
+            temperature=0,
+            ignore_eos=True,
+            logprobs=2 if margins is not None else None,
+        )
+        result = llm.generate([p], params)[0].outputs[0]
+        out.append(result.token_ids)
+        if margins is not None:
+            tops = [
+                sorted((lp.logprob for lp in d.values()), reverse=True) for d in result.logprobs
+            ]
+            margins.append([t[0] - t[1] for t in tops])
     return out
 
 
@@ -81,6 +95,20 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / len(pairs)
 
 
+def divergence_margins(
+    got: list[list[int]], ref: list[list[int]], ref_margins: list[list[float]]
+) -> list[float]:
+    """For each continuation that leaves the reference's, the reference's top-1 minus top-2
+    logprob where it first does: a small margin is a near-tie that rounding may flip; a large
+    one would be a wrong token."""
+    out = []
+    for g, r, m in zip(got, ref, ref_margins, strict=True):
+        first = next((i for i, (x, y) in enumerate(zip(g, r)) if x != y), None)
+        if first is not None:
+            out.append(m[first])
+    return out
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8_e4m3"])
 def test_every_prompt_length_alone_and_mixed(kv_cache_dtype: str) -> None:
     llm = LLM(kv_cache_dtype=kv_cache_dtype)  # the defaults: cuda, auto backend, graphs on
@@ -96,12 +124,16 @@ def test_every_prompt_length_alone_and_mixed(kv_cache_dtype: str) -> None:
     torch.cuda.empty_cache()
 
     ref = LLM(kv_cache_dtype=kv_cache_dtype, attention_backend="reference", cuda_graph=False)
-    ref_alone = generate_alone(ref, prompts)
+    ref_margins: list[list[float]] = []
+    ref_alone = generate_alone(ref, prompts, ref_margins)
     rate = agreement(alone, ref_alone)
     rate_mixed = agreement(mixed, ref_alone[4:])
+    ties = divergence_margins(alone, ref_alone, ref_margins)
+    ties += divergence_margins(mixed, ref_alone[4:], ref_margins[4:])
     print(
         f"{kv_cache_dtype}: greedy agreement with the reference backend: alone {rate:.3f}, "
-        f"mixed with decodes {rate_mixed:.3f}"
+        f"mixed with decodes {rate_mixed:.3f}; reference top-1/top-2 logprob margins where "
+        f"continuations first leave it: {[round(t, 3) for t in sorted(ties)]}"
     )
     assert all(
         len(t) == min(NEW_TOKENS, ref.engine.max_model_len - len(p)) for t, p in zip(alone, prompts)

@@ -20,6 +20,7 @@ from mlaserve.kernels_adapter.mha_extend import (
     causal_varlen_attention,
     extend_layout,
     reference_extend_mha,
+    up_project,
 )
 from mlaserve.kernels_adapter.reference import ReferenceBackend
 from mlaserve.kv_cache import MLAKVPool, PageAllocator
@@ -45,10 +46,17 @@ CASES = [
 ]
 
 
-def _setup(case: Case, device: torch.device, seed: int = 0):
-    """A pool with every sequence's prefix written, and the EXTEND batch of the new tokens."""
+def _setup(
+    case: Case,
+    device: torch.device,
+    seed: int = 0,
+    dims: tuple[int, int, int] = (RANK, ROPE, HEADS),
+):
+    """A pool with every sequence's prefix written, and the EXTEND batch of the new tokens.
+    dims: (kv_lora_rank, qk_rope_head_dim, heads)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
+    RANK, ROPE, HEADS = dims
     mc = model_config(RANK, ROPE, HEADS)
     seq_lens = [p + q for p, q in zip(case.prefix_lens, case.q_lens)]
     max_pages = max(-(-s // case.page_size) for s in seq_lens) + 2
@@ -210,3 +218,41 @@ def test_layout_needs_host_lengths() -> None:
         extend_layout(dataclasses.replace(batch, seq_lens_host=None))
     with pytest.raises(ValueError, match="sums to"):
         extend_layout(dataclasses.replace(batch, q_lens_host=[5, 1, 16], seq_lens_host=[5, 1, 17]))
+
+
+def test_up_project_of_kv_b_views_is_one_gemm_with_the_same_values() -> None:
+    """w_uk / w_uv split from one kv_b_proj weight (as the model does) take the single-GEMM
+    path; separate tensors take the per-projection einsums. Same K and V either way."""
+    torch.manual_seed(2)
+    kv_b = torch.randn(HEADS * (NOPE + V_DIM), RANK)
+    w = kv_b.view(HEADS, NOPE + V_DIM, RANK)
+    w_uk, w_uv = w[:, :NOPE], w[:, NOPE:].transpose(1, 2)
+    latent = torch.randn(37, RANK + ROPE)
+    k, v = up_project(latent, w_uk, w_uv)
+    k_sep, v_sep = up_project(latent, w_uk.clone(), w_uv.clone())
+    torch.testing.assert_close(k, k_sep, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v, v_sep, rtol=1e-5, atol=1e-5)
+    assert k.shape == (37, HEADS, NOPE + ROPE) and v.shape == (37, HEADS, V_DIM)
+    assert torch.equal(k[..., NOPE:], latent[:, None, RANK:].expand(-1, HEADS, -1))
+
+
+def test_layout_all_fresh() -> None:
+    fresh = extend_layout(_setup(CASES[0], torch.device("cpu"))[2])
+    chunked = extend_layout(_setup(CASES[1], torch.device("cpu"))[2])
+    assert fresh.all_fresh and not chunked.all_fresh
+
+
+def test_cudnn_fresh_takes_only_fresh_batches_without_one_token_prompts() -> None:
+    """Which EXTEND batches `cudnn_fresh.py` takes (the rest go to FA2): no cached prefix (its
+    causal mask is top-left), at most MAX_SEQS sequences, no 1-token prompt (cuDNN refuses a
+    key length of 1), a half-precision query. On CPU it is unavailable, so nothing is taken."""
+    from mlaserve.kernels_adapter.cudnn_fresh import CudnnFreshAttention
+
+    cpu = torch.device("cpu")
+    fresh = CudnnFreshAttention(cpu)
+    layout = extend_layout(_setup(Case([0, 0], [5, 17], 4), cpu)[2])
+    assert not fresh.available and not fresh.takes(layout, torch.bfloat16)
+    fresh.available = True  # as the probe finds it on an H100
+    assert fresh.takes(layout, torch.bfloat16) and not fresh.takes(layout, torch.float32)
+    assert not fresh.takes(extend_layout(_setup(CASES[0], cpu)[2]), torch.bfloat16)  # a 1
+    assert not fresh.takes(extend_layout(_setup(CASES[1], cpu)[2]), torch.bfloat16)  # prefix

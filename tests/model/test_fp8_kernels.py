@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from mlaserve.ops.fp8_gemm import (
+    W8A16_MAX_M,
+    W8A16_MIN_M,
     block_fp8_linear,
     block_fp8_matmul_reference,
     choose_gemm,
@@ -112,11 +114,25 @@ def test_grouped_emulated_matches_per_expert_reference() -> None:
         torch.testing.assert_close(y[lo:hi].double(), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_grouped_emulated_w8a16_is_the_unquantised_rows_times_the_weight() -> None:
+    g = torch.Generator().manual_seed(3)
+    counts = torch.tensor([2, 0, 5], dtype=torch.int32)
+    x, w = torch.randn(7, 200, generator=g), torch.randn(3, 96, 200, generator=g)
+    q, s = quantize_weight_block(w)
+    y = grouped_block_fp8_linear(x, counts, q, s, emulated=True, w8a16=True)
+    for e, (lo, hi) in enumerate([(0, 2), (2, 2), (2, 7)]):
+        ref = x[lo:hi].double() @ dequantize_weight_block(q[e], s[e], torch.float64).t()
+        torch.testing.assert_close(y[lo:hi].double(), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_gemm_dispatch_contract_sm90() -> None:
-    """SM90: Triton for decode-sized M and every shape torch's blockwise kernel cannot take;
-    torch's blockwise scaled_mm (cuBLASLt VEC128 x BLK128x128) for prefill-sized M."""
-    assert choose_gemm(9, 1, 2048, 2048, 16) == "triton"
-    assert choose_gemm(9, 64, 2816, 2048, 22) == "triton"
+    """SM90: the W8A16 Triton GEMM up to W8A16_MAX_M (one launch, no activation quantisation),
+    the W8A8 Triton GEMM above it for every shape torch's blockwise kernel cannot take; torch's
+    blockwise scaled_mm (cuBLASLt VEC128 x BLK128x128) for prefill-sized M."""
+    assert choose_gemm(9, 1, 2048, 2048, 16) == "triton"  # split-K keeps more loads in flight
+    assert choose_gemm(9, W8A16_MIN_M, 2048, 2048, 16) == "triton_w8a16"
+    assert choose_gemm(9, W8A16_MAX_M, 2816, 2048, 22) == "triton_w8a16"
+    assert choose_gemm(9, W8A16_MAX_M + 1, 2816, 2048, 22) == "triton"
     assert choose_gemm(9, 2048, 4096, 2048, 32) == "torch_blockwise"
     assert choose_gemm(9, 2048, 576, 2048, 5) == "triton"  # partial last block (kv_a)
     assert choose_gemm(9, 2048, 256, 2048, 256) == "triton"  # per-row scales
@@ -129,11 +145,12 @@ def test_gemm_dispatch_contract_sm100() -> None:
     flashinfer's trtllm block-FP8 GEMM where installed and the shape fits, else Triton."""
     for m in (1, 64, 2048):
         assert choose_gemm(10, m, 4096, 2048, 32, has_flashinfer=True) == "flashinfer"
-        assert choose_gemm(10, m, 4096, 2048, 32, has_flashinfer=False) == "triton"
-    assert choose_gemm(10, 8, 4096, 128, 32, has_flashinfer=True) == "triton"  # K < 256
-    assert choose_gemm(10, 8, 576, 2048, 5, has_flashinfer=True) == "triton"  # partial block
+    assert choose_gemm(10, 64, 4096, 2048, 32, has_flashinfer=False) == "triton_w8a16"
+    assert choose_gemm(10, 2048, 4096, 2048, 32, has_flashinfer=False) == "triton"
+    assert choose_gemm(10, 8, 4096, 128, 32, has_flashinfer=True) == "triton_w8a16"  # K < 256
+    assert choose_gemm(10, 80, 576, 2048, 5, has_flashinfer=True) == "triton"  # partial block
     fp32 = torch.float32
-    assert choose_gemm(10, 8, 4096, 2048, 32, fp32, has_flashinfer=True) == "triton"
+    assert choose_gemm(10, 80, 4096, 2048, 32, fp32, has_flashinfer=True) == "triton"
 
 
 def test_flashinfer_call_matches_its_api() -> None:
@@ -173,7 +190,7 @@ def test_quant_kernel_matches_torch_reference() -> None:
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
-@pytest.mark.parametrize("backend", ["triton", "torch_blockwise", "flashinfer"])
+@pytest.mark.parametrize("backend", ["triton_w8a16", "triton", "torch_blockwise", "flashinfer"])
 def test_gemm_vs_float64(m: int, n: int, k: int, backend: str) -> None:
     major = torch.cuda.get_device_capability()[0]
     if backend == "torch_blockwise" and (major != 9 or m < 16 or n % 128 or k % 512):
@@ -185,8 +202,11 @@ def test_gemm_vs_float64(m: int, n: int, k: int, backend: str) -> None:
     w = torch.randn(n, k, device="cuda", generator=g) * 0.05
     q, s = quantize_weight_block(w)
     y = block_fp8_linear(x, q, s, backend=backend)
-    x_q, x_s = per_token_group_quant_fp8_torch(x)
-    ref = block_fp8_matmul_reference(x_q, x_s, q, s)
+    if backend == "triton_w8a16":  # unquantised activations times the block-FP8 weight
+        ref = x.double() @ dequantize_weight_block(q, s, torch.float64).t()
+    else:
+        x_q, x_s = per_token_group_quant_fp8_torch(x)
+        ref = block_fp8_matmul_reference(x_q, x_s, q, s)
     err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
     assert err < GEMM_MAX_REL, f"{backend} {m}x{n}x{k}: {err:.2e}"
     exact = x.double() @ w.double().t()
@@ -195,8 +215,17 @@ def test_gemm_vs_float64(m: int, n: int, k: int, backend: str) -> None:
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize(("rows", "per_row"), [(6, False), (48, True), (2048, False)])
-def test_grouped_gemm_vs_float64(rows: int, per_row: bool) -> None:
+@pytest.mark.parametrize(
+    ("rows", "per_row", "w8a16"),
+    [
+        (6, False, True),
+        (6, False, False),
+        (48, True, True),
+        (48, True, False),
+        (2048, False, False),
+    ],
+)
+def test_grouped_gemm_vs_float64(rows: int, per_row: bool, w8a16: bool) -> None:
     """64 experts, V2-Lite's expert shape (gate_up 2816 x 2048), rows routed at random."""
     num_e, n, k = 64, 2816, 2048
     g = torch.Generator(device="cuda").manual_seed(rows)
@@ -207,13 +236,15 @@ def test_grouped_gemm_vs_float64(rows: int, per_row: bool) -> None:
     ids = torch.randint(0, num_e, (rows,), device="cuda", generator=g).sort().values
     counts = torch.bincount(ids, minlength=num_e).to(torch.int32)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g)
-    y = grouped_block_fp8_linear(x, counts, q, s)
+    y = grouped_block_fp8_linear(x, counts, q, s, w8a16=w8a16)
     x_q, x_s = per_token_group_quant_fp8_torch(x)
     ref = torch.empty(rows, n, dtype=torch.float64, device="cuda")
     bounds = [0, *counts.cumsum(0).tolist()]
     for e in range(num_e):
         lo, hi = bounds[e], bounds[e + 1]
-        if hi > lo:
+        if hi > lo and w8a16:
+            ref[lo:hi] = x[lo:hi].double() @ dequantize_weight_block(q[e], s[e], torch.float64).t()
+        elif hi > lo:
             ref[lo:hi] = block_fp8_matmul_reference(x_q[lo:hi], x_s[lo:hi], q[e], s[e])
     err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
     assert err < GEMM_MAX_REL, f"rows {rows}: {err:.2e}"
@@ -230,8 +261,14 @@ def test_kernels_capture_in_a_cuda_graph() -> None:
     x = torch.randn(6, k, device="cuda", dtype=torch.bfloat16)
     counts = torch.tensor([1, 0, 2, 0, 0, 3, 0, 0], device="cuda", dtype=torch.int32)
 
-    def step() -> tuple[torch.Tensor, torch.Tensor]:
-        return block_fp8_linear(x, wq, ws), grouped_block_fp8_linear(x, counts, eq, es)
+    def step() -> tuple[torch.Tensor, ...]:
+        return (
+            block_fp8_linear(x, wq, ws),  # W8A16 at 6 rows
+            block_fp8_linear(x[:1], wq, ws),  # W8A8 at 1 row
+            block_fp8_linear(x, wq, ws, backend="triton"),  # W8A8: quantisation + split-K
+            grouped_block_fp8_linear(x, counts, eq, es),  # W8A16
+            grouped_block_fp8_linear(x, counts, eq, es, w8a16=False),
+        )
 
     step()  # compile the kernels outside the capture
     torch.cuda.synchronize()

@@ -36,15 +36,22 @@ def signature(fn, pointers, floats=(), constexprs=()):
 fp8 = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "as_ptr": "*fp32", "bs_ptr": "*fp32"}
 tiles = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 cases = []
-for bm, bn, out in ((16, 64, "*bf16"), (16, 64, "*fp32"), (64, 128, "*bf16")):
-    sig = signature(K._block_fp8_matmul_kernel, {**fp8, "c_ptr": out}, constexprs=(*tiles, "GROUP_M"))
-    cases.append((f"dense_{bm}x{bn}_{out[1:]}", K._block_fp8_matmul_kernel, sig,
-                  {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": 8}))
-for bm, bn in ((16, 64), (64, 128)):
-    ptrs = {**fp8, "c_ptr": "*bf16", "sorted_rows_ptr": "*i32", "block_expert_ptr": "*i32"}
-    sig = signature(K._grouped_block_fp8_matmul_kernel, ptrs, constexprs=tiles)
-    cases.append((f"grouped_{bm}x{bn}", K._grouped_block_fp8_matmul_kernel, sig,
-                  {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128}))
+w8a16 = {"a_ptr": "*bf16", "as_ptr": "*bf16"}  # bf16 activations; as_ptr unused
+for bm, bn, out, a_fp8 in ((16, 64, "*bf16", True), (16, 64, "*fp32", True),
+                           (64, 128, "*bf16", True), (16, 16, "*bf16", False),
+                           (64, 64, "*bf16", False)):
+    ptrs = {**fp8, "c_ptr": out, **({} if a_fp8 else w8a16)}
+    sig = signature(K._block_fp8_matmul_kernel, ptrs, constexprs=(*tiles, "GROUP_M", "A_FP8"))
+    cases.append((f"dense_{bm}x{bn}_{out[1:]}_{'w8a8' if a_fp8 else 'w8a16'}",
+                  K._block_fp8_matmul_kernel, sig,
+                  {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": 8, "A_FP8": a_fp8}))
+for bm, bn, a_fp8 in ((16, 64, True), (64, 128, True), (16, 64, False)):
+    ptrs = {**fp8, "c_ptr": "*bf16", "sorted_rows_ptr": "*i32", "block_expert_ptr": "*i32",
+            **({} if a_fp8 else w8a16)}
+    sig = signature(K._grouped_block_fp8_matmul_kernel, ptrs, constexprs=(*tiles, "A_FP8"))
+    cases.append((f"grouped_{bm}x{bn}_{'w8a8' if a_fp8 else 'w8a16'}",
+                  K._grouped_block_fp8_matmul_kernel, sig,
+                  {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "A_FP8": a_fp8}))
 sig = signature(K._per_token_group_quant_kernel,
                 {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                 floats=("fp8_max", "eps"), constexprs=("GROUP",))
@@ -69,7 +76,7 @@ def test_kernels_compile_for_sm90_and_sm100() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(result) == 2 * 6
+    assert len(result) == 2 * 9
     for name, (cubin_bytes, shared) in result.items():
         assert cubin_bytes > 0, name
         assert shared <= 227 * 1024, f"{name}: {shared} B of shared memory"  # SM90/SM100 limit

@@ -53,6 +53,7 @@ if not _interpreter_runs_runtime_loops():
 from mlaserve.ops.fp8_gemm import block_fp8_matmul_reference  # noqa: E402
 from mlaserve.ops.fp8_grouped_gemm import align_blocks  # noqa: E402
 from mlaserve.ops.fp8_quant import (  # noqa: E402
+    dequantize_weight_block,
     expand_scale_rows,
     per_token_group_quant_fp8_torch,
     quantize_weight_block,
@@ -61,6 +62,7 @@ from mlaserve.ops.fp8_triton import (  # noqa: E402
     grouped_block_fp8_matmul_triton,
     per_token_group_quant_fp8_triton,
     w8a8_block_fp8_matmul_triton,
+    w8a16_block_fp8_matmul_triton,
 )
 
 MAX_REL = 1e-5  # fp32 accumulation and fp32 output vs float64: rounding only
@@ -103,4 +105,29 @@ def test_grouped_gemm() -> None:
     for e, (lo, hi) in enumerate([(0, 3), (3, 3), (3, 9), (9, 9), (9, 11)]):
         if hi > lo:
             ref = block_fp8_matmul_reference(x_q[lo:hi], x_s[lo:hi], q[e], s[e])
+            assert rel(y[lo:hi], ref) < MAX_REL, e
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_dense_w8a16_gemm(per_row: bool) -> None:
+    """K 700 (a partial last block), N 72 (a partial N tile): unquantised rows times W."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(3, 700, generator=g), torch.randn(72, 700, generator=g)
+    q, s = quantize_weight_block(w)
+    s_used = expand_scale_rows(s, 72) if per_row else s
+    y = w8a16_block_fp8_matmul_triton(x, q, s_used)
+    ref = x.double() @ dequantize_weight_block(q, s, torch.float64).t()
+    assert rel(y, ref) < MAX_REL
+
+
+def test_grouped_w8a16_gemm() -> None:
+    g = torch.Generator().manual_seed(1)
+    counts = torch.tensor([3, 0, 6, 0, 2], dtype=torch.int32)
+    x, w = torch.randn(11, 200, generator=g), torch.randn(5, 40, 200, generator=g)
+    q, s = quantize_weight_block(w)
+    rows, experts = align_blocks(counts, 11, 16)
+    y = grouped_block_fp8_matmul_triton(x, None, q, s, rows, experts, 16, torch.float32)
+    for e, (lo, hi) in enumerate([(0, 3), (3, 3), (3, 9), (9, 9), (9, 11)]):
+        if hi > lo:
+            ref = x[lo:hi].double() @ dequantize_weight_block(q[e], s[e], torch.float64).t()
             assert rel(y[lo:hi], ref) < MAX_REL, e

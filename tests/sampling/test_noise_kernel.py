@@ -82,3 +82,59 @@ def test_fused_noise_on_cuda_matches_reference() -> None:
             # And the same as the CPU reference up to the float logs.
             cpu = reference_gumbel_noise(seeds.cpu(), steps.cpu(), token_ids.cpu())
             torch.testing.assert_close(g.cpu(), cpu, atol=1e-6, rtol=1e-6)
+
+
+_CHECK_ARGMAX = textwrap.dedent(
+    """
+    import torch
+    from mlaserve.sampling.noise_kernel import fused_gumbel_argmax
+    from mlaserve.sampling.random import reference_gumbel_noise, to_int64
+
+    torch.manual_seed(0)
+    seeds = torch.tensor([to_int64(s) for s in SEEDS])
+    steps = torch.tensor(STEPS)
+    n = len(SEEDS)
+    for cols in (1, 3000, 5000):
+        x = torch.randn(n, cols) * 3
+        x[1, : cols // 2] = float("-inf")  # filtered tokens
+        ids = torch.stack([torch.randperm(cols) for _ in SEEDS])
+        for token_ids in (None, ids):
+            shown = torch.arange(cols) if token_ids is None else token_ids
+            ref = (x + reference_gumbel_noise(seeds, steps, shown)).argmax(dim=-1)
+            got = fused_gumbel_argmax(x, seeds, steps, token_ids)
+            assert torch.equal(got, ref), (cols, got, ref)
+    print("OK")
+    """
+)
+
+
+def test_fused_gumbel_argmax_matches_reference_in_triton_interpreter() -> None:
+    """The fused draw picks the column the reference ops pick (keys computed in the kernel,
+    multi-block reduction, permuted token ids, -inf columns)."""
+    pytest.importorskip("triton.language", reason="Triton not installed (pip install triton)")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    code = f"SEEDS = {SEEDS!r}\nSTEPS = {STEPS!r}\n" + _CHECK_ARGMAX
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_gumbel_argmax_on_cuda_matches_reference() -> None:
+    pytest.importorskip("triton.language")
+    from mlaserve.sampling.random import gumbel_argmax
+
+    dev = torch.device("cuda")
+    seeds = torch.tensor([to_int64(s) for s in SEEDS], device=dev)
+    steps = torch.tensor(STEPS, device=dev)
+    for vocab in (1, 50, 129280):
+        x = torch.randn(len(SEEDS), vocab, device=dev) * 4
+        ids = torch.stack([torch.randperm(vocab, device=dev) for _ in SEEDS])
+        for token_ids in (None, ids):
+            shown = torch.arange(vocab, device=dev) if token_ids is None else token_ids
+            ref = (x + reference_gumbel_noise(seeds, steps, shown)).argmax(dim=-1)
+            assert torch.equal(gumbel_argmax(x, seeds, steps, token_ids), ref)

@@ -73,7 +73,20 @@ CASES = [
     # Issue 13: the prompt count is refused before tokenizing (was: tokenized, then "n").
     ("too-many-prompts", CMPL, {"prompt": ["a"] * 2049, "max_tokens": 1}, 400, "prompt"),
     ("echo-unsupported", CMPL, {"prompt": "hi", "echo": True}, 400, "echo"),
-    ("tools-unsupported", CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, 400, "tools"),
+    (
+        "tools-malformed",
+        CHAT,
+        {"messages": MSGS, "tools": [{"type": "function"}]},
+        400,
+        "tools.0.function",
+    ),
+    (
+        "tools-without-auto-tool-choice",
+        CHAT,
+        {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tool_choice",
+    ),
     (
         "top-logprobs-without-logprobs",
         CHAT,

@@ -38,7 +38,7 @@ from mlaserve.model.layers.fp8_linear import copy_block_rows, make_fp8_weight, n
 from mlaserve.model.layers.linear import NO_TP, TensorParallel, all_reduce, check_shape
 from mlaserve.model.layers.mlp import DeepseekMLP, silu_and_mul
 from mlaserve.ops import fused_ops_enabled
-from mlaserve.ops.fp8_grouped_gemm import grouped_block_fp8_linear
+from mlaserve.ops.fp8_grouped_gemm import grouped_block_fp8_linear, grouped_layout
 
 __all__ = ["DeepseekMoE", "ExpertsImpl", "FusedExperts", "TopKRouter", "select_experts"]
 
@@ -309,10 +309,12 @@ class FusedExperts(nn.Module):
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
         xs = x[order // top_k]  # [T*K, H], rows of expert e are contiguous
         if self.gate_up_proj_scale_inv is not None and self.down_proj_scale_inv is not None:
-            h = silu_and_mul(
-                grouped_block_fp8_linear(xs, counts, self.gate_up_proj, self.gate_up_proj_scale_inv)
-            )
-            out = grouped_block_fp8_linear(h, counts, self.down_proj, self.down_proj_scale_inv)
+            # one block -> expert map for both GEMMs (CPU: the emulated loop needs none)
+            layout = grouped_layout(counts, xs.shape[0]) if x.is_cuda else None
+            w13, s13 = self.gate_up_proj, self.gate_up_proj_scale_inv
+            h = silu_and_mul(grouped_block_fp8_linear(xs, counts, w13, s13, layout=layout))
+            w2, s2 = self.down_proj, self.down_proj_scale_inv
+            out = grouped_block_fp8_linear(h, counts, w2, s2, layout=layout)
         elif use_grouped_mm:
             offs = counts.cumsum(0, dtype=torch.int32)  # [E] end row of each expert
             h = silu_and_mul(torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs))

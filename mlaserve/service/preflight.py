@@ -1,0 +1,70 @@
+"""What `mlaserve serve` checks before it opens a port or starts the engine.
+
+Each problem is a `ConfigError` with one line that names the option and says what to do: a
+model path that is not a local checkpoint folder (with the hint that hub ids are not fetched),
+a model type or config.json this server cannot run, a max_model_len beyond the model's, a
+tokenizer folder without tokenizer files, a CUDA device that is not there, a chat template
+file that cannot be read. Cheap: config.json and a few file names, never the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from mlaserve.config import ConfigError, ModelConfig
+from mlaserve.service.settings import Settings
+
+__all__ = ["preflight"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def preflight(settings: Settings) -> Settings:
+    """Check the model, tokenizer, device and chat template; returns the settings with
+    `--chat-template FILE` replaced by the template's text."""
+    engine = settings.engine
+    _check_model_folder(engine.model_path, given=engine.model is not None)
+    model_config = ModelConfig.from_pretrained(engine.model_path)  # ConfigError names the key
+    engine.resolved_max_model_len(model_config)  # ConfigError: longer than the model allows
+    tokenizer = engine.tokenizer_path
+    if not any((tokenizer / name).is_file() for name in TOKENIZER_FILES):
+        option = "tokenizer" if engine.tokenizer else "model"
+        raise ConfigError(
+            f"{option}: no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {str(tokenizer)!r}"
+        )
+    engine.resolved_device()  # ConfigError when CUDA is asked for and absent
+    template = settings.server.chat_template
+    if template is not None:
+        server = dataclasses.replace(settings.server, chat_template=_read_template(template))
+        settings = dataclasses.replace(settings, server=server)
+    return settings
+
+
+def _check_model_folder(path: Path, given: bool) -> None:
+    if (path / "config.json").is_file():
+        return
+    if not given:
+        raise ConfigError(f"model: the shipped default model is missing from {str(path)!r}")
+    what = "does not exist" if not path.exists() else "has no config.json"
+    hint = ""
+    if not path.exists() and len(path.parts) == 2 and not path.is_absolute():
+        hint = (
+            "; mlaserve does not download from the Hugging Face hub: fetch it first, e.g. "
+            f"`hf download {path.as_posix()} --local-dir DIR`, then serve DIR"
+        )
+    raise ConfigError(f"model: {str(path)!r} {what}; expected a local checkpoint folder{hint}")
+
+
+def _read_template(value: str) -> str:
+    """vLLM's --chat-template: a file holding the template, or the template itself."""
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value)
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(
+            f"chat_template: cannot read {value!r} ({e.strerror}); give a Jinja file or the "
+            "template text itself"
+        ) from None

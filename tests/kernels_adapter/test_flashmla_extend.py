@@ -1,0 +1,104 @@
+"""FlashMLA's EXTEND path (MHA form + torch's causal varlen FA2, `flash_varlen.py`) against the
+latent form of the reference backend in fp32, over NaN-poisoned paged caches, at DeepSeek's
+dims (512/64 latent, 128 nope + 64 rope query, 128 v, 16 heads, page 64).
+
+Both sides get the same inputs: bf16 q / weights / new latent (as the model produces them), the
+reference computes in fp32 from their exact values. Metric: max |err| / max |ref| per sequence.
+The error is the kernel path's bf16 rounding of K, V, P and the output (and the fp8 cache's
+stored values are what both sides read). Measured on an H100, 2026-11-22: see TOLERANCE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mlaserve.kernels_adapter import get_backend_class
+from mlaserve.kernels_adapter.flashmla import flashmla_available
+from tests.kernels_adapter.test_mha_extend import Case, _clone_pool, _setup
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not flashmla_available(), reason="needs an SM90 GPU and sgl-flash-mla"),
+]
+
+RANK, ROPE, HEADS, NOPE, V_DIM, PAGE = 512, 64, 16, 128, 128, 64
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float8_e4m3fn: 2e-2}
+
+CASES = [
+    Case([0, 0, 0], [100, 1, 300], PAGE, torch.bfloat16),  # fresh, with a 1-token prompt: FA2
+    Case([0, 0, 0], [100, 2, 300], PAGE, torch.bfloat16),  # fresh prompts: cuDNN
+    Case([64, 0, 700, 5], [37, 129, 1, 64], PAGE, torch.bfloat16),  # chunks over prefixes + decode
+    Case([128], [64], PAGE, torch.bfloat16),  # prefix ending on a page boundary
+    Case([0], [2048], PAGE, torch.bfloat16),  # one long fresh prompt
+    Case([0, 0, 0], [100, 2, 300], PAGE, torch.float8_e4m3fn),
+    Case([64, 0, 700, 5], [37, 129, 1, 64], PAGE, torch.float8_e4m3fn),
+    Case([1000], [1048], PAGE, torch.float8_e4m3fn),
+]
+
+
+def kv_b_views(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """w_uk [H, d_n, r] / w_uv [H, r, d_v] as the model splits kv_b_proj's weight (views)."""
+    kv_b = torch.randn(HEADS * (NOPE + V_DIM), RANK, device=dev) / RANK**0.5
+    w = kv_b.to(torch.bfloat16).view(HEADS, NOPE + V_DIM, RANK)
+    return w[:, :NOPE], w[:, NOPE:].transpose(1, 2)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "fa2"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.prefix_lens}+{c.q_lens}-{c.kv_dtype}")
+def test_flashmla_extend_matches_latent_reference(case: Case, kernel: str) -> None:
+    """auto: fresh batches take cuDNN (`cudnn_fresh.py`), the rest FA2; fa2: FA2 for all."""
+    if kernel == "fa2" and case.prefix_lens != [0] * len(case.prefix_lens):
+        pytest.skip("batches with a prefix take FA2 under auto already")
+    dev = torch.device("cuda")
+    mc, reference, batch, new_rows, cu = _setup(case, dev, dims=(RANK, ROPE, HEADS))
+    num_tokens, bf16 = cu[-1], torch.bfloat16
+    q = torch.randn(num_tokens, HEADS, NOPE + ROPE, device=dev).to(bf16)
+    w_uk, w_uv = kv_b_views(dev)
+    new_rows = new_rows.to(bf16)
+    kv_c, k_pe = new_rows[:, :RANK], new_rows[:, RANK:]
+
+    # Latent form, fp32, on a twin of the pool.
+    latent_batch = dataclasses.replace(batch, kv_pool=_clone_pool(batch.kv_pool))
+    reference.prepare(latent_batch)
+    q32 = q.float()
+    q_latent = torch.einsum("thn,hnr->thr", q32[..., :NOPE], w_uk.float())
+    o_latent = reference.forward(
+        0, q_latent, q32[..., NOPE:], kv_c.float(), k_pe.float(), latent_batch
+    )
+    expected = torch.einsum("thr,hrv->thv", o_latent, w_uv.float())
+
+    backend = get_backend_class("flashmla")(mc, PAGE, case.kv_dtype, dev, len(case.q_lens), 4096)
+    if kernel == "fa2":
+        backend._prefill_fresh.available = False
+    batch = dataclasses.replace(batch, attn_backend=backend)
+    backend.prepare(batch)
+    got = backend.forward_extend_mha(0, q, kv_c, k_pe, w_uk, w_uv, batch)
+    assert got.shape == (num_tokens, HEADS, V_DIM) and got.dtype == bf16
+    assert torch.isfinite(got).all()
+    assert backend._prefill_fresh.refused == 0
+    # Both paths stored the same new rows (bf16 latent -> the pool's dtype).
+    assert torch.equal(
+        batch.kv_pool.kv_buffers[0].view(torch.uint8),
+        latent_batch.kv_pool.kv_buffers[0].view(torch.uint8),
+    )
+    worst = 0.0
+    for b in range(len(case.q_lens)):
+        ref, out = expected[cu[b] : cu[b + 1]], got[cu[b] : cu[b + 1]].float()
+        err = float((out - ref).abs().max() / ref.abs().max())
+        assert err < TOLERANCE[case.kv_dtype], f"seq {b}: relative error {err:.2e}"
+        worst = max(worst, err)
+    print(f"flashmla extend {kernel} {case.prefix_lens}+{case.q_lens} {case.kv_dtype}: {worst:.2e}")
+
+
+def test_flashmla_latent_forward_refuses_extend() -> None:
+    """EXTEND never reaches the decode kernel: the model hands it to forward_extend_mha."""
+    dev = torch.device("cuda")
+    mc, _, batch, _, _ = _setup(CASES[0], dev, dims=(RANK, ROPE, HEADS))
+    backend = get_backend_class("flashmla")(mc, PAGE, torch.bfloat16, dev, 3, 4096)
+    assert backend.mha_extend
+    q = torch.randn(batch.num_tokens, HEADS, RANK + ROPE, device=dev, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="forward_extend_mha"):
+        backend.forward(0, q[..., :RANK], q[..., RANK:], None, None, batch)

@@ -1,0 +1,70 @@
+"""DeepSeek-V3 tool calls: the same answer however the text is cut into pieces."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlaserve.service.parsers.deepseek_v3 import (
+    CALL_BEGIN,
+    CALL_END,
+    CALLS_BEGIN,
+    CALLS_END,
+    SEP,
+    DeepSeekV3ToolParser,
+    ToolParse,
+)
+
+
+def _call(name: str, args: str) -> str:
+    return f"{CALL_BEGIN}function{SEP}{name}\n```json\n{args}\n```{CALL_END}"
+
+
+TWO_CALLS = (
+    "Let me look.\n" + CALLS_BEGIN + _call("get_weather", '{"city": "Paris"}') + "\n"
+    + _call("get_time", '{"tz": "UTC", "note": "a\\n```b"}') + CALLS_END
+)  # fmt: skip
+
+
+def _parse(text: str, step: int) -> tuple[str, list[dict]]:
+    parser, out = DeepSeekV3ToolParser(), ToolParse()
+    for i in range(0, len(text), step):
+        out.extend(parser.feed(text[i : i + step]))
+    out.extend(parser.finish())
+    calls: dict[int, dict] = {}
+    for piece in out.calls:
+        if piece.id is not None:
+            assert piece.index not in calls and piece.id.startswith("call_")
+            calls[piece.index] = {"name": piece.name, "arguments": ""}
+        calls[piece.index]["arguments"] += piece.arguments
+    assert sorted(calls) == list(range(len(calls)))
+    return out.content, [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 10_000])
+def test_calls_are_the_same_in_any_pieces(step: int) -> None:
+    content, calls = _parse(TWO_CALLS, step)
+    assert content == "Let me look.\n"
+    assert [c["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+    assert json.loads(calls[1]["arguments"]) == {"tz": "UTC", "note": "a\n```b"}
+
+
+def test_text_without_calls_is_content_even_where_it_looks_like_a_marker() -> None:
+    text = "a <｜tool▁ fence ``` and <｜tool▁call"
+    assert _parse(text, 1) == (text, [])
+
+
+def test_a_call_cut_short_keeps_what_was_written() -> None:
+    text = CALLS_BEGIN + f"{CALL_BEGIN}function{SEP}get_weather\n```json\n" + '{"city": "Pa'
+    content, calls = _parse(text, 1)
+    assert content == "" and calls == [{"name": "get_weather", "arguments": '{"city": "Pa'}]
+
+
+def test_a_forced_opening_starts_inside_the_call() -> None:
+    parser = DeepSeekV3ToolParser()
+    first = parser.feed(DeepSeekV3ToolParser.forced_prefix("get_weather"))
+    assert [(c.index, c.name) for c in first.calls] == [(0, "get_weather")]
+    rest = parser.feed('{"city": "Paris"}\n```' + CALL_END + CALLS_END)
+    assert rest.content == "" and "".join(c.arguments for c in rest.calls) == '{"city": "Paris"}'
