@@ -72,7 +72,9 @@ def client_tpot_ms(
     chunk, so a chunk that carries several tokens is counted as such. Also the CPU time of the
     server's event-loop thread per token during the lean client's rounds (`loop_cpu`): the
     HTTP side's own per-token work, insensitive to other load on the machine (clock-tick
-    resolution, 10 ms per round)."""
+    resolution, 10 ms per round); and the engine's own inter-token interval inside the server
+    (`server_itl`, from `mlaserve:inter_token_latency_seconds`, the engine's timestamps), which
+    tells the frontend's delay (client TPOT - server ITL) from the serving engine's step."""
     import httpx
     import openai
 
@@ -87,7 +89,13 @@ def client_tpot_ms(
         proc.wait_ready(timeout=600)
         client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0)
         name = client.models.list().data[0].id
-        results: dict[str, list[float]] = {"openai": [], "sse": [], "loop_cpu": []}
+        results: dict[str, list[float]] = {
+            "openai": [],
+            "sse": [],
+            "loop_cpu": [],
+            "server_itl": [],
+        }
+        itl = "mlaserve:inter_token_latency_seconds"
         for i in range(rounds + 1):
             stamps, n = [], 0
             stream = client.completions.create(
@@ -103,6 +111,7 @@ def client_tpot_ms(
                 results["openai"].append((stamps[-1] - stamps[0]) / (n - 1) * 1e3)
             stamps, n = [], 0
             cpu0 = _loop_cpu_s(proc.proc.pid)
+            itl0 = proc.metric(f"{itl}_sum"), proc.metric(f"{itl}_count")
             with httpx.stream("POST", f"{proc.url}/v1/completions", json={**body, "model": name},
                               timeout=60) as response:  # fmt: skip
                 for line in response.iter_lines():
@@ -113,7 +122,10 @@ def client_tpot_ms(
                     if '"usage":{' in line.replace(" ", ""):
                         n = json.loads(line[6:])["usage"]["completion_tokens"]
             cpu = _loop_cpu_s(proc.proc.pid) - cpu0
+            itl_sum = proc.metric(f"{itl}_sum") - itl0[0]
+            itl_count = proc.metric(f"{itl}_count") - itl0[1]
             if i:
+                results["server_itl"].append(itl_sum / max(itl_count, 1) * 1e3)
                 results["sse"].append((stamps[-1] - stamps[0]) / (n - 1) * 1e3)
                 results["loop_cpu"].append(cpu / n * 1e3)
         return results
@@ -133,6 +145,7 @@ def main() -> None:
     step = engine_step_ms(args.model, args.tokens, args.device)
     clients = client_tpot_ms(args.model, args.tokens, args.rounds, args.device)
     loop_cpu = statistics.median(clients.pop("loop_cpu"))
+    server_itl = statistics.median(clients.pop("server_itl"))
     tpot = {k: statistics.median(v) for k, v in clients.items()}
     row = {
         "bench": "serve_tpot",
@@ -144,11 +157,14 @@ def main() -> None:
         "ratio": {k: v / step for k, v in tpot.items()},
         "overhead_ms": {k: v - step for k, v in tpot.items()},
         "loop_cpu_ms_per_token": loop_cpu,
+        "server_itl_ms": server_itl,
     }
     print(f"{'client':>8} {'engine step ms':>15} {'client TPOT ms':>15} {'ratio':>6} {'+ms':>7}")
     for k, v in tpot.items():
         print(f"{k:>8} {step:>15.3f} {v:>15.3f} {v / step:>6.3f} {v - step:>7.3f}")
     print(f"server event-loop CPU per token: {loop_cpu:.3f} ms")
+    print(f"engine inter-token interval in the server: {server_itl:.3f} ms "
+          f"(sse client TPOT / it: {tpot['sse'] / server_itl:.3f})")  # fmt: skip
     print(json.dumps(row))
 
 
