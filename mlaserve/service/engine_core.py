@@ -160,10 +160,11 @@ class EngineCore:
         factory = self._engine_factory
         if factory is None:
             from mlaserve.llm_engine import LLMEngine as factory
-        if self._torch_threads is not None:
-            import torch
+        import torch
 
-            torch.set_num_threads(self._torch_threads)
+        if self._torch_threads is not None:
+            torch.set_num_threads(self._torch_threads)  # OpenMP: per process, set here
+        logger.info("engine process: %d torch intra-op threads", torch.get_num_threads())
         t0 = time.perf_counter()
         logger.info("loading weights from %s", self.config.model_path)
         engine = factory(self.config)

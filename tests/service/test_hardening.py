@@ -216,5 +216,6 @@ def test_torch_threads_flag_reaches_the_engine_thread(model_dir, tmp_path) -> No
     try:
         proc.wait_ready()
         assert "torch intra-op threads: 1" in proc.logs()
+        assert "engine process: 1 torch intra-op threads" in proc.logs()  # applied there
     finally:
         assert proc.stop() == 0
