@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from mlaserve.config import EngineConfig, ModelConfig
@@ -32,7 +33,9 @@ from mlaserve.spec import (
 )
 from mlaserve.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_holdback
 
-__all__ = ["EngineStats", "InvalidRequestError", "LLMEngine"]
+__all__ = ["STEP_HISTORY", "EngineStats", "InvalidRequestError", "LLMEngine"]
+
+STEP_HISTORY = 4096  # steps whose token counts EngineStats carries
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +60,10 @@ class EngineStats:
     num_compiles_while_serving: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
-    last_step_num_tokens: int = 0  # tokens (prompt + generated) the last step ran
+    # Tokens (prompt + generated) each of the last steps ran, newest last, at most
+    # STEP_HISTORY of them: whoever reads stats less often than every step (the engine process
+    # sends them every STATS_INTERVAL_S) still sees every step since its last read.
+    recent_step_num_tokens: tuple[int, ...] = ()
     # Speculative decoding running totals (zero when it is off): verify steps (one per request
     # per step), draft tokens proposed, accepted drafts per draft position, and how many verify
     # steps emitted n tokens (bonus included).
@@ -120,8 +126,8 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self.grammar: GrammarBackend | None = None  # built for the first structured request
-        self.num_steps = 0  # forwards run (the metrics layer reads the last one's tokens)
-        self.last_step_num_tokens = 0
+        self.num_steps = 0  # forwards run
+        self.recent_step_num_tokens: deque[int] = deque(maxlen=STEP_HISTORY)
         self._seed_rng = random.Random(config.seed)
 
     # ----- requests -----
@@ -241,7 +247,7 @@ class LLMEngine:
             num_compiles_while_serving=self.compile_watch.compiles_since_ready,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
-            last_step_num_tokens=self.last_step_num_tokens,
+            recent_step_num_tokens=tuple(self.recent_step_num_tokens),
             spec_num_drafts=spec.num_drafts if spec else 0,
             spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
             spec_accepted_per_pos=list(spec.accepted_per_pos) if spec else [],
@@ -264,7 +270,7 @@ class LLMEngine:
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
         self.num_steps += 1
-        self.last_step_num_tokens = scheduled.num_tokens
+        self.recent_step_num_tokens.append(scheduled.num_tokens)
         if self.spec_decoder is not None:
             result, num_accepted = self.spec_decoder.step(scheduled)
             self.scheduler.after_step(scheduled, num_accepted)

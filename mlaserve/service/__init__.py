@@ -3,7 +3,10 @@
 cli.py           `mlaserve serve`: options, uvicorn, signals and exit codes
 settings.py      options from CLI > MLASERVE_* env > YAML/JSON file > defaults
 app.py           FastAPI routes, middleware, lifespan
-async_engine.py  the engine thread and its asyncio bridge (commands in, outputs out)
+async_engine.py  the frontend of the engine process: requests in, RequestStreams out
+engine_core.py   the engine process: the model, the step loop, the pipe protocol
+output_wire.py   a step's outputs as tuples for the pipe   engine_errors.py  its errors
+sse_chunks.py    preformatted SSE chunks (pydantic once per response, not per token)
 serving.py       fan-out of a request into engine requests, submission, disconnects
 completions.py   /v1/completions        chat.py   /v1/chat/completions
 protocol.py      pydantic request/response bodies     logprobs.py  logprob shapes

@@ -3,7 +3,7 @@
     POST /v1/completions, /v1/chat/completions   OpenAI-compatible generation (SSE with stream)
     GET  /v1/models, /version                     what is served
     POST /tokenize, /detokenize                   the model's tokenizer and chat template
-    GET  /health                                  200 while the engine thread lives, else 503
+    GET  /health                                  200 while the engine process lives, else 503
     GET  /ready                                   200 once loaded and warmed up, else 503
     GET  /metrics                                 Prometheus text format
 
@@ -81,7 +81,7 @@ def build_app(
     log_requests: bool = True,
     chat_options: ChatOptions | None = None,
 ) -> FastAPI:
-    """The app that serves `engine`; the engine thread starts with the app's lifespan."""
+    """The app that serves `engine`; the engine process starts with the app's lifespan."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -1,36 +1,51 @@
-"""The engine thread and its asyncio bridge.
+"""The server's side of the engine process: requests in, `RequestStream`s out, on the event loop.
 
-`LLMEngine` is not thread-safe and `step()` blocks for a whole forward pass, so the engine lives
-on one dedicated thread that also loads the weights and runs the warm-up. The event loop talks
-to it only through a command queue (add / abort / stop). The thread drains the commands between
-steps, calls `step()` while there is work, blocks on the queue when idle (no busy-spin), and
-hands each step's outputs back with one `loop.call_soon_threadsafe`, where they are routed to
-the `RequestStream` of the HTTP request that owns them.
+`LLMEngine` runs in its own process (`engine_core.py`), started with `spawn`, so the HTTP side's
+per-token work (routing outputs, SSE framing, uvicorn) runs in parallel with the engine's steps
+instead of sharing one GIL with them (vLLM V1's AsyncLLM + EngineCore split). This side loads its
+own tokenizer (for the tokenizer worker) while the engine process loads the weights.
 
-If the thread dies, every in-flight stream raises `EngineDeadError`, /health turns 503 and
-`on_fatal` is called (the CLI then exits non-zero so that an orchestrator restarts the server).
+The engine's messages are read on the event loop itself (`loop.add_reader` on the output pipe):
+a step's outputs are unpickled and routed to the `RequestStream` of the HTTP request that owns
+them without a thread hop or a GIL hand-off.
+
+If the engine process dies (it raised, or it was killed: the pipe reaches EOF), every in-flight
+stream raises `EngineDeadError`, /health turns 503 and `on_fatal` is called (the CLI then exits
+non-zero so that an orchestrator restarts the server).
 
 Shutdown: `begin_drain` (SIGTERM) stops admitting and arms a `shutdown_timeout` deadline; what is
 still running then is aborted and its streams raise `ServerShutdownError`, so that every open
 response ends on its own terms (an SSE error event and `[DONE]`, or a 503 body) before uvicorn's
-own, later, graceful-shutdown timeout would cut the connections.
+own, later, graceful-shutdown timeout would cut the connections. `shutdown` stops the engine
+process (killing it if it does not stop in time); an exit hook kills it if the server exits any
+other way, and the engine process exits by itself when this process vanishes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
-import copy
 import enum
+import itertools
 import logging
-import queue
-import threading
-import time
+import multiprocessing
+import pickle
+import signal
 from collections.abc import Callable
-from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
+from mlaserve.service import engine_core as core
+from mlaserve.service.engine_errors import (
+    EngineDeadError,
+    EngineNotReadyError,
+    QueueFullError,
+    ServerShutdownError,
+)
 from mlaserve.service.metrics import Metrics
+from mlaserve.service.output_wire import decode_outputs
 from mlaserve.service.request_stream import RequestStream, SubRequest
 from mlaserve.service.tokenizer_worker import TokenizerWorker
 
@@ -53,53 +68,26 @@ __all__ = [
 
 logger = logging.getLogger("mlaserve.service")
 
+_KILL_WAIT_S = 5.0
+
 
 class EngineState(enum.StrEnum):
-    STARTING = "starting"  # thread not started yet
+    STARTING = "starting"  # process not started yet
     LOADING = "loading"  # loading weights
     WARMING_UP = "warming_up"  # warm-up: dummy steps, kernel compilation, graph capture
     READY = "ready"
     DRAINING = "draining"  # shutting down: no new requests, in-flight ones go on
     STOPPED = "stopped"
-    DEAD = "dead"  # the engine thread raised
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread is gone; nothing more will come out of it."""
-
-    code = "engine_dead"
-
-
-class EngineNotReadyError(RuntimeError):
-    """The engine is loading, warming up, draining or stopped."""
-
-
-class ServerShutdownError(RuntimeError):
-    """The request was still running when the shutdown timeout expired; it was aborted."""
-
-    code = "server_shutdown"
-
-
-class QueueFullError(RuntimeError):
-    """Admitting the request would exceed max_num_seqs + max_queue in-flight requests."""
-
-
-@dataclass(slots=True)
-class _Add:
-    requests: list[SubRequest]
-    arrival_time: float
-    done: asyncio.Future[None]
-
-
-@dataclass(slots=True)
-class _Abort:
-    request_ids: list[str]
-
-
-_STOP = object()
+    DEAD = "dead"  # the engine process raised or vanished
 
 
 class AsyncEngine:
+    """The engine process, driven from the event loop.
+
+    `engine_factory` (tests inject faults with it) is called in the engine process, so it must
+    be picklable: a module-level function or a `functools.partial` of one.
+    """
+
     def __init__(
         self,
         config: EngineConfig,
@@ -117,12 +105,12 @@ class AsyncEngine:
         self.max_queue = max_queue
         self.shutdown_timeout = shutdown_timeout
         self.tokenizer_worker = TokenizerWorker(tokenizer_queue)
-        self._on_fatal = on_fatal
-        self.torch_threads = torch_threads  # set on the engine thread (OpenMP: per thread)
-        self._drain_deadline: asyncio.TimerHandle | None = None
+        self.torch_threads = torch_threads  # set in the engine process
         self.metrics = metrics if metrics is not None else Metrics()
         self._engine_factory = engine_factory
         self._on_load_error = on_load_error
+        self._on_fatal = on_fatal
+        self._drain_deadline: asyncio.TimerHandle | None = None
         self.state = EngineState.STARTING
         self.error: BaseException | None = None
         # Set once the engine has loaded; read-only afterwards.
@@ -131,35 +119,65 @@ class AsyncEngine:
         self.max_num_seqs = 0
         self.vocab_size = 0  # the model's (logits may be wider than the tokenizer)
         self.tokenizer_vocab_size = 0
-        self.tokenizer: Tokenizer  # the tokenizer worker's copy: only call it through the worker
-        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # orders "accepting?" + put against "dead" + drain
-        self._thread: threading.Thread | None = None
+        self.tokenizer: Tokenizer  # the tokenizer worker's: only call it through the worker
+        self._engine_warm = False
+        self._tokenizer_loaded = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Event-loop side: the stream of each unfinished engine request.
-        self._streams: dict[str, RequestStream] = {}
-        # Engine-thread side: requests the engine holds (added, not finished nor aborted).
-        self._live: set[str] = set()
+        self._proc: BaseProcess | None = None
+        self._commands: Connection | None = None  # to the engine process
+        self._outputs: Connection | None = None  # from it
+        self._stopping = False  # STOP sent: the process ending is no death
+        self._add_ids = itertools.count()
+        self._adds: dict[int, asyncio.Future[None]] = {}  # ADD sent, ADDED not yet back
+        self._streams: dict[str, RequestStream] = {}  # the stream of each unfinished request
+        self._metric_calls: list[tuple[Callable[[Any], None], Any]] = []
 
     # ----- status -----
     @property
     def is_alive(self) -> bool:
-        """Liveness: the engine thread is running (or has not been started yet)."""
+        """Liveness: the engine process is running (or has not been started yet)."""
         if self.state in (EngineState.DEAD, EngineState.STOPPED):
             return False
-        return self._thread is None or self._thread.is_alive()
+        return self._proc is None or self._proc.is_alive()
 
     @property
     def is_ready(self) -> bool:
         return self.state is EngineState.READY and self.is_alive
 
-    # ----- lifecycle (event loop) -----
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id (None before `start`)."""
+        return None if self._proc is None else self._proc.pid
+
+    # ----- lifecycle -----
     def start(self) -> None:
-        """Start the engine thread; it loads the weights and warms up. Call from the loop."""
-        self._loop = asyncio.get_running_loop()
+        """Start the engine process (it loads the weights and warms up) and load the tokenizer
+        meanwhile. Call from the event loop."""
+        loop = self._loop = asyncio.get_running_loop()
         self.state = EngineState.LOADING
-        self._thread = threading.Thread(target=self._run, name="mlaserve-engine", daemon=True)
-        self._thread.start()
+        ctx = multiprocessing.get_context("spawn")
+        commands_rx, self._commands = ctx.Pipe(duplex=False)
+        self._outputs, outputs_tx = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=core.run_engine_core,
+            args=(
+                self.config,
+                commands_rx,
+                outputs_tx,
+                self._engine_factory,
+                self.torch_threads,
+                logging.getLogger("mlaserve").getEffectiveLevel(),
+            ),
+            name="mlaserve-engine",
+        )
+        self._proc.start()
+        commands_rx.close()  # the child's ends: its exit must read as EOF here
+        outputs_tx.close()
+        atexit.register(self._kill)
+        loop.add_reader(self._outputs.fileno(), self._on_readable)
+        logger.info("engine process started (pid %d)", self._proc.pid)
+        task = loop.create_task(asyncio.to_thread(self._load_tokenizer))
+        task.add_done_callback(self._tokenizer_done)
 
     def begin_drain(self) -> None:
         """Stop admitting requests; the ones in flight go on for `shutdown_timeout` seconds, then
@@ -189,23 +207,76 @@ class AsyncEngine:
                 f"shutdown timeout ({self.shutdown_timeout:g} s)"
             )
         )
-        if self.state is not EngineState.DEAD:
-            self._commands.put(_Abort(ids))
+        self._send(core.ABORT, ids)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort whatever is still running, stop the thread and fail the remaining streams."""
+        """Abort whatever is still running, stop the engine process, fail the remaining
+        streams."""
         self.begin_drain()
         if self._drain_deadline is not None:
             self._drain_deadline.cancel()
-        self._commands.put(_STOP)
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, timeout)
+        proc = self._proc
+        if proc is not None:
+            self._stopping = True
+            if self._engine_warm:  # serving: it aborts what runs and exits
+                self._send(core.STOP)
+                await asyncio.to_thread(proc.join, timeout)
+                if proc.is_alive():
+                    logger.warning("the engine process did not stop in %.0f s: killing it", timeout)
+            # Still loading (commands wait until warm-up ends), or stuck: nothing to save.
+            await asyncio.to_thread(self._kill)
+            self._close()
+            atexit.unregister(self._kill)
         if self.state is not EngineState.DEAD:
             self.state = EngineState.STOPPED
         self._fail_all(ServerShutdownError("the server is shutting down"))
         self.tokenizer_worker.shutdown()
 
-    # ----- requests (event loop) -----
+    def _kill(self) -> None:
+        proc = self._proc
+        if proc is not None and proc.is_alive():
+            proc.kill()
+            proc.join(_KILL_WAIT_S)
+
+    def _close(self) -> None:
+        if self._outputs is not None:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._outputs.fileno())
+            self._outputs.close()
+            self._outputs = None
+        if self._commands is not None:
+            self._commands.close()
+            self._commands = None
+
+    # ----- tokenizer (loaded here, in a thread, while the engine process loads weights) -----
+    def _load_tokenizer(self) -> Tokenizer:
+        from mlaserve.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_pretrained(self.config.tokenizer_path)
+        _ = tokenizer.max_piece_chars  # computed once, off the loop
+        return tokenizer
+
+    def _tokenizer_done(self, task: asyncio.Future[Tokenizer]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            logger.error("the tokenizer failed to load: %r", exc)
+            self._kill()
+            self._die(exc, load=True)
+            return
+        self.tokenizer = task.result()
+        self.tokenizer_vocab_size = self.tokenizer.vocab_size
+        self.tokenizer_worker.bind(self.tokenizer)
+        self._tokenizer_loaded = True
+        self._maybe_ready()
+
+    def _maybe_ready(self) -> None:
+        if self._engine_warm and self._tokenizer_loaded and self.state is EngineState.WARMING_UP:
+            self.state = EngineState.READY
+            logger.info("ready: serving %r (max_model_len %d)", self.model_name, self.max_model_len)
+
+    # ----- requests -----
     async def add(self, requests: list[SubRequest], arrival_time: float) -> RequestStream:
         """Hand requests to the engine; returns once the engine has validated and queued them.
 
@@ -213,13 +284,14 @@ class AsyncEngine:
         EngineNotReadyError or EngineDeadError.
         """
         assert self._loop is not None, "start() the engine first"
+        self._check_accepting(len(requests))
         done: asyncio.Future[None] = self._loop.create_future()
         stream = RequestStream([r.request_id for r in requests])
-        with self._lock:
-            self._check_accepting(len(requests))
-            for r in requests:
-                self._streams[r.request_id] = stream
-            self._commands.put(_Add(requests, arrival_time, done))
+        for r in requests:
+            self._streams[r.request_id] = stream
+        add_id = next(self._add_ids)
+        self._adds[add_id] = done
+        self._send(core.ADD, add_id, requests, arrival_time)
         try:
             await done
         except BaseException:
@@ -234,8 +306,8 @@ class AsyncEngine:
         ids = [rid for rid in stream.request_ids if self._streams.get(rid) is stream]
         for rid in ids:
             del self._streams[rid]
-        if ids and self.state is not EngineState.DEAD:
-            self._commands.put(_Abort(ids))
+        if ids:
+            self._send(core.ABORT, ids)
 
     def _check_accepting(self, num_requests: int) -> None:
         if self.state is EngineState.DEAD:
@@ -249,13 +321,110 @@ class AsyncEngine:
                 f"limit {capacity}); retry later"
             )
 
+    def _send(self, *message: Any) -> None:
+        """A command to the engine process; dropped once it is dead or stopping (a dead process
+        is reported by its pipe's EOF, not here)."""
+        if self._commands is None or self.state is EngineState.DEAD:
+            return
+        with contextlib.suppress(OSError):  # a broken pipe: its EOF is on its way here
+            self._commands.send_bytes(core.dumps(message))
+
+    # ----- messages from the engine process (on the event loop) -----
+    def _on_readable(self) -> None:
+        """One message per call: the selector calls again while the pipe holds more (asking
+        `conn.poll()` instead would build a selector object per message)."""
+        conn = self._outputs
+        if conn is None:
+            return
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            self._on_eof()
+            return
+        self._handle(pickle.loads(data))
+
+    def _handle(self, message: tuple) -> None:
+        tag = message[0]
+        if tag == core.STEP:
+            _, wire, stats = message
+            outputs = decode_outputs(wire)
+            self._dispatch(outputs)
+            self._metric(self.metrics.on_outputs, outputs)
+            if stats is not None:
+                self._metric(self.metrics.on_stats, stats)
+        elif tag == core.ADDED:
+            _, add_id, error, added = message
+            done = self._adds.pop(add_id, None)
+            if error is None:
+                self._metric(self.metrics.on_added, added)
+            if done is not None and not done.done():
+                if error is None:
+                    done.set_result(None)
+                else:
+                    done.set_exception(error)
+        elif tag == core.ABORTED:
+            self._metric(self.metrics.on_aborted, message[1])
+        elif tag == core.STATS:
+            self._metric(self.metrics.on_stats, message[1])
+        elif tag == core.LOADED:
+            self._on_loaded(message[1])
+        elif tag == core.READY:
+            self.metrics.on_stats(message[1])
+            self._engine_warm = True
+            self._maybe_ready()
+        elif tag == core.FAILED:
+            _, phase, error = message
+            self._die(RuntimeError(error) if isinstance(error, str) else error, phase == "load")
+        # STOPPED needs nothing: shutdown() waits for the process itself.
+
+    def _metric(self, record: Callable[[Any], None], arg: Any) -> None:
+        """Record metrics after the woken streams ran (their tasks were scheduled first), so a
+        token's SSE frame leaves before its bookkeeping; one FIFO keeps the records in order."""
+        if not self._metric_calls:
+            assert self._loop is not None
+            self._loop.call_soon(self._record_metrics)
+        self._metric_calls.append((record, arg))
+
+    def _record_metrics(self) -> None:
+        calls, self._metric_calls = self._metric_calls, []
+        for record, arg in calls:
+            record(arg)
+
+    def _on_loaded(self, info: core.EngineInfo) -> None:
+        self.model_name = info.model_name
+        self.max_model_len = info.max_model_len
+        self.max_num_seqs = info.max_num_seqs
+        self.vocab_size = info.vocab_size
+        self.metrics.bind_model(self.model_name)
+        if self.state is EngineState.LOADING:
+            self.state = EngineState.WARMING_UP
+
+    def _on_eof(self) -> None:
+        """The engine process closed its end: it exited (or is about to)."""
+        proc = self._proc
+        self._close()
+        if self._stopping or self.state is EngineState.DEAD or proc is None:
+            return
+        proc.join(1.0)
+        code = proc.exitcode
+        how = (
+            f"was killed by {signal.Signals(-code).name}"
+            if code is not None and code < 0 and -code in signal.Signals._value2member_map_
+            else f"exited with code {code}"
+        )
+        self._die(
+            RuntimeError(f"the engine process {how}"),
+            load=self.state in (EngineState.LOADING, EngineState.WARMING_UP),
+        )
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        streams = self._streams
         for out in outputs:
-            stream = self._streams.get(out.request_id)
+            stream = streams.get(out.request_id)
             if stream is None:
                 continue  # aborted meanwhile
             if out.finished:
-                del self._streams[out.request_id]
+                del streams[out.request_id]
             stream.put(out)
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -264,146 +433,19 @@ class AsyncEngine:
         for stream in streams.values():
             stream.put(exc)
 
-    @staticmethod
-    def _resolve(done: asyncio.Future[None], exc: BaseException | None) -> None:
-        if done.done():
+    def _die(self, exc: BaseException, load: bool) -> None:
+        """The engine is gone: fail what waits on it, once; tell the server (it exits 1)."""
+        if self.state is EngineState.DEAD:
             return
-        if exc is None:
-            done.set_result(None)
-        else:
-            done.set_exception(exc)
-
-    # ----- engine thread -----
-    def _run(self) -> None:
-        try:
-            engine = self._load()
-        except BaseException as e:
-            logger.exception("the engine failed to start")
-            self._die(e)
-            if self._on_load_error is not None:
-                self._on_load_error(e)
-            return
-        try:
-            self._serve(engine)
-        except BaseException as e:
-            logger.exception("the engine thread died; failing every open request")
-            self._die(e)
-            if self._on_fatal is not None:
-                self._on_fatal(e)
-
-    def _load(self) -> LLMEngine:
-        if self._engine_factory is None:
-            from mlaserve.llm_engine import LLMEngine
-
-            self._engine_factory = LLMEngine
-        if self.torch_threads is not None:
-            import torch
-
-            torch.set_num_threads(self.torch_threads)
-        t0 = time.perf_counter()
-        logger.info("loading weights from %s", self.config.model_path)
-        engine = self._engine_factory(self.config)
-        t1 = time.perf_counter()
-        logger.info("weights loaded in %.1f s", t1 - t0)
-        self.model_name = engine.model_name
-        self.max_model_len = engine.max_model_len
-        self.max_num_seqs = engine.config.max_num_seqs
-        self.vocab_size = engine.model_config.vocab_size
-        self.tokenizer_vocab_size = engine.tokenizer.vocab_size
-        _ = engine.tokenizer.max_piece_chars  # computed here, once, and copied along
-        self.tokenizer = _private_copy(engine.tokenizer)
-        self.tokenizer_worker.bind(self.tokenizer)
-        self.metrics.bind_model(self.model_name)
-        if self.state is EngineState.LOADING:
-            self.state = EngineState.WARMING_UP
-        logger.info("warming up (kernel compilation, graph capture)")
-        engine.warmup()
-        logger.info("warm-up done in %.1f s", time.perf_counter() - t1)
-        with self._lock:
-            if self.state is EngineState.WARMING_UP:
-                self.state = EngineState.READY
-        self.metrics.on_stats(engine.get_stats())
-        logger.info("ready: serving %r (max_model_len %d)", self.model_name, self.max_model_len)
-        return engine
-
-    def _serve(self, engine: LLMEngine) -> None:
-        while True:
-            commands = self._next_commands(block=not engine.has_unfinished_requests())
-            for i, command in enumerate(commands):
-                if command is _STOP:
-                    self._abort_everything(engine, commands[i + 1 :])
-                    return
-                self._apply(engine, command)
-            if engine.has_unfinished_requests():
-                outputs = engine.step()
-                self.metrics.on_outputs(outputs)
-                self._live.difference_update(o.request_id for o in outputs if o.finished)
-                if outputs:
-                    self._call_soon(self._dispatch, outputs)
-            self.metrics.on_stats(engine.get_stats())
-
-    def _next_commands(self, block: bool) -> list[Any]:
-        commands = [self._commands.get()] if block else []
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
-
-    def _apply(self, engine: LLMEngine, command: _Add | _Abort) -> None:
-        if isinstance(command, _Abort):
-            self._abort(engine, command.request_ids)
-            return
-        added: list[str] = []
-        try:
-            for r in command.requests:
-                engine.add_request(r.request_id, r.prompt_token_ids, r.params, command.arrival_time)
-                added.append(r.request_id)
-        except Exception as e:  # a bad request must not kill the engine
-            for rid in added:
-                engine.abort_request(rid)
-            self._call_soon(self._resolve, command.done, e)
-            return
-        self._live.update(added)
-        self.metrics.on_added(added)
-        self._call_soon(self._resolve, command.done, None)
-
-    def _abort(self, engine: LLMEngine, request_ids: list[str]) -> None:
-        live = [rid for rid in request_ids if rid in self._live]
-        for rid in live:
-            engine.abort_request(rid)  # frees its KV pages now
-        self._live.difference_update(live)
-        self.metrics.on_aborted(live)
-
-    def _abort_everything(self, engine: LLMEngine, pending: list[Any]) -> None:
-        for command in pending + self._next_commands(block=False):
-            if isinstance(command, _Add):
-                self._call_soon(self._resolve, command.done, EngineNotReadyError("shutting down"))
-        self._abort(engine, list(self._live))
-        self.metrics.on_stats(engine.get_stats())
-
-    def _die(self, exc: BaseException) -> None:
-        with self._lock:
-            self.state = EngineState.DEAD
-            self.error = exc
-            pending = self._next_commands(block=False)
+        self.state = EngineState.DEAD
+        self.error = exc
+        logger.error("the engine %s: %r", "failed to start" if load else "died", exc)
         dead = EngineDeadError(f"the engine died: {exc!r}")
-        for command in pending:
-            if isinstance(command, _Add):
-                self._call_soon(self._resolve, command.done, dead)
-        self._call_soon(self._fail_all, dead)
-
-    def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        assert self._loop is not None
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
-            self._loop.call_soon_threadsafe(fn, *args)
-
-
-def _private_copy(tokenizer: Tokenizer) -> Tokenizer:
-    """A copy for the tokenizer worker: HF fast tokenizers raise "Already borrowed" when two threads
-    use one instance and one of them changes its truncation or padding settings."""
-    try:
-        return copy.deepcopy(tokenizer)
-    except Exception:
-        logger.warning("could not copy the tokenizer; sharing the engine's instance")
-        return tokenizer
+        adds, self._adds = self._adds, {}
+        for done in adds.values():
+            if not done.done():
+                done.set_exception(dead)
+        self._fail_all(dead)
+        callback = self._on_load_error if load else self._on_fatal
+        if callback is not None:
+            callback(exc)

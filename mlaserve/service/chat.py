@@ -51,6 +51,7 @@ from mlaserve.service.protocol import (
 )
 from mlaserve.service.request_stream import RequestStream
 from mlaserve.service.serving import STREAM_ERRORS, ClientDisconnected, Fanout, Serving, sse_frame
+from mlaserve.service.sse_chunks import ChunkFrames
 
 if TYPE_CHECKING:
     from mlaserve.tokenizer import Tokenizer
@@ -306,6 +307,7 @@ class Chat:
         last_metrics: dict[str, RequestMetrics] = {}  # for return_spec_stats
         want_logprobs = num_logprobs is not None
         parsers = {sub.request_id: new_parser() for sub in fanout.subrequests}
+        frames = ChunkFrames.chat(fanout.request_id, fanout.created, model)
 
         def chunk(choices: list[ChatChunkChoice], **extra: object) -> str:
             body = ChatCompletionChunk(
@@ -346,13 +348,16 @@ class Chat:
                     has_news = bool(parts)
                 if not (has_news or out.finished or (want_logprobs and c.token_ids)):
                     continue  # e.g. a token that ends inside a multi-byte character
+                if parser is None and (num_logprobs is None or c.logprobs is None):
+                    yield frames.text(index, text, finish_reason)  # plain content: preformatted
+                    continue
                 logprobs = None
                 if num_logprobs is not None and c.logprobs is not None:
                     logprobs = chat_logprobs(c.token_ids, c.logprobs, num_logprobs)
                 choice = ChatChunkChoice(
                     index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
                 )
-                yield chunk([choice])
+                yield frames.choice(choice)
             if req.include_usage_in_stream:
                 spec = list(last_metrics.values()) if req.return_spec_stats else None
                 yield chunk([], usage=fanout.usage(sum(sent_tokens.values()), spec))

@@ -23,6 +23,7 @@ from mlaserve.service.logprobs import completion_logprobs, prompt_logprobs
 from mlaserve.service.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from mlaserve.service.request_stream import RequestStream
 from mlaserve.service.serving import STREAM_ERRORS, ClientDisconnected, Fanout, Serving, sse_frame
+from mlaserve.service.sse_chunks import ChunkFrames
 from mlaserve.tokenizer import Tokenizer
 
 __all__ = ["Completions"]
@@ -182,6 +183,7 @@ class Completions:
         started: set[str] = set()
         want_logprobs = req.logprobs is not None
         score_only = req.echo and req.max_tokens == 0
+        frames = ChunkFrames.completion(fanout.request_id, fanout.created, model)
 
         def chunk(choices: list[CompletionChoice], **extra: object) -> str:
             body = CompletionResponse(
@@ -215,13 +217,16 @@ class Completions:
                     if logprobs.tokens:
                         text_offsets[rid] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                 finish_reason = c.finish_reason if out.finished else None
+                if logprobs is None:
+                    yield frames.text(index, text, finish_reason)
+                    continue
                 choice = CompletionChoice(
                     index=index,
                     text=text,
                     logprobs=logprobs,
                     finish_reason=finish_reason,
                 )
-                yield chunk([choice])
+                yield frames.choice(choice)
             if req.include_usage_in_stream:
                 spec = list(last_metrics.values()) if req.return_spec_stats else None
                 yield chunk([], usage=fanout.usage(sum(sent_tokens.values()), spec))

@@ -1,7 +1,8 @@
 """Prometheus metrics named after vLLM's (`vllm:*` -> `mlaserve:*`), so dashboards carry over.
 
-Everything here is fed from the engine thread after each step (prometheus-client is
-thread-safe; the per-request bookkeeping is only touched by that thread):
+Everything here is fed on the event loop from the engine process's messages: each step's
+outputs, the requests it added and aborted, and its `EngineStats` when they change (the
+per-request bookkeeping is only touched there):
 
 - latency histograms from the timestamps in `RequestOutput.metrics`: time to first token,
   inter-token latency (a step that delivers k tokens after an interval counts as k samples of
@@ -245,7 +246,7 @@ class Metrics:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
 
-    # ----- fed by the engine thread -----
+    # ----- fed from the engine process's messages -----
     def on_added(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
             self._tracked[request_id] = _Tracked()
@@ -300,7 +301,7 @@ class Metrics:
         finished = m.finished_time or now
         self.e2e_request_latency.labels(model).observe(max(finished - m.arrival_time, 0.0))
         num_tokens = tracked.num_generation_tokens
-        self.request_prompt_tokens.labels(model).observe(len(out.prompt_token_ids))
+        self.request_prompt_tokens.labels(model).observe(m.num_prompt_tokens)
         self.request_generation_tokens.labels(model).observe(num_tokens)
         if m.first_token_time is not None:
             if m.first_scheduled_time is not None:
@@ -324,8 +325,10 @@ class Metrics:
         if self._seen["steps"] < 0:  # the first call (after warm-up): a baseline, no sample
             self._seen["steps"] = stats.num_steps
         elif stats.num_steps > self._seen["steps"]:
-            # Called after every step (the engine thread), so one new step at a time.
-            self.iteration_tokens.labels(model).observe(stats.last_step_num_tokens)
+            # Every step since the last call (stats arrive every few steps, not every step).
+            new = stats.num_steps - self._seen["steps"]
+            for n in stats.recent_step_num_tokens[-new:]:
+                self.iteration_tokens.labels(model).observe(n)
             self._seen["steps"] = stats.num_steps
         for key, total, counter in (
             ("replays", stats.num_graph_replays, self.cuda_graph_replays),

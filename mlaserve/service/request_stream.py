@@ -45,8 +45,8 @@ class DeltaAccumulator:
     `add`; the text is joined once, by `build`)."""
 
     __slots__ = (
-        "_last", "_logprobs", "_new_tokens", "_prompt_logprobs", "_texts", "_token_ids",
-        "num_merged",
+        "_last", "_logprobs", "_new_tokens", "_prompt_logprobs", "_prompt_token_ids", "_texts",
+        "_token_ids", "num_merged",
     )  # fmt: skip
 
     def __init__(self, first: RequestOutput) -> None:
@@ -56,7 +56,9 @@ class DeltaAccumulator:
         self._token_ids = list(c.token_ids)
         self._logprobs = list(c.logprobs) if c.logprobs is not None else None
         self._new_tokens = first.num_new_tokens
-        self._prompt_logprobs = first.prompt_logprobs  # only the first delta carries them
+        # Only the first delta carries them (the engine process sends the prompt once).
+        self._prompt_logprobs = first.prompt_logprobs
+        self._prompt_token_ids = first.prompt_token_ids
         self.num_merged = 1
 
     def add(self, out: RequestOutput) -> None:
@@ -81,6 +83,7 @@ class DeltaAccumulator:
             outputs=[c],
             new_text=text,
             num_new_tokens=self._new_tokens,
+            prompt_token_ids=self._prompt_token_ids,
             prompt_logprobs=self._prompt_logprobs,
         )
 

@@ -145,8 +145,10 @@ def test_prompt_token_budget_is_checked_before_and_while_tokenizing(big_server) 
     ).is_success
 
 
-# ----- an engine thread that dies takes the process down (own process) -----
+# ----- an engine that dies takes the server down (own server) -----
 DIE_AFTER_STEPS = 30
+# The patch runs at import, so that it also runs in the engine process: `spawn` re-imports this
+# script there as `__mp_main__`, without the `__main__` block.
 _DYING_SERVER = f"""
 import sys
 from mlaserve.llm_engine import LLMEngine
@@ -163,19 +165,22 @@ def step(self):  # a device fault {DIE_AFTER_STEPS} steps after warm-up
     return real_step(self)
 
 LLMEngine.step = step
-sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
 """
 
 
 def test_engine_thread_death_fails_open_requests_and_exits_1(model_dir, tmp_path) -> None:
     port = free_port()
     log_path = tmp_path / "server.log"
+    script = tmp_path / "dying_server.py"
+    script.write_text(_DYING_SERVER)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLASERVE_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
     with open(log_path, "wb") as log:
         popen = subprocess.Popen(
-            [sys.executable, "-c", _DYING_SERVER, "serve", "--port", str(port), "--device", "cpu",
+            [sys.executable, str(script), "serve", "--port", str(port), "--device", "cpu",
              "--model", str(model_dir)],
             cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -211,5 +216,6 @@ def test_torch_threads_flag_reaches_the_engine_thread(model_dir, tmp_path) -> No
     try:
         proc.wait_ready()
         assert "torch intra-op threads: 1" in proc.logs()
+        assert "engine process: 1 torch intra-op threads" in proc.logs()  # applied there
     finally:
         assert proc.stop() == 0

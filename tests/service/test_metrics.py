@@ -57,7 +57,7 @@ def _output(rid: str, arrival: float, first: float, last: float, num_tokens: int
             finished: str | None = None) -> RequestOutput:  # fmt: skip
     metrics = RequestMetrics(
         arrival_time=arrival, first_scheduled_time=arrival + 0.5, first_token_time=first,
-        last_token_time=last, finished_time=last if finished else None,
+        last_token_time=last, finished_time=last if finished else None, num_prompt_tokens=3,
     )  # fmt: skip
     completion = CompletionOutput(index=0, text="x" * num_tokens, token_ids=[7] * num_tokens,
                                   finish_reason=finished)  # fmt: skip
@@ -152,23 +152,25 @@ def test_nothing_is_recorded_before_the_model_is_bound() -> None:
 
 
 def test_iteration_tokens_and_preemptions_follow_the_engine_totals() -> None:
+    """Stats arrive every few steps (the engine process sends them at most every 50 ms): every
+    step since the previous stats is observed once, from the engine's recent step history."""
     from mlaserve.llm_engine import EngineStats
 
     metrics = Metrics()
     metrics.bind_model("m")
 
-    def stats(steps: int, last: int, preemptions: int) -> EngineStats:
+    def stats(steps: int, recent: tuple[int, ...], preemptions: int) -> EngineStats:
         return EngineStats(
             num_running=1, num_waiting=0, num_free_pages=9, num_total_pages=10,
-            num_preemptions=preemptions, num_steps=steps, last_step_num_tokens=last,
+            num_preemptions=preemptions, num_steps=steps, recent_step_num_tokens=recent,
         )  # fmt: skip
 
-    metrics.on_stats(stats(steps=3, last=16, preemptions=0))  # after warm-up: a baseline only
-    metrics.on_stats(stats(steps=4, last=40, preemptions=1))  # a prefill step
-    metrics.on_stats(stats(steps=4, last=40, preemptions=1))  # no new step: nothing observed
-    metrics.on_stats(stats(steps=5, last=2, preemptions=3))  # a decode step of two requests
+    metrics.on_stats(stats(3, (16, 16, 16), preemptions=0))  # after warm-up: a baseline only
+    metrics.on_stats(stats(4, (16, 16, 16, 40), preemptions=1))  # a prefill step
+    metrics.on_stats(stats(4, (16, 16, 16, 40), preemptions=1))  # no new step: nothing observed
+    metrics.on_stats(stats(7, (16, 16, 40, 2, 2, 1), preemptions=3))  # three steps at once
     s = _samples(metrics)
-    assert s["mlaserve:iteration_tokens_total_count"] == 2
-    assert s["mlaserve:iteration_tokens_total_sum"] == 42
-    assert s['mlaserve:iteration_tokens_total_bucket{le="2.0"}'] == 1
+    assert s["mlaserve:iteration_tokens_total_count"] == 4
+    assert s["mlaserve:iteration_tokens_total_sum"] == 45
+    assert s['mlaserve:iteration_tokens_total_bucket{le="2.0"}'] == 3
     assert s["mlaserve:num_preemptions_total"] == 3
