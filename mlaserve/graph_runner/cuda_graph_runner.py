@@ -23,6 +23,7 @@ instead of a replay. That is how the CPU tests prove the buffer and padding logi
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import time
 from collections import Counter
@@ -107,6 +108,9 @@ class CudaGraphRunner:
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
         t1 = time.perf_counter()
+        # Objects waiting for the collector may hold CUDA resources (pinned buffers, events) of
+        # an engine that is gone; freeing them inside a capture would invalidate it.
+        gc.collect()
         free_before = self._free_memory()
         for mode, q_len in self.shapes:
             for bs in reversed(self.batch_sizes):

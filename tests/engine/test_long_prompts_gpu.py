@@ -23,10 +23,16 @@ pytestmark = [
 ]
 
 NEW_TOKENS = 12
-# Measured on an H100 (2026-11-22): bf16 0.844 alone / 0.885 mixed, fp8 0.881 / 0.787. bf16
-# rounding inside FlashMLA (and fp8 queries with an fp8 cache) flips near-ties, after which a
-# greedy continuation diverges for good, hence a rate over 12-token continuations.
-AGREEMENT = {"bf16": 0.8, "fp8_e4m3": 0.75}
+# What is asserted: wherever a continuation first leaves the reference backend's, the reference
+# itself was at a near-tie there (its top-1 and top-2 logprobs within NEAR_TIE nats), so the
+# kernels' bf16/fp8 rounding may flip it; a wrong token (a bug) leaves at a clear margin. After
+# a flip a greedy continuation diverges for good, so the agreement rate over 12-token
+# continuations is a noisy number: measured on an H100 (2026-11-22) with the bf16 MHA-form
+# prefill, bf16 0.844 alone / 0.869 mixed, fp8 0.789 / 0.623 (fp32 reference prefill before:
+# 0.844 / 0.885 and 0.881 / 0.787); every divergence was at a margin of 0.0-0.125 nats. The
+# rate bound below is only a floor against wholesale breakage.
+NEAR_TIE = 0.25
+AGREEMENT = {"bf16": 0.6, "fp8_e4m3": 0.5}
 
 
 def code_tokens(llm: LLM, n: int) -> list[int]:
@@ -138,5 +144,6 @@ def test_every_prompt_length_alone_and_mixed(kv_cache_dtype: str) -> None:
     assert all(
         len(t) == min(NEW_TOKENS, ref.engine.max_model_len - len(p)) for t, p in zip(alone, prompts)
     )
+    assert all(t < NEAR_TIE for t in ties), ties
     assert rate >= AGREEMENT[kv_cache_dtype]
     assert rate_mixed >= AGREEMENT[kv_cache_dtype]

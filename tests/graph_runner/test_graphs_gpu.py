@@ -62,6 +62,7 @@ def test_replay_equals_eager_at_every_size(checkpoint, backend: str, kv_cache_dt
     assert len(engine.graphs.graphs) == len(CAPTURED)
     sizes = CAPTURED + BETWEEN if backend == "flashmla" else (1, 3, 8, 13, 64)
     worst = 0.0
+    errors: dict[int, float] = {}
     for bs in sizes:
         poison_kv(engine)
         # Prompts of 30..93 tokens: every sequence crosses a 64-token page during the 64 steps.
@@ -74,7 +75,7 @@ def test_replay_equals_eager_at_every_size(checkpoint, backend: str, kv_cache_dt
         report = compare_replays(engine, steps=STEPS, rel_tol=tol)
         assert report.steps == STEPS
         assert engine.graphs.num_replays - replays_before == STEPS, "every step replayed"
-        assert report.max_rel_err < tol, (bs, report.max_rel_err)
+        errors[bs] = report.max_rel_err
         assert report.argmax_mismatches == 0, bs
         assert untouched_pages_still_poisoned(engine, report.touched_pages), bs
         worst = max(worst, report.max_rel_err)
@@ -82,7 +83,11 @@ def test_replay_equals_eager_at_every_size(checkpoint, backend: str, kv_cache_dt
             engine.step()
         stats = engine.get_stats()
         assert stats.num_free_pages == stats.num_total_pages
-    print(f"{backend}/{kv_cache_dtype}: max relative logit error graph vs eager {worst:.2e}")
+    print(
+        f"{backend}/{kv_cache_dtype}: max relative logit error graph vs eager {worst:.2e}; per "
+        f"batch size {', '.join(f'{bs}: {e:.1e}' for bs, e in errors.items())}"
+    )
+    assert worst < REL_TOL[kv_cache_dtype], errors
     assert engine.compile_watch.compiles_since_ready == 0
 
 
