@@ -48,6 +48,8 @@ def untouched_pages_still_poisoned(engine: LLMEngine, touched: set[int]) -> bool
 class ReplayReport:
     steps: int = 0
     max_rel_err: float = 0.0  # max |graph - eager| / max |eager| over all steps
+    rows: int = 0  # token rows compared (steps x batch)
+    rows_over_tol: int = 0  # rows whose max |graph - eager| / max |eager| exceeds rel_tol
     argmax_mismatches: int = 0  # rows whose argmax differs although eager's top-2 gap is clear
     padded_steps: int = 0  # steps whose batch was padded to a larger captured size
     touched_pages: set[int] = field(default_factory=set)
@@ -85,8 +87,10 @@ def compare_replays(engine: LLMEngine, steps: int, rel_tol: float) -> ReplayRepo
         replayed = graphs.run(host).float().clone()
         assert replayed.shape == eager.shape, (replayed.shape, eager.shape)
         assert torch.isfinite(replayed).all(), "NaN/inf in replayed logits (a poisoned page read?)"
-        err = ((replayed - eager).abs().max() / eager.abs().max()).item()
-        report.max_rel_err = max(report.max_rel_err, err)
+        row_err = (replayed - eager).abs().amax(-1) / eager.abs().max()
+        report.max_rel_err = max(report.max_rel_err, row_err.max().item())
+        report.rows += row_err.numel()
+        report.rows_over_tol += int((row_err > rel_tol).sum().item())
         top2 = eager.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 4 * rel_tol * eager.abs().max()
         report.argmax_mismatches += int(
