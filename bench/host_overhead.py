@@ -97,15 +97,18 @@ def run(
     vocab = engine.model_config.vocab_size
     # Bench-only instrumentation: time the device work; what is left of a step is host work.
     sampler = runner.sampler
-    forward = type(runner).forward.__get__(runner)
+    forward = type(runner).forward_with_hidden.__get__(runner)
     if fake_forward:
         gen = torch.Generator(device=runner.device).manual_seed(0)
+        hidden_size = engine.model_config.hidden_size
 
-        def forward(batch: Any) -> torch.Tensor:
+        def forward(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
             rows = batch.logits_indices.shape[0]
-            return torch.randn(rows, vocab, generator=gen, device=runner.device) * 4
+            logits = torch.randn(rows, vocab, generator=gen, device=runner.device) * 4
+            return logits, torch.zeros(batch.num_tokens, hidden_size, device=runner.device)
 
-    runner.forward = clock.wrap(forward)
+    # Every forward goes through forward_with_hidden (forward and the graph runner call it).
+    runner.forward_with_hidden = clock.wrap(forward)
     runner.sampler = clock.wrap(sampler)
     scheduler = engine.scheduler
     scheduler.schedule = clock.phase("schedule", type(scheduler).schedule.__get__(scheduler))
@@ -139,7 +142,7 @@ def run(
             lengths.append(max(o.metrics.num_generation_tokens for o in outputs))
             if len(host_ms) % 250 == 0:
                 print(f"  {kind.name.lower()}: step {len(host_ms)}", file=sys.stderr, flush=True)
-    del runner.forward, runner.build_host_batch, runner.make_batch  # back to the class's
+    del runner.forward_with_hidden, runner.build_host_batch, runner.make_batch  # the class's
     del scheduler.schedule, engine._postprocess
     runner.sampler = sampler
     early = [ms for ms, n in zip(host_ms, lengths, strict=True) if 6 <= n <= 15]
