@@ -31,5 +31,9 @@ timeout 330 python3 bench/decode.py --model $ckpt $ckpt-fp8 --rounds 2 >"$out/de
 grep -A10 -E "^device:|vs /tmp" "$out/decode_v2lite.log"
 timeout 60 python3 bench/decode.py --contexts 1024 --rounds 2 >"$out/decode_default.log" 2>&1
 tail -6 "$out/decode_default.log" | head -5
-timeout 70 python3 bench/serve_tpot.py >"$out/serve_tpot.log" 2>&1
-tail -3 "$out/serve_tpot.log" | head -2
+timeout 95 python3 bench/serve_tpot.py --rounds 3 >"$out/serve_tpot.log" 2>&1
+tail -6 "$out/serve_tpot.log" | head -5
+timeout 200 python3 bench/prefill.py --model $ckpt --rounds 1 >"$out/prefill.log" 2>&1
+tail -12 "$out/prefill.log" | head -11
+timeout 240 python3 bench/spec.py --rounds 1 --new-tokens 48 >"$out/spec.log" 2>&1
+tail -20 "$out/spec.log" | head -19
