@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from mlaserve.kernels_adapter.base import AttentionBackend, BackendUnsupportedError
+from mlaserve.kernels_adapter.base import BackendUnsupportedError
+from mlaserve.kernels_adapter.blackwell import BlackwellBackend, latent_dims_problem
 from mlaserve.kernels_adapter.gpu_target import GpuTarget
 from mlaserve.kernels_adapter.mha_extend import ExtendLayout, extend_layout, mha_context_kv
 from mlaserve.kv_cache.kv_pool import FP8_E4M3_MAX
@@ -89,26 +90,10 @@ class _DecodeMetadata:
     block_tables: torch.Tensor  # [bs, max_pages] int32, compact
 
 
-class TokenspeedBackend(AttentionBackend):
+class TokenspeedBackend(BlackwellBackend):
     name: ClassVar[str] = "tokenspeed"
-    supports_cuda_graph: ClassVar[bool] = True
     # The package README documents 1 <= q_len <= 4 (larger q_len is folded/packed, untested).
     max_uniform_q_len: ClassVar[int] = 4
-    mha_extend: ClassVar[bool] = True
-
-    @classmethod
-    def check_supported(
-        cls,
-        model_config: ModelConfig,
-        page_size: int,
-        kv_cache_dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        if device.type != "cuda":
-            raise BackendUnsupportedError(
-                f"attention_backend 'tokenspeed': needs a CUDA device, got {device}"
-            )
-        cls.check_target(model_config, page_size, kv_cache_dtype, GpuTarget.of(device))
 
     @classmethod
     def check_target(
@@ -130,11 +115,8 @@ class TokenspeedBackend(AttentionBackend):
             )
         elif page_size not in PAGE_SIZES:
             problem = f"page_size must be 32 or 64, got {page_size}"
-        elif (mc.kv_lora_rank, mc.qk_rope_head_dim) != (512, 64):
-            problem = (
-                "kv_lora_rank/qk_rope_head_dim must be 512/64, got "
-                f"{mc.kv_lora_rank}/{mc.qk_rope_head_dim}"
-            )
+        elif dims := latent_dims_problem(mc):
+            problem = dims
         elif mc.num_attention_heads > MAX_HEADS:
             problem = f"num_attention_heads must be <= {MAX_HEADS}, got {mc.num_attention_heads}"
         elif (mc.qk_head_dim, mc.v_head_dim) != PREFILL_DIMS:
@@ -158,8 +140,6 @@ class TokenspeedBackend(AttentionBackend):
         max_q_len: int = 1,
         target: GpuTarget | None = None,
     ) -> None:
-        """`target`: the GPU to build for; None reads it from `device` (which must be CUDA).
-        Tests pass a Blackwell target with a CPU device to build the kernels' arguments."""
         super().__init__(
             model_config,
             page_size,
@@ -168,10 +148,8 @@ class TokenspeedBackend(AttentionBackend):
             max_num_seqs,
             max_model_len,
             max_q_len=max_q_len,
+            target=target,
         )
-        on_gpu = target is None
-        self.target = GpuTarget.of(device) if on_gpu else target
-        self.check_target(model_config, page_size, kv_cache_dtype, self.target)
         self._ts = _import_tokenspeed()
         # Once, for the largest q_len in use, never grown while serving (a lazily grown buffer
         # would allocate on the first long verify batch and break captured graphs).
@@ -180,7 +158,7 @@ class TokenspeedBackend(AttentionBackend):
             dtype=torch.int8,
             device=device,
         )
-        if on_gpu:
+        if self.on_gpu:
             # 1.5-2 minutes per variant: pay it at start-up, not on the first long prompt.
             self._ts.warmup_compile_prefill(
                 q_dtype=torch.float8_e4m3fn,
@@ -194,11 +172,7 @@ class TokenspeedBackend(AttentionBackend):
         if not batch.mode.is_uniform:
             batch.attn_metadata = extend_layout(batch)  # host lengths; shared by all layers
             return
-        if batch.bs > self.max_num_seqs or batch.q_len > self.max_q_len:
-            raise ValueError(
-                f"{batch.mode.value} batch of {batch.bs} x q_len {batch.q_len} exceeds what the "
-                f"workspace was sized for ({self.max_num_seqs} x {self.max_q_len})"
-            )
+        self.check_uniform_bounds(batch)
         tables = batch.block_tables
         # Full-width rows of the runner's buffer are compact already; anything else is copied
         # (a device op, capturable) rather than handed to a kernel that ignores its strides.

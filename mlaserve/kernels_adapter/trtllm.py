@@ -51,7 +51,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from mlaserve.kernels_adapter.base import AttentionBackend, BackendUnsupportedError
+from mlaserve.kernels_adapter.base import BackendUnsupportedError
+from mlaserve.kernels_adapter.blackwell import BlackwellBackend, latent_dims_problem
 from mlaserve.kernels_adapter.gpu_target import GpuTarget
 from mlaserve.kernels_adapter.mha_extend import ExtendLayout, extend_layout, mha_context_kv
 from mlaserve.kv_cache.kv_pool import FP8_E4M3_MAX
@@ -141,26 +142,10 @@ class _DecodeMetadata:
     block_tables: torch.Tensor  # [bs, W] int32, W a multiple of 128 / page_size
 
 
-class TrtllmBackend(AttentionBackend):
+class TrtllmBackend(BlackwellBackend):
     name: ClassVar[str] = "trtllm"
-    supports_cuda_graph: ClassVar[bool] = True
     # MTP verify shapes (SGLang runs its verify through this kernel); larger is untested.
     max_uniform_q_len: ClassVar[int] = 8
-    mha_extend: ClassVar[bool] = True
-
-    @classmethod
-    def check_supported(
-        cls,
-        model_config: ModelConfig,
-        page_size: int,
-        kv_cache_dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        if device.type != "cuda":
-            raise BackendUnsupportedError(
-                f"attention_backend 'trtllm': needs a CUDA device, got {device}"
-            )
-        cls.check_target(model_config, page_size, kv_cache_dtype, GpuTarget.of(device))
 
     @classmethod
     def check_target(
@@ -180,11 +165,8 @@ class TrtllmBackend(AttentionBackend):
             problem = f"page_size must be 32 or 64, got {page_size}"
         elif kv_cache_dtype not in KV_DTYPES:
             problem = f"kv_cache_dtype must be bf16 or fp8_e4m3, got {kv_cache_dtype}"
-        elif (mc.kv_lora_rank, mc.qk_rope_head_dim) != (512, 64):
-            problem = (
-                "kv_lora_rank/qk_rope_head_dim must be 512/64, got "
-                f"{mc.kv_lora_rank}/{mc.qk_rope_head_dim}"
-            )
+        elif dims := latent_dims_problem(mc):
+            problem = dims
         elif not (heads <= 64 or heads == 128):
             problem = f"num_attention_heads must be <= 64 or exactly 128, got {heads}"
         elif (mc.qk_head_dim, mc.v_head_dim) not in PREFILL_DIMS:
@@ -208,8 +190,6 @@ class TrtllmBackend(AttentionBackend):
         max_q_len: int = 1,
         target: GpuTarget | None = None,
     ) -> None:
-        """`target`: the GPU to build for; None reads it from `device` (which must be CUDA).
-        Tests pass a Blackwell target with a CPU device to build the kernels' arguments."""
         super().__init__(
             model_config,
             page_size,
@@ -218,12 +198,10 @@ class TrtllmBackend(AttentionBackend):
             max_num_seqs,
             max_model_len,
             max_q_len=max_q_len,
+            target=target,
         )
-        on_gpu = target is None
-        self.target = GpuTarget.of(device) if on_gpu else target
-        self.check_target(model_config, page_size, kv_cache_dtype, self.target)
         self._decode, self._prefill, counter_bytes = _import_flashinfer()
-        if on_gpu:
+        if self.on_gpu:
             problem = missing_cubins()
             if problem:
                 raise BackendUnsupportedError(f"attention_backend 'trtllm': {problem}")
@@ -254,11 +232,7 @@ class TrtllmBackend(AttentionBackend):
         if not batch.mode.is_uniform:
             batch.attn_metadata = extend_layout(batch)  # host lengths; shared by all layers
             return
-        if batch.bs > self.max_num_seqs or batch.q_len > self.max_q_len:
-            raise ValueError(
-                f"{batch.mode.value} batch of {batch.bs} x q_len {batch.q_len} exceeds the "
-                f"backend's bound ({self.max_num_seqs} x {self.max_q_len})"
-            )
+        self.check_uniform_bounds(batch)
         tables = batch.block_tables
         width = tables.shape[1]
         if width % (128 // self.page_size) == 0 and tables.is_contiguous():
