@@ -10,6 +10,11 @@ request, /health included. A body is therefore also refused (413) once it holds 
 before anything is parsed. Commas inside strings count too: telling them apart would need a
 scan that costs what the parse does. The limit is derived from the prompt-token limit, well above
 what any acceptable request needs.
+
+A refused body is read to its end (and discarded) before the 413 goes out, up to
+`DRAIN_LIMIT_BYTES`: a server that closes its socket with unread request bytes in the kernel's
+buffer sends a TCP reset, and a client still writing its body then sees "connection reset"
+instead of the 413. Beyond that bound the connection is closed without reading on.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from mlaserve.service.errors import error_body
 
 __all__ = ["BodySizeLimitMiddleware"]
+
+DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
 
 
 class _BodyTooLarge(HTTPException):
@@ -46,6 +53,8 @@ class BodySizeLimitMiddleware:
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         too_large = f"request body exceeds the limit of {self.max_request_bytes} bytes"
         if declared is not None and declared.isdigit() and int(declared) > self.max_request_bytes:
+            if int(declared) <= DRAIN_LIMIT_BYTES:
+                await _drain(receive)
             await self._reject(send, too_large)
             return
 
@@ -57,19 +66,27 @@ class BodySizeLimitMiddleware:
         async def counting_receive() -> Message:
             nonlocal received, commas
             message = await receive()
-            if message["type"] == "http.request":
-                chunk = message.get("body", b"")
-                received += len(chunk)
-                if received > self.max_request_bytes:
-                    raise _BodyTooLarge(too_large)
-                if max_commas is not None:
-                    commas += chunk.count(b",")
-                    if commas > max_commas:
-                        raise _BodyTooLarge(
-                            f"request body holds more than {max_commas} JSON values (commas, "
-                            "strings included); see max_prompt_tokens_per_request"
-                        )
-            return message
+            if message["type"] != "http.request":
+                return message
+            chunk = message.get("body", b"")
+            received += len(chunk)
+            refusal = None
+            if received > self.max_request_bytes:
+                refusal = too_large
+            elif max_commas is not None:
+                commas += chunk.count(b",")
+                if commas > max_commas:
+                    refusal = (
+                        f"request body holds more than {max_commas} JSON values (commas, "
+                        "strings included); see max_prompt_tokens_per_request"
+                    )
+            if refusal is None:
+                return message
+            if message.get("more_body", False):
+                # Whoever answers (this middleware or the app's HTTPException handler) answers
+                # after the whole body is in.
+                await _drain(receive, DRAIN_LIMIT_BYTES - received)
+            raise _BodyTooLarge(refusal)
 
         async def tracking_send(message: Message) -> None:
             nonlocal response_started
@@ -96,3 +113,15 @@ class BodySizeLimitMiddleware:
             }
         )
         await send({"type": "http.response.body", "body": body.encode()})
+
+
+async def _drain(receive: Receive, limit: int = DRAIN_LIMIT_BYTES) -> None:
+    """Read and discard the rest of a request body: until its end, a disconnect, or `limit`."""
+    read = 0
+    while read <= limit:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        read += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import time
+
 import httpx
 import openai
 import pytest
@@ -143,6 +146,33 @@ def test_oversized_chunked_body_is_413(server) -> None:
 
     response = server.post(CMPL, content=chunks(), headers={"content-type": "application/json"})
     _assert_openai_error(response, 413, None)
+    _still_serving(server)
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_an_oversized_body_still_arriving_gets_its_413_not_a_reset(server, framing) -> None:
+    """The client is still writing when the server decides: the server must read the rest.
+
+    Closing a socket with unread request bytes makes the kernel answer the client's next
+    segment with a reset, which loses the 413 (CI saw `Connection reset by peer` this way).
+    """
+    body = b'{"prompt": "' + b"x" * 200_000 + b'"}'
+    parts = [body[i : i + 20_000] for i in range(0, len(body), 20_000)]
+    if framing == "chunked":
+        head = b"Transfer-Encoding: chunked\r\n"
+        parts = [b"%x\r\n%s\r\n" % (len(p), p) for p in parts] + [b"0\r\n\r\n"]
+    else:
+        head = b"Content-Length: %d\r\n" % len(body)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST " + CMPL.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + head + b"\r\n")
+        for part in parts:
+            s.sendall(part)  # BrokenPipeError/ConnectionResetError here is the bug
+            time.sleep(0.02)
+        response = b""
+        while chunk := s.recv(65536):
+            response += chunk
+    assert response.startswith(b"HTTP/1.1 413"), response[:200]
+    assert b"request_too_large" in response
     _still_serving(server)
 
 
