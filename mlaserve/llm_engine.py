@@ -262,6 +262,7 @@ class LLMEngine:
 
     # ----- the loop -----
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
@@ -274,7 +275,10 @@ class LLMEngine:
         if self.spec_decoder is not None:
             result, num_accepted = self.spec_decoder.step(scheduled)
             self.scheduler.after_step(scheduled, num_accepted)
-            return self._postprocess(scheduled, result)
+            outputs = self._postprocess(scheduled, result)
+            # the step's wall time feeds the policy's online costs
+            self.spec_decoder.observe_step_time(time.perf_counter() - t0)
+            return outputs
         host = self.runner.build_host_batch(scheduled)
         logits = self.graphs.run(host)
         if host.prompt_spans:
@@ -344,10 +348,12 @@ class LLMEngine:
         self.spec_costs = costs
         logger.info(
             "speculative decoding: %d draft graphs in %.2f s; break-even accept length per "
-            "batch size (speculative / plain engine step, wall time): %s; prior %.2f",
+            "batch size (speculative / plain engine step, wall time): %s; draft-cache refresh "
+            "overhead: %s; prior %.2f",
             num,
             t1 - t0,
             {b: round(costs.break_even(b), 2) for b in costs.plain_s} if costs else "unmeasured",
+            {b: f"{costs.refresh_overhead(b):+.1%}" for b in costs.plain_s} if costs else "-",
             dec.policy.prior,
         )
 

@@ -6,14 +6,19 @@
         -> draft-extend over the k+1 rows, fixed stride (graph) -> [draft graph: k drafts]
     decode step otherwise (a plain step):
         DECODE target forward (graph, q_len 1) -> sampler; if the next step speculates,
-        draft-extend over the one row -> draft graph; if not, no draft work at all (a plain
-        engine's step), and those requests' draft caches go stale: they draft no more (see
-        `Request.draft_cache_valid`), so the policy's "off" costs what speculation-off costs
+        draft-extend over the one row -> draft graph; if not, either the draft's cache update
+        alone (draft-extend, "refresh": when the policy finds it cheap) or no draft work at all
+        (a plain engine's step), after which those requests' draft caches are stale
+        (`Request.draft_cache_valid`: positions the MTP layer never saw). A stale request is
+        still verified when its batch speculates (drafts from an incomplete cache; acceptance is
+        lossless whatever the drafts), but its accept lengths do not feed the policy's estimate.
     EXTEND step (prefill chunks, maybe with decodes):
         target forward -> sampler -> the draft over the same rows (eager) -> [draft graph]
 
-Whether the NEXT step speculates is decided at the end of this one (`SpecPolicy`, from the
-batch size and the running accept length), since its drafts are drafted now.
+Whether the NEXT step speculates is decided in this one (`SpecPolicy`, from the batch size, the
+number of stale caches, the running accept length and the step costs), since its drafts are
+drafted now. Each steady-state decode step's kind (spec, plain, refresh) is kept so the engine
+can report the step's wall time back to the policy (`observe_step_time`).
 
 The only device->host transfer is one packed int64 copy: the emitted tokens, the accept
 lengths, the per-request finite flags and the next drafts (the host builds the next verify
@@ -37,7 +42,7 @@ from mlaserve.graph_runner import CudaGraphRunner
 from mlaserve.sampling.rejection import accept_draft
 from mlaserve.sampling.sampler import finite_rows, raw_logprobs
 from mlaserve.spec.mtp_drafter import Drafter, target_mode
-from mlaserve.spec.spec_policy import SpecPolicy
+from mlaserve.spec.spec_policy import Decision, SpecPolicy
 from mlaserve.spec.spec_stats import SpecStats
 
 __all__ = ["SpecDecoder"]
@@ -63,6 +68,8 @@ class SpecDecoder:
         self.policy = policy or SpecPolicy(k)
         self.stats = SpecStats(k)
         self._last_log = time.monotonic()
+        # (kind, batch size) of the last step when it was a steady-state decode step, else None.
+        self._last_step: tuple[str, int] | None = None
 
     def reset_stats(self) -> None:
         self.stats = SpecStats(self.k)
@@ -87,23 +94,32 @@ class SpecDecoder:
         for s in sched.scheduled:
             if s.request.num_computed_tokens == 0:  # (re)computed from its prompt
                 s.request.draft_cache_valid = True
-        speculate = self.policy.decide(len(sched.scheduled)).speculate
+        num_stale = sum(not s.request.draft_cache_valid for s in sched.scheduled)
+        decision = self.policy.decide(len(sched.scheduled), num_stale)
+        self._last_step = None
         if sched.mode is ForwardMode.DECODE:
-            result, accepted = self._decode(sched, speculate)
+            result, accepted = self._decode(sched, decision)
         else:
-            result, accepted = self._extend(sched, speculate)
+            result, accepted = self._extend(sched, decision.speculate)
         if time.monotonic() - self._last_log >= LOG_INTERVAL_S and self.stats.num_drafts:
             self._last_log = time.monotonic()
             logger.info("%s", self.log_line())
         return result, accepted
 
+    def observe_step_time(self, seconds: float) -> None:
+        """The wall time of the engine step that just ran (scheduling to outputs): reported to
+        the policy's online costs when it was a steady-state decode step."""
+        if self._last_step is not None:
+            kind, bs = self._last_step
+            self.policy.observe_step(kind, bs, seconds)
+
     # ----- EXTEND: plain target forward, then the draft over the same rows -----
     def _extend(self, sched: SchedulerOutput, speculate: bool) -> tuple[StepResult, list[int]]:
         """The draft runs over every row (prefill keeps its cache complete); it drafts when the
-        next step speculates and every request's draft cache is whole."""
+        next step speculates."""
         target = self.graphs.run_with_hidden(self.runner.build_host_batch(sched))
         requests = [s.request for s in sched.scheduled if s.samples]
-        draft = speculate and all(r.draft_cache_valid for r in requests)
+        draft = speculate
         n = len(requests)
         dev = target.hidden.device
         sampled = torch.empty(0, dtype=torch.int64, device=dev)
@@ -131,12 +147,13 @@ class SpecDecoder:
         return result, [0] * n
 
     # ----- DECODE: verify k drafts, or a plain step -----
-    def _decode(self, sched: SchedulerOutput, speculate: bool) -> tuple[StepResult, list[int]]:
-        """Speculating next: draft-extend (+ drafts if every draft cache is whole). Not: no
+    def _decode(self, sched: SchedulerOutput, decision: Decision) -> tuple[StepResult, list[int]]:
+        """Speculating next: draft-extend + drafts. Not: the draft-extend alone (refresh), or no
         draft work at all (the step costs what a plain engine's does) and the requests' draft
         caches go stale."""
         k, ps = self.k, self.runner.page_size
         requests = [s.request for s in sched.scheduled]
+        fresh = [r.draft_cache_valid for r in requests]  # before this step may change it
         bs = len(requests)
         verify = all(len(r.draft_token_ids) == k for r in requests)
         q = k + 1 if verify else 1
@@ -175,12 +192,16 @@ class SpecDecoder:
             out_tokens, finite = out.token_ids.unsqueeze(1), out.finite
             accept_len = torch.ones(bs, dtype=torch.int64, device=logits.device)
         drafts = None
-        if speculate:
-            draft = all(r.draft_cache_valid for r in requests)
-            drafts = self.drafter.after_decode(target, out_tokens, accept_len, requests, draft)
+        if decision.speculate or decision.refresh:
+            drafts = self.drafter.after_decode(
+                target, out_tokens, accept_len, requests, decision.speculate
+            )
         else:
             for r in requests:
                 r.draft_cache_valid = False
+        if verify == decision.speculate:  # steady state: not a switch between the two
+            kind = "spec" if verify else "refresh" if decision.refresh else "plain"
+            self._last_step = (kind, bs)
         parts = [out_tokens.reshape(-1), accept_len, finite.to(torch.int64)]
         if drafts is not None:
             parts.append(drafts.reshape(-1))
@@ -196,7 +217,7 @@ class SpecDecoder:
                     r.metrics.num_draft_tokens += k
                     r.metrics.num_accepted_tokens += n - 1
             self.stats.record(lens)
-            self.policy.observe(lens)
+            self.policy.observe([n for n, ok in zip(lens, fresh, strict=True) if ok])
         if sb.need_logprobs:
             lp = raw_logprobs(logits.float(), out_tokens.reshape(-1), sb.max_num_logprobs)
             self._logprobs(result, lp, lens, q)

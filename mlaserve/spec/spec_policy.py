@@ -1,20 +1,38 @@
 """Whether the next decode step speculates: on only where it pays, on this hardware and model.
 
-At start-up the engine measures, per captured batch size, the wall time of one speculative step
-(verify of k+1 tokens, acceptance, draft-extend, k draft tokens; all graphed) and of one plain
-step (decode, sampling, the draft's one-row cache update) -> `StepCosts`. A speculative step
-emits L tokens per request on average (the accept length, bonus included), a plain one 1, so
-speculation pays at batch size b iff
+Step costs. At start-up the engine measures, per captured batch size, the wall time of real
+engine steps of three kinds (`StepCosts`):
 
-    L_hat > spec_s(b) / plain_s(b)          (the break-even accept length)
+    spec     verify of k+1 tokens, acceptance, draft-extend, k draft tokens (all graphed)
+    plain    decode and sampling, no draft work at all (what an engine without speculation does)
+    refresh  a plain step plus the draft's one-row cache update (draft-extend, no drafting)
 
-L_hat is a running estimate of the accept length: a prior of `PRIOR_WEIGHT` pseudo-steps at the
-accept length of a chain whose every position is accepted with probability `PRIOR_RATE`
-(1 + p + ... + p^k: 2.18 for p = 0.6, k = 3), plus the observed lengths with exponential forgetting
-(weight halves every `HALF_LIFE` verified requests), so it follows a change of traffic.
+While serving, every steady-state decode step's own wall time updates the cost of its kind at
+its size (`observe_step`: an exponential average over ~`COST_SMOOTHING` steps, one outlier
+clipped to `OUTLIER_FACTOR` x the estimate), so the costs follow what serving really costs:
+longer contexts, another process on the GPU, a start-up measurement thrown off by noise.
+
+Accept length. L_hat is a running estimate: a prior of `PRIOR_WEIGHT` pseudo-steps at the accept
+length of a chain whose every position is accepted with probability `PRIOR_RATE`
+(1 + p + ... + p^k: 2.18 for p = 0.6, k = 3), plus the observed lengths with exponential
+forgetting (weight halves every `HALF_LIFE` verified requests), so it follows a change of traffic.
+
+Decision. A speculative step emits L tokens per request on average (bonus included), a plain one
+1. Requests whose draft cache is stale (they ran plain steps without the refresh) are verified
+with drafts made over an incomplete cache: counted at 1 token, so with `num_stale` of `bs`:
+
+    L_eff = ((bs - num_stale) * L_hat + num_stale) / bs
+    speculate iff L_eff > spec_s(b) / plain_s(b)             (the break-even accept length)
+
+When not speculating, the step refreshes the draft caches iff that costs at most
+`REFRESH_MAX_OVERHEAD` of a plain step at this size (on DeepSeek-V3 the MTP layer is one of 62;
+on the 2-layer default model it is half a step, so there the caches go stale instead). Fresh
+caches are what let speculation come back for the requests already running when the batch
+shrinks, and what makes a probe's observation meaningful.
 
 A step that does not speculate observes nothing, so while speculation does not pay, every
-`PROBE_EVERY`-th decision speculates anyway (reason "probe") to keep the estimate current.
+`PROBE_EVERY`-th decision starts a probe of `PROBE_STEPS` speculating decisions (one steady-state
+speculative step: drafts are made one step ahead), as long as some request's cache is fresh.
 `disable_batch_size` is a hard cap: above it, never (reason "cap"). Without measured costs (CPU,
 graphs off) speculation is always on below the cap (reason "unmeasured").
 
@@ -25,14 +43,28 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-__all__ = ["Decision", "SpecPolicy", "StepCosts", "prior_accept_length"]
+__all__ = [
+    "FORCED_PLAIN",
+    "FORCED_REFRESH",
+    "FORCED_SPEC",
+    "STEP_KINDS",
+    "Decision",
+    "SpecPolicy",
+    "StepCosts",
+    "prior_accept_length",
+]
 
 PRIOR_RATE = 0.6  # per-position acceptance of the prior (MTP on real text: 0.6-0.9)
 PRIOR_WEIGHT = 8.0  # pseudo-steps behind the prior
 HALF_LIFE = 1024  # verified requests after which an observation weighs half
-PROBE_EVERY = 64  # while off by cost, speculate once per this many decisions
+PROBE_EVERY = 64  # while off by cost, probe once per this many decisions
+PROBE_STEPS = 2  # speculating decisions per probe: a draft step, then one verify with drafts
+REFRESH_MAX_OVERHEAD = 0.02  # keep draft caches fresh while off if it costs <= 2% of a step
+COST_SMOOTHING = 32  # steps an online cost estimate averages over (EMA weight 1/32)
+OUTLIER_FACTOR = 3.0  # an observed step longer than this x the estimate counts as this much
+STEP_KINDS = ("spec", "plain", "refresh")
 
 
 def prior_accept_length(k: int, rate: float = PRIOR_RATE) -> float:
@@ -43,50 +75,114 @@ def prior_accept_length(k: int, rate: float = PRIOR_RATE) -> float:
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Seconds per step, measured per captured batch size (keys sorted on lookup)."""
+    """Seconds per engine step, measured per captured batch size (keys sorted on lookup).
+    `refresh_s` (a plain step that keeps the draft caches) may be absent: caches then go stale
+    whenever a step does not speculate."""
 
     plain_s: dict[int, float]
     spec_s: dict[int, float]
+    refresh_s: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
-        if set(self.plain_s) != set(self.spec_s) or not self.plain_s:
+        sizes = set(self.plain_s)
+        if (
+            set(self.spec_s) != sizes
+            or not sizes
+            or (self.refresh_s is not None and set(self.refresh_s) != sizes)
+        ):
             raise ValueError(
-                f"StepCosts: plain and speculative costs need the same non-empty batch sizes, "
-                f"got {sorted(self.plain_s)} and {sorted(self.spec_s)}"
+                f"StepCosts: every kind needs the same non-empty batch sizes, got plain "
+                f"{sorted(self.plain_s)}, spec {sorted(self.spec_s)}"
+                + (f", refresh {sorted(self.refresh_s)}" if self.refresh_s is not None else "")
             )
-        bad = [b for b in self.plain_s if self.plain_s[b] <= 0 or self.spec_s[b] <= 0]
+        tables = [self.plain_s, self.spec_s, self.refresh_s or {}]
+        bad = sorted({b for t in tables for b, s in t.items() if not s > 0})
         if bad:
             raise ValueError(f"StepCosts: costs must be > 0, not at batch sizes {bad}")
+
+    def size_for(self, bs: int) -> int | None:
+        """The smallest measured size >= bs (where a step of bs requests replays), or None."""
+        sizes = sorted(self.plain_s)
+        i = bisect.bisect_left(sizes, bs)
+        return sizes[i] if i < len(sizes) else None
 
     def break_even(self, bs: int) -> float | None:
         """The accept length at which speculation pays at batch size `bs` (it runs in the
         smallest measured size >= bs), or None when bs is past every measured size."""
-        sizes = sorted(self.plain_s)
-        i = bisect.bisect_left(sizes, bs)
-        if i == len(sizes):
+        size = self.size_for(bs)
+        return None if size is None else self.spec_s[size] / self.plain_s[size]
+
+    def refresh_overhead(self, bs: int) -> float | None:
+        """refresh / plain - 1 at bs's size; None when unmeasured or past every size."""
+        size = self.size_for(bs)
+        if size is None or self.refresh_s is None:
             return None
-        size = sizes[i]
-        return self.spec_s[size] / self.plain_s[size]
+        return self.refresh_s[size] / self.plain_s[size] - 1.0
 
 
 @dataclass(frozen=True)
 class Decision:
     speculate: bool
-    reason: str  # pays | does_not_pay | probe | cap | unmeasured | too_large
+    reason: str  # pays | does_not_pay | probe | cap | unmeasured | too_large | forced
+    # Not speculating: run the draft's cache update anyway (keeps the caches fresh).
+    refresh: bool = False
 
 
-@dataclass
+FORCED_SPEC = Decision(True, "forced")
+FORCED_PLAIN = Decision(False, "forced")
+FORCED_REFRESH = Decision(False, "forced", refresh=True)
+
+
 class SpecPolicy:
-    k: int
-    costs: StepCosts | None = None
-    disable_batch_size: int | None = None
-    decisions: Counter[tuple[bool, str]] = field(default_factory=Counter)
-    _sum: float = 0.0  # decayed sum of observed accept lengths
-    _weight: float = 0.0  # decayed number of observations
-    _off_streak: int = 0
-    # Set (True/False) to override every decision (the start-up cost measurement does).
-    forced: bool | None = None
+    def __init__(
+        self, k: int, costs: StepCosts | None = None, disable_batch_size: int | None = None
+    ) -> None:
+        self.k = k
+        self.disable_batch_size = disable_batch_size
+        self.decisions: Counter[tuple[bool, str]] = Counter()
+        # Set to override every decision (the start-up cost measurement, tests, benchmarks):
+        # a Decision, or True / False for FORCED_SPEC / FORCED_PLAIN.
+        self.forced: Decision | bool | None = None
+        # Follow the served steps' wall times (`observe_step`); off where costs are given as
+        # data (tests, what-if runs).
+        self.follow_served_steps = True
+        self._sum = 0.0  # decayed sum of observed accept lengths
+        self._weight = 0.0  # decayed number of observations
+        self._off_streak = 0
+        self._probe_left = 0
+        self.costs = costs
 
+    # ----- costs: measured at start-up, then followed online -----
+    @property
+    def costs(self) -> StepCosts | None:
+        """The current cost estimates (start-up measurement, updated by `observe_step`)."""
+        return self._costs
+
+    @costs.setter
+    def costs(self, costs: StepCosts | None) -> None:
+        """Start from `costs` (kept as `startup_costs`); the live copy is updated in place."""
+        self.startup_costs = costs
+        self._costs = None
+        if costs is not None:
+            refresh = dict(costs.refresh_s) if costs.refresh_s is not None else None
+            self._costs = StepCosts(dict(costs.plain_s), dict(costs.spec_s), refresh)
+
+    def observe_step(self, kind: str, bs: int, seconds: float) -> None:
+        """The wall time of one steady-state decode step of `kind` (STEP_KINDS) with `bs`
+        requests. Ignored without start-up costs (or of that kind) or past the measured sizes."""
+        if kind not in STEP_KINDS:
+            raise ValueError(f"observe_step: kind must be one of {STEP_KINDS}, got {kind!r}")
+        costs = self._costs
+        if costs is None or not self.follow_served_steps or not seconds > 0:
+            return
+        table = {"plain": costs.plain_s, "spec": costs.spec_s, "refresh": costs.refresh_s}[kind]
+        size = costs.size_for(bs)
+        if table is None or size is None:
+            return
+        old = table[size]
+        table[size] = old + (min(seconds, OUTLIER_FACTOR * old) - old) / COST_SMOOTHING
+
+    # ----- accept length -----
     @property
     def prior(self) -> float:
         return prior_accept_length(self.k)
@@ -96,31 +192,47 @@ class SpecPolicy:
         return (PRIOR_WEIGHT * self.prior + self._sum) / (PRIOR_WEIGHT + self._weight)
 
     def observe(self, accept_lens: list[int]) -> None:
-        """Accept lengths (1..k+1) of the requests one speculative step verified."""
+        """Accept lengths (1..k+1) of requests one speculative step verified (fresh caches)."""
         decay = 0.5 ** (1.0 / HALF_LIFE)
         for n in accept_lens:
             self._sum = self._sum * decay + n
             self._weight = self._weight * decay + 1.0
 
-    def decide(self, bs: int) -> Decision:
-        """Whether a decode step of `bs` requests speculates (counted)."""
-        d = self._decide(bs)
+    # ----- the decision -----
+    def decide(self, bs: int, num_stale: int = 0) -> Decision:
+        """Whether a decode step of `bs` requests, `num_stale` of them with stale draft caches,
+        speculates (counted)."""
+        d = self._decide(bs, num_stale)
         self.decisions[(d.speculate, d.reason)] += 1
         self._off_streak = 0 if d.speculate else self._off_streak + 1
         return d
 
-    def _decide(self, bs: int) -> Decision:
+    def _decide(self, bs: int, num_stale: int) -> Decision:
         if self.forced is not None:
-            return Decision(self.forced, "forced")
+            if isinstance(self.forced, Decision):
+                return self.forced
+            return FORCED_SPEC if self.forced else FORCED_PLAIN
         if self.disable_batch_size is not None and bs > self.disable_batch_size:
-            return Decision(False, "cap")
-        if self.costs is None:
+            self._probe_left = 0
+            return Decision(False, "cap", refresh=self._refresh_pays(bs))
+        if self._costs is None:
             return Decision(True, "unmeasured")
-        break_even = self.costs.break_even(bs)
+        break_even = self._costs.break_even(bs)
         if break_even is None:
+            self._probe_left = 0
             return Decision(False, "too_large")  # eager steps: no measurement to go by
-        if self.accept_length_estimate > break_even:
-            return Decision(True, "pays")
-        if self._off_streak + 1 >= PROBE_EVERY:
+        if self._probe_left > 0:
+            self._probe_left -= 1
             return Decision(True, "probe")
-        return Decision(False, "does_not_pay")
+        fresh = bs - min(num_stale, bs)
+        effective = (fresh * self.accept_length_estimate + (bs - fresh)) / max(bs, 1)
+        if effective > break_even:
+            return Decision(True, "pays")
+        if fresh and self._off_streak + 1 >= PROBE_EVERY:
+            self._probe_left = PROBE_STEPS - 1
+            return Decision(True, "probe")
+        return Decision(False, "does_not_pay", refresh=self._refresh_pays(bs))
+
+    def _refresh_pays(self, bs: int) -> bool:
+        overhead = self._costs.refresh_overhead(bs) if self._costs is not None else None
+        return overhead is not None and overhead <= REFRESH_MAX_OVERHEAD

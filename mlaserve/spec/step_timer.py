@@ -3,9 +3,11 @@ decides from).
 
 `measure_engine_step_costs` (start-up): the wall time of real engine steps, host work included
 (batch building, acceptance, the read-back), on throwaway requests with short prompts: per
-captured size, `steps` decode steps with every decision forced to speculate, then `steps`
-forced not to (after two steps each to settle: drafts are made one step ahead). On a small
-model the host work is a large share of a step, which device time alone would miss.
+captured size, `steps` decode steps with every decision forced to speculate, then `steps` plain
+steps that refresh the draft caches, then `steps` plain steps with no draft work (after two
+steps each to settle: drafts are made one step ahead), median of each. On a small model the
+host work is a large share of a step, which device time alone would miss. These are the
+policy's starting point; it follows the served steps' own wall times from there.
 
 `step_fns` / `time_replays` (bench/spec.py): device time of the graphs alone. A plain step: the
 DECODE graph and an argmax over its logits (the greedy sampler). A speculative step: the VERIFY
@@ -27,7 +29,7 @@ import torch
 
 from mlaserve.graph_runner import CudaGraphRunner
 from mlaserve.spec.mtp_drafter import MTPDrafter, target_mode
-from mlaserve.spec.spec_policy import StepCosts
+from mlaserve.spec.spec_policy import FORCED_PLAIN, FORCED_REFRESH, FORCED_SPEC, StepCosts
 
 __all__ = ["measure_engine_step_costs", "step_fns", "time_replays"]
 
@@ -68,7 +70,7 @@ def step_fns(graphs: CudaGraphRunner, drafter: MTPDrafter, k: int, size: int):
     return plain, spec
 
 
-def measure_engine_step_costs(engine: Any, steps: int = 6) -> StepCosts | None:
+def measure_engine_step_costs(engine: Any, steps: int = 10) -> StepCosts | None:
     """engine: an `LLMEngine` with a speculative decoder and captured graphs (typed loosely:
     the engine composes this package, not the other way round). Runs throwaway requests to
     completion of the measurement, then aborts them. None without graphs."""
@@ -83,13 +85,17 @@ def measure_engine_step_costs(engine: Any, steps: int = 6) -> StepCosts | None:
         max_tokens=4 * steps * (dec.k + 1) + 8, temperature=0.0, ignore_eos=True
     )
     policy = dec.policy
-    plain_s, spec_s = {}, {}
+    plain_s: dict[int, float] = {}
+    spec_s: dict[int, float] = {}
+    refresh_s: dict[int, float] = {}
+    # Spec first and plain last: a plain step without draft work leaves the caches stale.
+    kinds = ((FORCED_SPEC, spec_s), (FORCED_REFRESH, refresh_s), (FORCED_PLAIN, plain_s))
     try:
         for size in sizes:
             ids = [f"__spec_cost_{size}_{i}" for i in range(size)]
             for i, rid in enumerate(ids):
                 engine.add_request(rid, [(31 * i + 7 * j + 3) % vocab for j in range(8)], params)
-            for forced, table in ((True, spec_s), (False, plain_s)):
+            for forced, table in kinds:
                 policy.forced = forced
                 while engine.scheduler.num_waiting:
                     engine.step()  # the prefill
@@ -105,4 +111,4 @@ def measure_engine_step_costs(engine: Any, steps: int = 6) -> StepCosts | None:
                 engine.abort_request(rid)
     finally:
         policy.forced = None
-    return StepCosts(plain_s=plain_s, spec_s=spec_s)
+    return StepCosts(plain_s=plain_s, spec_s=spec_s, refresh_s=refresh_s)

@@ -7,9 +7,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from mlaserve import LLM, SamplingParams
 from mlaserve.spec import StepCosts
+from mlaserve.spec.spec_policy import FORCED_PLAIN, FORCED_REFRESH, FORCED_SPEC
 from tests.spec.oracle_drafter import OracleDrafter
 
 K = 3
@@ -194,43 +196,113 @@ def test_logprobs_of_every_emitted_token(mtp_path, reference) -> None:
         assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
 
 
-def test_policy_switches_between_plain_and_speculative_steps(mtp_path, reference) -> None:
-    """With step costs under which speculation pays only at batch size <= 2 (data, as a GPU
-    start-up would measure them): two requests speculate; six more arrive, the batch of eight
-    runs plain steps with no draft work (those requests' draft caches go stale, so they never
-    draft again); two fresh requests alone speculate again. Outputs stay speculation-off's."""
+@pytest.mark.parametrize("refresh_cost", [1.01, 1.5])
+def test_policy_switches_between_plain_and_speculative_steps(
+    mtp_path, reference, refresh_cost: float
+) -> None:
+    """Step costs under which speculation pays only at batch size <= 2 (data, as a GPU start-up
+    would measure them; the served steps' CPU wall times are not followed): two long requests
+    speculate; six short ones arrive and the batch of eight runs plain steps. When a draft-cache
+    refresh costs 1% of a plain step, those steps refresh, and once the six are done the two
+    speculate again; at 50% they skip it, the two's caches go stale, and they stay plain (a
+    stale cache counts as accept length 1). Outputs stay speculation-off's."""
     _, prompts, expected = reference
     llm = LLM(mtp_path, num_speculative_tokens=K, max_num_seqs=8, **CPU)
     engine = llm.engine
-    engine.spec_decoder.policy.costs = StepCosts(
-        plain_s={2: 1.0, 4: 1.0, 8: 1.0}, spec_s={2: 1.1, 4: 5.0, 8: 5.0}
+    policy = engine.spec_decoder.policy
+    policy.follow_served_steps = False
+    policy.costs = StepCosts(
+        plain_s={2: 1.0, 4: 1.0, 8: 1.0},
+        spec_s={2: 1.1, 4: 5.0, 8: 5.0},
+        refresh_s={2: refresh_cost, 4: refresh_cost, 8: refresh_cost},
     )
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    out: dict[str, list[int]] = {}
+    long = SamplingParams(max_tokens=len(expected[0]), temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    out: dict[int, list[int]] = {}
 
-    def run(ids: list[int], steps: int | None = None) -> None:
-        for i in ids:
-            engine.add_request(str(i), prompts[i], params)
-        n = 0
-        while engine.has_unfinished_requests() and (steps is None or n < steps):
-            for o in engine.step():
-                out[o.request_id] = list(o.outputs[0].token_ids)
-            n += 1
-
-    run([0, 1], steps=3)
-    drafts_alone = engine.get_stats().spec_num_drafts
-    assert drafts_alone > 0
-    run([2, 3, 4, 5, 6, 7])
-    stats = engine.get_stats()
-    assert stats.spec_decisions.get("off:does_not_pay", 0) > 0
-    drafts_after_crowd = stats.spec_num_drafts
-    for i in (0, 1):
-        engine.add_request(f"fresh-{i}", prompts[i], params)
-    while engine.has_unfinished_requests():
+    def step() -> None:
         for o in engine.step():
-            out[o.request_id] = list(o.outputs[0].token_ids)
-    assert engine.get_stats().spec_num_drafts > drafts_after_crowd  # fresh requests speculate
-    for i, e in enumerate(expected):
-        assert out[str(i)] == e[:NEW_TOKENS], i
-    assert [out[f"fresh-{i}"] for i in (0, 1)] == [e[:NEW_TOKENS] for e in expected[:2]]
+            out[int(o.request_id)] = list(o.outputs[0].token_ids)
+
+    for i in (0, 1):
+        engine.add_request(str(i), prompts[i], long)
+    for _ in range(3):
+        step()
+    assert engine.get_stats().spec_num_drafts > 0
+    for i in range(2, 8):
+        engine.add_request(str(i), prompts[i], short)
+    while any(str(i) in engine.requests for i in range(2, 8)):
+        step()
+    assert engine.get_stats().spec_decisions.get("off:does_not_pay", 0) > 0
+    fresh = [engine.requests[str(i)].draft_cache_valid for i in (0, 1)]
+    drafts_after_crowd = engine.get_stats().spec_num_drafts
+    while engine.has_unfinished_requests():
+        step()
+    resumed = engine.get_stats().spec_num_drafts > drafts_after_crowd
+    assert fresh == [refresh_cost < 1.02] * 2
+    assert resumed == (refresh_cost < 1.02)
+    assert [out[i] for i in range(8)] == [e if i < 2 else e[:6] for i, e in enumerate(expected)]
     assert_pages_free(llm)
+
+
+def _mtp_cache_after(llm: LLM, prompt: list[int], decisions: list) -> tuple:
+    """Run one greedy request with the policy forced to `decisions[i]` at step i (the last one
+    for the rest) until it holds 28 tokens past its prompt; -> (its tokens, the MTP layer's
+    fp32 KV at positions 0..num_tokens-2: the ones whose next token is known), then abort it."""
+    engine = llm.engine
+    policy = engine.spec_decoder.policy
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    engine.add_request("r", prompt, params)
+    step = 0
+    while engine.requests["r"].num_tokens < len(prompt) + 28:
+        policy.forced = decisions[min(step, len(decisions) - 1)]
+        engine.step()
+        step += 1
+    policy.forced = None
+    request = engine.requests["r"]
+    mtp_layer = engine.model_config.num_hidden_layers
+    pool = engine.runner.kv_pool
+    kv = pool.gather(mtp_layer, torch.tensor([request.pages]))[0, : request.num_tokens - 1]
+    tokens, valid = request.tokens(0, request.num_tokens), request.draft_cache_valid
+    engine.abort_request("r")
+    assert_pages_free(llm)
+    return tokens, kv, valid
+
+
+def test_refresh_keeps_the_draft_cache_whole(mtp_path, reference) -> None:
+    """Speculating, then 8 plain steps that refresh the draft's cache, then speculating again
+    leaves the MTP layer's KV what always speculating leaves (fp32 reference backend: equal to
+    1e-4); 8 plain steps without the refresh leave holes (and mark the cache stale)."""
+    _, prompts, _ = reference
+    llm = LLM(mtp_path, num_speculative_tokens=K, max_num_seqs=1, **CPU)
+    on, refresh, plain = FORCED_SPEC, FORCED_REFRESH, FORCED_PLAIN
+    tokens_a, kv_a, valid_a = _mtp_cache_after(llm, prompts[5], [on])
+    tokens_b, kv_b, valid_b = _mtp_cache_after(llm, prompts[5], [on] * 3 + [refresh] * 8 + [on])
+    tokens_c, kv_c, valid_c = _mtp_cache_after(llm, prompts[5], [on] * 3 + [plain] * 8 + [on])
+    n = min(len(kv_a), len(kv_b), len(kv_c))
+    assert tokens_a[: n + 1] == tokens_b[: n + 1] == tokens_c[: n + 1]  # lossless all three
+    assert valid_a and valid_b and not valid_c
+    torch.testing.assert_close(kv_b[:n], kv_a[:n], atol=1e-4, rtol=1e-4)
+    holes = (kv_c[:n] - kv_a[:n]).abs().amax(dim=1) > 1e-3
+    assert 8 <= int(holes.sum()) <= 8 + 2 * (K + 1), holes.nonzero().flatten().tolist()
+
+
+def test_served_steps_update_the_costs(mtp_path, reference) -> None:
+    """Each steady-state decode step's wall time reaches the policy: start-up costs of 1000 s
+    (absurd on purpose) move toward what the steps really took, per kind; prefill steps and the
+    steps that switch between kinds are not counted."""
+    _, prompts, _ = reference
+    llm = LLM(mtp_path, num_speculative_tokens=K, max_num_seqs=2, **CPU)
+    policy = llm.engine.spec_decoder.policy
+    policy.costs = StepCosts(plain_s={2: 1000.0}, spec_s={2: 1000.0})
+    policy.forced = FORCED_SPEC
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:2], params)
+    spec_after = policy.costs.spec_s[2]
+    assert spec_after < 1000.0 * (1 - 1 / 32)  # at least one spec step observed
+    assert policy.costs.plain_s[2] == 1000.0  # no steady plain step ran
+    assert policy.startup_costs.spec_s[2] == 1000.0
+    policy.forced = FORCED_PLAIN
+    llm.generate(prompts[:2], params)
+    assert policy.costs.plain_s[2] < 1000.0 * (1 - 1 / 32)
+    assert policy.costs.spec_s[2] == spec_after

@@ -6,8 +6,13 @@ from __future__ import annotations
 import pytest
 
 from mlaserve.spec.spec_policy import (
+    FORCED_PLAIN,
+    FORCED_REFRESH,
+    FORCED_SPEC,
     HALF_LIFE,
+    OUTLIER_FACTOR,
     PROBE_EVERY,
+    PROBE_STEPS,
     SpecPolicy,
     StepCosts,
     prior_accept_length,
@@ -48,6 +53,13 @@ def test_costs_are_validated(plain, spec, match) -> None:
         StepCosts(plain_s=plain, spec_s=spec)
 
 
+def test_refresh_costs_are_validated() -> None:
+    with pytest.raises(ValueError, match="refresh"):
+        StepCosts(plain_s={1: 1.0}, spec_s={1: 1.0}, refresh_s={2: 1.0})
+    with pytest.raises(ValueError, match="must be > 0"):
+        StepCosts(plain_s={1: 1.0}, spec_s={1: 1.0}, refresh_s={1: -1.0})
+
+
 def test_prior_decides_before_any_observation() -> None:
     policy = SpecPolicy(K, COSTS)  # prior 2.18: pays below break-even 2.18
     assert [policy.decide(bs).speculate for bs in (1, 4, 16, 32)] == [True, True, False, False]
@@ -66,11 +78,85 @@ def test_observed_accept_lengths_move_the_decision() -> None:
 
 
 def test_probe_while_off() -> None:
+    """Every PROBE_EVERY-th decision starts a probe of PROBE_STEPS speculating decisions (a
+    draft step, then one verify that drafts again: one steady-state speculative step)."""
     policy = SpecPolicy(K, COSTS)
     policy.observe([1] * 1000)
-    reasons = [policy.decide(16).reason for _ in range(2 * PROBE_EVERY)]
-    assert reasons.count("probe") == 2
-    assert reasons[PROBE_EVERY - 1] == reasons[2 * PROBE_EVERY - 1] == "probe"
+    reasons = [policy.decide(16).reason for _ in range(2 * PROBE_EVERY + 2 * PROBE_STEPS)]
+    assert reasons.count("probe") == 2 * PROBE_STEPS
+    first = PROBE_EVERY - 1
+    assert reasons[first : first + PROBE_STEPS] == ["probe"] * PROBE_STEPS
+    second = first + PROBE_STEPS + PROBE_EVERY - 1  # 63 decisions off, then the next probe
+    assert reasons[second : second + PROBE_STEPS] == ["probe"] * PROBE_STEPS
+
+
+def test_no_probe_when_every_cache_is_stale() -> None:
+    """A probe observes only requests whose draft cache is whole; with none, it would cost
+    speculative steps and learn nothing."""
+    policy = SpecPolicy(K, COSTS)
+    policy.observe([1] * 1000)
+    assert all(policy.decide(16, num_stale=16).reason == "does_not_pay" for _ in range(300))
+    assert policy.decide(16, num_stale=15).reason == "probe"  # one fresh request: worth it
+
+
+def test_stale_caches_count_as_one_token() -> None:
+    """L_eff = (fresh * L_hat + stale) / bs against the break-even (1.6 at bs 4)."""
+    policy = SpecPolicy(K, COSTS)
+    policy.observe([4] * 2000)  # L_hat ~ 4
+    assert policy.decide(4, num_stale=0).speculate  # 4 > 1.6
+    assert policy.decide(4, num_stale=3).speculate  # (4 + 3) / 4 = 1.75 > 1.6
+    d = policy.decide(4, num_stale=4)  # 1.0 < 1.6
+    assert not d.speculate and d.reason == "does_not_pay"
+
+
+def test_online_costs_follow_the_served_steps() -> None:
+    """Start-up said speculation pays at bs 1 (break-even 1.2 < prior 2.18); the served
+    speculative steps cost 3x the plain ones, so the live break-even moves to ~3 and the
+    decision turns; `startup_costs` keeps the measurement."""
+    policy = SpecPolicy(K, COSTS)
+    assert policy.decide(1).speculate
+    for _ in range(400):
+        policy.observe_step("spec", 1, 15e-3)
+        policy.observe_step("plain", 1, 5e-3)
+    assert policy.costs.break_even(1) == pytest.approx(3.0, rel=0.02)
+    assert policy.startup_costs.break_even(1) == pytest.approx(1.2)
+    assert policy.costs.break_even(4) == pytest.approx(1.6)  # other sizes untouched
+    assert policy.decide(1).reason == "does_not_pay"
+
+
+def test_one_outlier_step_moves_a_cost_little() -> None:
+    policy = SpecPolicy(K, COSTS)
+    policy.observe_step("plain", 1, 10.0)  # e.g. a garbage-collection pause
+    assert policy.costs.plain_s[1] == pytest.approx(5e-3 * (1 + (OUTLIER_FACTOR - 1) / 32))
+    policy.observe_step("plain", 64, 10.0)  # past every captured size: ignored
+    with pytest.raises(ValueError, match="kind"):
+        policy.observe_step("verify", 1, 1e-3)
+    unmeasured = SpecPolicy(K, None)
+    unmeasured.observe_step("spec", 1, 1e-3)  # nothing to update
+    assert unmeasured.costs is None
+
+
+@pytest.mark.parametrize(("refresh_s", "refresh"), [(5.05e-3, True), (5.5e-3, False)])
+def test_refresh_when_it_costs_little(refresh_s: float, refresh: bool) -> None:
+    """Off by cost, the step keeps the draft caches fresh iff that costs <= 2% of a plain step
+    (1% here: yes; 10%: no). Without a refresh measurement, never."""
+    costs = StepCosts(plain_s={1: 5e-3}, spec_s={1: 50e-3}, refresh_s={1: refresh_s})
+    assert costs.refresh_overhead(1) == pytest.approx(refresh_s / 5e-3 - 1)
+    d = SpecPolicy(K, costs).decide(1)
+    assert (d.speculate, d.reason, d.refresh) == (False, "does_not_pay", refresh)
+    assert not SpecPolicy(K, COSTS).decide(16).refresh
+    capped = SpecPolicy(K, costs, disable_batch_size=0).decide(1)
+    assert (capped.reason, capped.refresh) == ("cap", refresh)
+
+
+def test_forced_decisions() -> None:
+    policy = SpecPolicy(K, COSTS)
+    policy.forced = True
+    assert policy.decide(32) == FORCED_SPEC
+    policy.forced = False
+    assert policy.decide(1) == FORCED_PLAIN
+    policy.forced = FORCED_REFRESH
+    assert policy.decide(1).refresh and not policy.decide(1).speculate
 
 
 def test_cap_unmeasured_and_too_large() -> None:
