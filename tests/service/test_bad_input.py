@@ -164,7 +164,8 @@ def test_an_oversized_body_still_arriving_gets_its_413_not_a_reset(server, frami
     else:
         head = b"Content-Length: %d\r\n" % len(body)
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
-        s.sendall(b"POST " + CMPL.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + head + b"\r\n")
+        s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" % CMPL.encode())
+        s.sendall(head + b"\r\n")
         for part in parts:
             s.sendall(part)  # BrokenPipeError/ConnectionResetError here is the bug
             time.sleep(0.02)
