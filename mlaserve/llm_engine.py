@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from mlaserve.config import EngineConfig, ModelConfig
 from mlaserve.engine.forward_batch import ForwardMode
@@ -126,6 +128,8 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self.grammar: GrammarBackend | None = None  # built for the first structured request
+        self._grammar_lock = threading.Lock()  # compile_grammar may run on another thread
+        self.num_grammar_compiles_on_add = 0  # structured requests compiled inside add_request
         self.num_steps = 0  # forwards run
         self.recent_step_num_tokens: deque[int] = deque(maxlen=STEP_HISTORY)
         self._seed_rng = random.Random(config.seed)
@@ -137,7 +141,10 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        grammar: Any | None = None,
     ) -> None:
+        """`grammar`: the matcher `compile_grammar(params)` made ahead of time for a structured
+        request (compiled here otherwise)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if isinstance(prompt, str):
@@ -161,24 +168,35 @@ class LLMEngine:
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
         if params.structured_outputs is not None:
-            request.grammar = self._grammar_matcher(params)
+            if grammar is None:
+                self.num_grammar_compiles_on_add += 1
+                grammar = self.compile_grammar(params)
+            request.grammar = grammar
         request.metrics = RequestMetrics(
             arrival_time=request.arrival_time, num_prompt_tokens=len(token_ids)
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
 
-    def _grammar_matcher(self, params: SamplingParams):
+    def compile_grammar(self, params: SamplingParams) -> Any:
+        """A fresh grammar matcher for `params.structured_outputs` (InvalidRequestError for a
+        schema xgrammar refuses). Compiling takes milliseconds for a small vocabulary and tens
+        of them for DeepSeek's 129k tokens; the first call also builds xgrammar's tokenizer
+        tables (seconds there). Thread-safe: the server's engine process calls it on its command
+        thread, so the engine loop keeps stepping meanwhile, and passes the matcher to
+        `add_request`."""
+        self._refuse_with_speculation(params)
         try:
-            if self.grammar is None:
-                self.grammar = GrammarBackend(
-                    self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
-                )
+            with self._grammar_lock:
+                if self.grammar is None:
+                    self.grammar = GrammarBackend(
+                        self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+                    )
             return self.grammar.matcher(params.structured_outputs)
         except GrammarError as e:
             raise InvalidRequestError(f"structured_outputs: {e}", "structured_outputs") from None
 
-    def _validate(self, token_ids: list[int], params: SamplingParams, max_tokens: int) -> None:
+    def _refuse_with_speculation(self, params: SamplingParams) -> None:
         if self.spec_decoder is not None:
             # The speculative loop samples and verifies on the device without the grammar mask
             # and keeps no prompt-logprob rows: refused rather than silently ignored.
@@ -189,6 +207,9 @@ class LLMEngine:
                         "without --speculative-config / --num-speculative-tokens)",
                         name,
                     )
+
+    def _validate(self, token_ids: list[int], params: SamplingParams, max_tokens: int) -> None:
+        self._refuse_with_speculation(params)
         n = len(token_ids)
         if n == 0:
             raise InvalidRequestError("prompt: must contain at least one token", "prompt")

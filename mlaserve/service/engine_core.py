@@ -26,6 +26,9 @@ goes idle, so /metrics is exact at rest.
 
 Commands arrive on a reader thread (so the frontend's writes never wait for a long step), which
 queues them for the loop; the loop drains them between steps and blocks on the queue when idle.
+The reader thread also compiles a structured request's grammar before queueing its ADD (tens of
+ms per schema, seconds for the first on a 129k vocabulary), so that never stalls the steps of
+every other stream: the ADD reaches the loop with its matchers (or its refusal) attached.
 
 Life and death: the child ignores SIGINT and SIGTERM (a Ctrl-C or a signal sent to the process
 group must not kill it under a draining server); the frontend stops it with STOP, or kills it.
@@ -120,6 +123,7 @@ class EngineCore:
         self._live: dict[str, bool] = {}
         self._last_stats: EngineStats | None = None
         self._last_stats_time = 0.0
+        self._engine: LLMEngine | None = None  # set once loaded (the command thread reads it)
 
     def _send(self, *message: Any) -> None:
         self._out.send_bytes(dumps(message))
@@ -148,13 +152,35 @@ class EngineCore:
         """Reader thread: commands into the queue; EOF (the frontend died) stops the loop."""
         try:
             while True:
-                self._commands.put(pickle.loads(self._commands_conn.recv_bytes()))
+                command = pickle.loads(self._commands_conn.recv_bytes())
+                if command[0] == ADD:
+                    command = self._compile_grammars(command)
+                self._commands.put(command)
         except (EOFError, OSError):
             pass
         self._commands.put(_PARENT_GONE)
         time.sleep(ORPHAN_GRACE_S)
         logger.error("the server process is gone and the engine did not stop: exiting")
         os._exit(1)
+
+    def _compile_grammars(self, command: tuple) -> tuple:
+        """On the command thread, before the loop sees an ADD: its structured requests' grammars
+        compiled (xgrammar releases the GIL while compiling, so the engine keeps stepping).
+        -> (ADD, add_id, requests, arrival_time, {request_id: matcher} or the refusal). Commands
+        stay in order: a later ABORT cannot overtake its ADD. Before the engine is loaded the
+        loop compiles (the server accepts no request then anyway)."""
+        engine = self._engine
+        _, add_id, requests, arrival_time = command
+        if engine is None or all(r.params.structured_outputs is None for r in requests):
+            return command
+        grammars: dict[str, Any] = {}
+        try:
+            for r in requests:
+                if r.params.structured_outputs is not None:
+                    grammars[r.request_id] = engine.compile_grammar(r.params)
+        except Exception as e:  # refused when the loop applies the ADD
+            return (ADD, add_id, requests, arrival_time, e)
+        return (ADD, add_id, requests, arrival_time, grammars)
 
     def _load(self) -> LLMEngine:
         factory = self._engine_factory
@@ -182,6 +208,7 @@ class EngineCore:
         logger.info("warm-up done in %.1f s", time.perf_counter() - t1)
         stats = engine.get_stats()
         self._last_stats, self._last_stats_time = stats, time.monotonic()
+        self._engine = engine
         self._send(READY, stats)
         return engine
 
@@ -241,11 +268,18 @@ class EngineCore:
         if command[0] == ABORT:
             self._abort(engine, command[1])
             return
-        _, add_id, requests, arrival_time = command
+        _, add_id, requests, arrival_time, *prepared = command
+        grammars = prepared[0] if prepared else {}
+        if isinstance(grammars, Exception):  # a schema the command thread's compile refused
+            self._send(ADDED, add_id, _picklable(grammars, ValueError), [])
+            return
         added: list[str] = []
         try:
             for r in requests:
-                engine.add_request(r.request_id, r.prompt_token_ids, r.params, arrival_time)
+                grammar = grammars.get(r.request_id)
+                engine.add_request(
+                    r.request_id, r.prompt_token_ids, r.params, arrival_time, grammar=grammar
+                )
                 added.append(r.request_id)
         except Exception as e:  # a bad request must not kill the engine
             for rid in added:
