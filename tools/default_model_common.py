@@ -149,7 +149,9 @@ def subsample(windows: torch.Tensor, max_windows: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def make_config(vocab_size: int, max_position_embeddings: int) -> DeepseekV3Config:
+def make_config(
+    vocab_size: int, max_position_embeddings: int, experts_implementation: str = "eager"
+) -> DeepseekV3Config:
     """The default model's architecture (v2: 10 decoder layers plus one MTP module).
 
     The MLA dims the serving kernels see are DeepSeek-V2/V3's own: `kv_lora_rank` 512 and
@@ -160,7 +162,9 @@ def make_config(vocab_size: int, max_position_embeddings: int) -> DeepseekV3Conf
     the point: a draft step runs one decoder layer plus the head, so with 10 layers it costs
     about a tenth of a target step's layer work, close to what MTP costs on DeepSeek-V3.
 
-    Parameters stored (bf16, experts split, MTP copies of the embedding and head included):
+    `experts_implementation` is transformers' MoE forward for training (not saved: the
+    checkpoint loads with any). Parameters stored (bf16, experts split, MTP copies of the
+    embedding and head included):
     15,483,664 (30,967,488 bytes of tensors); `train_default_model.py --sizes-only` prints them.
     """
     return DeepseekV3Config(
@@ -196,7 +200,7 @@ def make_config(vocab_size: int, max_position_embeddings: int) -> DeepseekV3Conf
         pad_token_id=2,
         num_nextn_predict_layers=1,
         attn_implementation="sdpa",
-        experts_implementation="eager",
+        experts_implementation=experts_implementation,
     )
 
 

@@ -36,8 +36,10 @@ def test_the_loop_keeps_running_while_a_long_prompt_is_encoded(tokenizer) -> Non
         return ticks, worst
 
     ticks, worst = asyncio.run(scenario())
+    # The loop ran while the encode did (its longest stall is printed, not asserted: no timed
+    # assertions in tests).
     assert ticks > 10, "the encode ran on the loop"
-    assert worst < 0.1, f"the loop stalled {worst * 1000:.0f} ms"
+    print(f"longest event-loop stall during a ~1 s encode: {worst * 1000:.0f} ms")
 
 
 def test_the_queue_is_bounded_and_frees_its_slots(tokenizer) -> None:
