@@ -117,6 +117,13 @@ class InputBuffers:
         self._host_np = [h.numpy() for h in self._host]
         self._turn = 0
         self._dev = zeros(self._staging_len, dtype=torch.int64) if pin else None
+        # The staging rows' groups (token rows, length rows, the page-table part) as arrays,
+        # where `fill` writes them, and as tensors: the upload's sources, per turn (the host
+        # rows on CPU; the device row, either turn, on CUDA).
+        self._stage_np = [self._groups(h) for h in self._host_np]
+        self._sources = [
+            self._groups(t) for t in (self._host if self._dev is None else [self._dev] * 2)
+        ]
         self._arange = np.arange(max(max_num_tokens, max_num_seqs + 1) + 1)
         # Per shape (num_tokens, n_logits, bs): the batch's views and the upload's destinations.
         self._shapes: dict[tuple[int, int, int], _ShapeViews] = {}
@@ -157,31 +164,29 @@ class InputBuffers:
                 f"buffers ({self.max_num_seqs} seqs / {self.max_num_tokens} tokens)"
             )
         real_tokens = len(host.input_ids)
-        n_logits = num_tokens if mode.is_uniform else len(host.logits_indices)
-        ts, ls = self._tok_stride, self._len_stride
+        uniform = mode.is_uniform
+        n_logits = num_tokens if uniform else len(host.logits_indices)
 
-        stage = self._host_np[self._turn]
-        tokens = stage[: 4 * ts].reshape(4, ts)
+        tokens, (seq_lens, cu), table = self._stage_np[self._turn]
         # Token rows; padded tokens: id 0, position 0, slot 0 (the dummy page).
         tokens[0, :real_tokens] = host.input_ids
         tokens[1, :real_tokens] = host.positions
         tokens[2, :real_tokens] = host.slot_mapping
         tokens[:3, real_tokens:num_tokens] = 0
-        tokens[3, :n_logits] = self._arange[:num_tokens] if mode.is_uniform else host.logits_indices
-        seq_lens, cu = stage[4 * ts : 4 * ts + 2 * ls].reshape(2, ls)
+        tokens[3, :n_logits] = self._arange[:num_tokens] if uniform else host.logits_indices
         seq_lens[:num_seqs] = host.seq_lens
         # Padding rows, and the column after the batch, which the upload copies along.
         seq_lens[num_seqs : bs + 1] = q_len
-        if mode.is_uniform:
+        if uniform:
             np.multiply(self._arange[: bs + 1], q_len, out=cu[: bs + 1])
         else:  # never padded
             cu[0] = 0
             np.cumsum(np.asarray(host.q_lens), out=cu[1 : num_seqs + 1])
             cu[num_seqs + 1 : bs + 1] = cu[num_seqs]
-        n_writes = self._stage_page_table(host, stage[self._table_off :], bs)
+        n_writes = self._stage_page_table(host, table, bs)
 
         views = self._views(num_tokens, n_logits, bs)
-        self._upload(views, max(num_tokens, n_logits), bs, n_writes)
+        self._upload(views, n_writes)
         self._turn ^= 1
         return ForwardBatch(
             mode=mode,
@@ -197,9 +202,18 @@ class InputBuffers:
             slot_mapping=views.slot_mapping,
             logits_indices=views.logits_indices,
             num_seqs=num_seqs,
-            seq_lens_host=None if mode.is_uniform else list(host.seq_lens),
-            q_lens_host=None if mode.is_uniform else list(host.q_lens),
+            seq_lens_host=None if uniform else list(host.seq_lens),
+            q_lens_host=None if uniform else list(host.q_lens),
             **batch_kwargs,
+        )
+
+    def _groups(self, flat):  # np.ndarray or torch.Tensor, a staging row
+        """(token rows [4, T], length rows [2, L], the page-table part) of a staging row."""
+        ts, ls = self._tok_stride, self._len_stride
+        return (
+            flat[: 4 * ts].reshape(4, ts),
+            flat[4 * ts : 4 * ts + 2 * ls].reshape(2, ls),
+            flat[self._table_off :],
         )
 
     def _views(self, num_tokens: int, n_logits: int, bs: int) -> _ShapeViews:
@@ -208,6 +222,7 @@ class InputBuffers:
         if views is None:
             if len(self._shapes) >= _MAX_SHAPES:  # EXTEND shapes vary; decode shapes repeat
                 self._shapes.clear()
+            width = max(num_tokens, n_logits)
             views = self._shapes[key] = _ShapeViews(
                 input_ids=self.input_ids[:num_tokens],
                 positions=self.positions[:num_tokens],
@@ -216,8 +231,11 @@ class InputBuffers:
                 block_tables=self.block_tables[:bs],
                 slot_mapping=self.slot_mapping[:num_tokens],
                 logits_indices=self.logits_indices[:n_logits],
-                tokens=self._tokens[:, : max(num_tokens, n_logits)],
+                tokens=self._tokens[:, :width],
                 lens=self._lens[:, : bs + 1],
+                src_tokens=tuple(tok[:, :width] for tok, _, _ in self._sources),
+                src_lens=tuple(lens[:, : bs + 1] for _, lens, _ in self._sources),
+                src_rows=tuple(table[:bs] for _, _, table in self._sources),
             )
         return views
 
@@ -258,22 +276,20 @@ class InputBuffers:
         self.last_page_writes = k
         return k
 
-    def _upload(self, views: _ShapeViews, width: int, bs: int, n_writes: int) -> None:
+    def _upload(self, views: _ShapeViews, n_writes: int) -> None:
         """One host->device copy of the staging row's used prefix, then device-side splits:
         the token rows, the length rows (with the int32 cast), the changed page-table entries
         (only when some changed), and the gather of the batch's table rows."""
-        ts, ls, off = self._tok_stride, self._len_stride, self._table_off
-        used = off + self.max_num_seqs + 2 * n_writes
-        src = self._host[self._turn]
+        turn, smax = self._turn, self.max_num_seqs
         if self._dev is not None:
-            self._dev[:used].copy_(src[:used], non_blocking=True)
-            src = self._dev
-        views.tokens.copy_(src[: 4 * ts].view(4, ts)[:, :width])
-        views.lens.copy_(src[4 * ts : 4 * ts + 2 * ls].view(2, ls)[:, : bs + 1])
+            used = self._table_off + smax + 2 * n_writes
+            self._dev[:used].copy_(self._host[turn][:used], non_blocking=True)
+        views.tokens.copy_(views.src_tokens[turn])
+        views.lens.copy_(views.src_lens[turn])
         if n_writes:
-            writes = src[off + self.max_num_seqs : used].view(2, n_writes)
+            writes = self._sources[turn][2][smax : smax + 2 * n_writes].view(2, n_writes)
             self._page_rows.view(-1).index_copy_(0, writes[0], writes[1].to(torch.int32))
-        torch.index_select(self._page_rows, 0, src[off : off + bs], out=views.block_tables)
+        torch.index_select(self._page_rows, 0, views.src_rows[turn], out=views.block_tables)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -282,8 +298,9 @@ def _round_up(n: int, multiple: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class _ShapeViews:
-    """The buffers' views for one batch shape: what a ForwardBatch holds, and the upload's
-    destinations (`tokens` [4, max(num_tokens, n_logits)], `lens` [2, bs + 1])."""
+    """The buffers' views for one batch shape: what a ForwardBatch holds, the upload's
+    destinations (`tokens` [4, max(num_tokens, n_logits)], `lens` [2, bs + 1]) and its
+    sources, per turn (the same columns of the staging rows, and the batch's table rows)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -294,3 +311,6 @@ class _ShapeViews:
     logits_indices: torch.Tensor
     tokens: torch.Tensor
     lens: torch.Tensor
+    src_tokens: tuple[torch.Tensor, torch.Tensor]
+    src_lens: tuple[torch.Tensor, torch.Tensor]
+    src_rows: tuple[torch.Tensor, torch.Tensor]
