@@ -318,11 +318,12 @@ class ModelRunner:
 
         out = self.sampler(logits[: len(sampling)], sb, mask)  # prompt-logprob rows come after
         slots.record(sb.slots, out.token_ids)
-        # The step's one host sync: sampled ids and the per-row finite flags in one copy.
-        ids, finite = self.read_back(torch.stack((out.token_ids, out.finite.to(torch.int64))))
+        # The step's one host sync: the sampled ids, -1 on rows whose logits were not finite
+        # (one device op and one [n] copy carry both).
+        ids = self.read_back(torch.where(out.finite, out.token_ids, -1))
         result = StepResult(token_ids=[[t] for t in ids])
-        if not all(finite):
-            result.errors = [None if ok else NONFINITE_LOGITS for ok in finite]
+        if min(ids) < 0:
+            result.errors = [None if t >= 0 else NONFINITE_LOGITS for t in ids]
         if any(r.params.logprobs is not None for r in sampling):
             result.logprobs = [[x] for x in out.logprobs.tolist()]
             result.ranks = [[x] for x in out.ranks.tolist()]
