@@ -92,7 +92,6 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
-        self._eos = frozenset(eos)  # what the per-token stop check looks up
         self.compile_watch = CompileWatch()
         t0 = time.perf_counter()
         self.runner = ModelRunner(config, self.model_config, self.eos_token_ids)
@@ -397,38 +396,49 @@ class LLMEngine:
 
         n_out = len(output_ids)
         grammar = request.grammar
+        end: tuple[FinishReason, int | str | None] | None = None  # (reason, stop_reason)
         if grammar is not None and not grammar.accept_token(token):
             # Only reachable if every allowed token was banned too (e.g. min_tokens vs EOS).
             logger.warning("request %s: token %d breaks its grammar", request.request_id, token)
-            self._finish(request, FinishReason.STOP, None)
-        elif n_out >= params.min_tokens:
-            if (not params.ignore_eos and token in self._eos) or (
-                params.stop_token_ids and token in params.stop_token_ids
-            ):
-                self._finish(request, FinishReason.STOP, token)
-            elif params.stop:
-                # Only a stop string ending in the new text can complete now: search the new
-                # text and the longest stop's length before it, not the whole output.
-                start = max(text_before - max(map(len, params.stop)) + 1, 0)
-                hit = find_stop(
-                    text.tail(start),
-                    len(text) - text_before,
-                    params.stop,
-                    params.include_stop_str_in_output,
-                )
-                if hit is not None:
-                    text.truncate(start + hit[0])
-                    self._finish(request, FinishReason.STOP, hit[1])
-        if grammar is not None and not request.is_finished and grammar.is_terminated():
-            self._finish(request, FinishReason.STOP, token)  # complete (EOS with ignore_eos)
-        if not request.is_finished and (
-            n_out >= request.max_tokens or request.num_prompt_tokens + n_out >= self.max_model_len
+            end = (FinishReason.STOP, None)
+        elif n_out >= params.min_tokens and (
+            (not params.ignore_eos and token in self.eos_token_ids)
+            or (params.stop_token_ids and token in params.stop_token_ids)
         ):
-            self._finish(request, FinishReason.LENGTH, None)
-        finished = request.is_finished
-        if finished and not isinstance(request.stop_reason, str):
-            text.append(request.detokenizer.flush())
-        return self._release_text(request, finished)
+            end = (FinishReason.STOP, token)
+        elif (
+            n_out >= params.min_tokens
+            and params.stop
+            and (hit := self._cut_stop(request, text_before)) is not None
+        ):
+            end = (FinishReason.STOP, hit)
+        elif grammar is not None and grammar.is_terminated():
+            end = (FinishReason.STOP, token)  # complete (EOS with ignore_eos)
+        elif n_out >= request.max_tokens or request.num_prompt_tokens + n_out >= self.max_model_len:
+            end = (FinishReason.LENGTH, None)
+        if end is not None:
+            self._finish(request, *end)
+            if not isinstance(request.stop_reason, str):
+                text.append(request.detokenizer.flush())
+        return self._release_text(request, end is not None)
+
+    def _cut_stop(self, request: Request, text_before: int) -> str | None:
+        """The stop string that the text appended after `text_before` characters completes,
+        with the text cut there; None if none does."""
+        params, text = request.params, request.output_text
+        # Only a stop string ending in the new text can complete now: search the new text and
+        # the longest stop's length before it, not the whole output.
+        start = max(text_before - max(map(len, params.stop)) + 1, 0)
+        hit = find_stop(
+            text.tail(start),
+            len(text) - text_before,
+            params.stop,
+            params.include_stop_str_in_output,
+        )
+        if hit is None:
+            return None
+        text.truncate(start + hit[0])
+        return hit[1]
 
     def _release_text(self, request: Request, finished: bool) -> str:
         """Text safe to stream: hold back what could still turn into a stop string."""

@@ -324,7 +324,7 @@ class ModelRunner:
         result = StepResult(token_ids=[[t] for t in ids])
         if min(ids) < 0:
             result.errors = [None if t >= 0 else NONFINITE_LOGITS for t in ids]
-        if any(r.params.logprobs is not None for r in sampling):
+        if sb.need_logprobs:  # some row asked for logprobs
             result.logprobs = [[x] for x in out.logprobs.tolist()]
             result.ranks = [[x] for x in out.ranks.tolist()]
             if out.top_ids is not None:
