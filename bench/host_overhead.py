@@ -2,10 +2,12 @@
 
     python3 bench/host_overhead.py [--model PATH] [--device cpu|cuda] [--streams 64]
                                    [--output-len 2000] [--kinds delta cumulative]
-                                   [--clock wall|thread] [--threads N]
+                                   [--clock wall|thread] [--threads N] [--params sampled|greedy]
 
-`--streams` requests decode `--output-len` tokens each, all at once (sampled, logprobs=1, a stop
-string: every per-token path of `_postprocess` runs). Each step is split into device work, the
+`--streams` requests decode `--output-len` tokens each, all at once. `--params sampled` (the
+default): temperature 0.8, logprobs=1, a stop string: every per-token path of `_postprocess` runs.
+`--params greedy`: what `bench/decode.py` times on the GPU (temperature 0, no logprobs, no stop
+strings), the case that sets the TPOT of a plain decode. Each step is split into device work, the
 model forward and the sampler (on CUDA synchronised, so it is not charged to the host), and host
 work: everything else (schedule, host batch, input buffers, sampling-batch build, the D2H copy's
 bookkeeping, postprocess: append, detokenize, stop check, output objects). The table gives the
@@ -91,6 +93,7 @@ def run(
     output_len: int,
     fake_forward: bool,
     now: Callable[[], float],
+    greedy: bool = False,
 ) -> dict:
     clock = _Clock(engine.runner.device, now)
     runner = engine.runner
@@ -118,10 +121,15 @@ def run(
     runner.make_batch = clock.phase("make_batch", type(runner).make_batch.__get__(runner))
     engine._postprocess = clock.phase("postprocess", type(engine)._postprocess.__get__(engine))
     phases: list[dict[str, float]] = []
-    params = SamplingParams(
-        max_tokens=output_len, temperature=0.8, seed=1, ignore_eos=True, logprobs=1,
-        stop=["\x00never\x00"], output_kind=kind,
-    )  # fmt: skip
+    if greedy:
+        params = SamplingParams(
+            max_tokens=output_len, temperature=0.0, ignore_eos=True, output_kind=kind
+        )
+    else:
+        params = SamplingParams(
+            max_tokens=output_len, temperature=0.8, seed=1, ignore_eos=True, logprobs=1,
+            stop=["\x00never\x00"], output_kind=kind,
+        )  # fmt: skip
     for i in range(streams):
         engine.add_request(
             f"{kind.name}-{i}", [(7 * i + 13 * j) % vocab for j in range(32)], params
@@ -173,6 +181,9 @@ def main() -> None:
         "--clock", choices=["wall", "thread"], default="wall", help="wall or thread CPU time"
     )
     parser.add_argument("--fake-forward", action="store_true", help="random logits, no model")
+    parser.add_argument(
+        "--params", choices=["sampled", "greedy"], default="sampled", help="see the docstring"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -188,14 +199,15 @@ def main() -> None:
     for token in range(engine.model_config.vocab_size):
         engine.tokenizer.id_to_piece(token)
     now = time.thread_time if args.clock == "thread" else time.perf_counter
+    greedy = args.params == "greedy"
     rows = [
-        run(engine, KINDS[k], args.streams, args.output_len, args.fake_forward, now)
+        run(engine, KINDS[k], args.streams, args.output_len, args.fake_forward, now, greedy)
         for k in args.kinds
     ]
     n = args.output_len
     forward = "fake (random logits)" if args.fake_forward else "the model"
-    print(f"host time per step ({args.clock} clock), {args.streams} streams, device "
-          f"{engine.runner.device}, forward: {forward}")  # fmt: skip
+    print(f"host time per step ({args.clock} clock), {args.streams} streams, {args.params} "
+          f"params, device {engine.runner.device}, forward: {forward}")  # fmt: skip
     print(f"{'kind':<12}{'at 10 (ms)':>12}{f'at {n} (ms)':>14}{'growth':>9}")
     for r in rows:
         at_n = r[f"host_ms_at_{n}"]
@@ -205,7 +217,7 @@ def main() -> None:
             print(f"  {phase:<18}{a:>8.3f}{b:>14.3f}")
     print(json.dumps({"bench": "host_overhead", "streams": args.streams, "output_len": n,
                       "device": str(engine.runner.device), "fake_forward": args.fake_forward,
-                      "clock": args.clock,
+                      "clock": args.clock, "params": args.params,
                       "results": rows}))  # fmt: skip
 
 

@@ -288,9 +288,9 @@ class LLMEngine:
         if scheduled.is_empty:
             return []
         now = time.time()
-        for s in scheduled.scheduled:  # queue time ends here, before the forward
-            if s.request.metrics.first_scheduled_time is None:
-                s.request.metrics.first_scheduled_time = now
+        for r in scheduled.admitted:  # queue time ends here, before the forward
+            if r.metrics.first_scheduled_time is None:
+                r.metrics.first_scheduled_time = now
         self.num_steps += 1
         self.recent_step_num_tokens.append(scheduled.num_tokens)
         if self.spec_decoder is not None:
@@ -411,58 +411,72 @@ class LLMEngine:
     ) -> str:
         """Append token j of request i's emitted tokens; check its stop conditions."""
         token = result.token_ids[i][j]
-        request.output_token_ids.append(token)
+        output_ids = request.output_token_ids
+        output_ids.append(token)
         params = request.params
         if request.logprobs is not None:
             request.logprobs.append(self._logprob_entry(token, i, j, result))
             request.cumulative_logprob += result.logprobs[i][j]
         text = request.output_text
         text_before = len(text)
-        text.append(request.detokenizer.step([token]))
+        text.append(request.detokenizer.step((token,)))
 
-        n_out = request.num_output_tokens
-        if request.grammar is not None and not request.grammar.accept_token(token):
+        n_out = len(output_ids)
+        grammar = request.grammar
+        end: tuple[FinishReason, int | str | None] | None = None  # (reason, stop_reason)
+        if grammar is not None and not grammar.accept_token(token):
             # Only reachable if every allowed token was banned too (e.g. min_tokens vs EOS).
             logger.warning("request %s: token %d breaks its grammar", request.request_id, token)
-            self._finish(request, FinishReason.STOP, None)
-        elif n_out >= params.min_tokens:
-            if (not params.ignore_eos and token in self.eos_token_ids) or (
-                params.stop_token_ids and token in params.stop_token_ids
-            ):
-                self._finish(request, FinishReason.STOP, token)
-            elif params.stop:
-                # Only a stop string ending in the new text can complete now: search the new
-                # text and the longest stop's length before it, not the whole output.
-                start = max(text_before - max(map(len, params.stop)) + 1, 0)
-                hit = find_stop(
-                    text.tail(start),
-                    len(text) - text_before,
-                    params.stop,
-                    params.include_stop_str_in_output,
-                )
-                if hit is not None:
-                    text.truncate(start + hit[0])
-                    self._finish(request, FinishReason.STOP, hit[1])
-        grammar = request.grammar
-        if not request.is_finished and grammar is not None and grammar.is_terminated():
-            self._finish(request, FinishReason.STOP, token)  # complete (EOS with ignore_eos)
-        if not request.is_finished and (
-            n_out >= request.max_tokens or request.num_tokens >= self.max_model_len
+            end = (FinishReason.STOP, None)
+        elif n_out >= params.min_tokens and (
+            (not params.ignore_eos and token in self.eos_token_ids)
+            or (params.stop_token_ids and token in params.stop_token_ids)
         ):
-            self._finish(request, FinishReason.LENGTH, None)
-        if request.is_finished and not isinstance(request.stop_reason, str):
-            text.append(request.detokenizer.flush())
-        return self._release_text(request)
+            end = (FinishReason.STOP, token)
+        elif (
+            n_out >= params.min_tokens
+            and params.stop
+            and (hit := self._cut_stop(request, text_before)) is not None
+        ):
+            end = (FinishReason.STOP, hit)
+        elif grammar is not None and grammar.is_terminated():
+            end = (FinishReason.STOP, token)  # complete (EOS with ignore_eos)
+        elif n_out >= request.max_tokens or request.num_prompt_tokens + n_out >= self.max_model_len:
+            end = (FinishReason.LENGTH, None)
+        if end is not None:
+            self._finish(request, *end)
+            if not isinstance(request.stop_reason, str):
+                text.append(request.detokenizer.flush())
+        return self._release_text(request, end is not None)
 
-    def _release_text(self, request: Request) -> str:
+    def _cut_stop(self, request: Request, text_before: int) -> str | None:
+        """The stop string that the text appended after `text_before` characters completes,
+        with the text cut there; None if none does."""
+        params, text = request.params, request.output_text
+        # Only a stop string ending in the new text can complete now: search the new text and
+        # the longest stop's length before it, not the whole output.
+        start = max(text_before - max(map(len, params.stop)) + 1, 0)
+        hit = find_stop(
+            text.tail(start),
+            len(text) - text_before,
+            params.stop,
+            params.include_stop_str_in_output,
+        )
+        if hit is None:
+            return None
+        text.truncate(start + hit[0])
+        return hit[1]
+
+    def _release_text(self, request: Request, finished: bool) -> str:
         """Text safe to stream: hold back what could still turn into a stop string."""
+        text, released = request.output_text, request.num_released_chars
+        stop = request.params.stop
         held = 0
-        if not request.is_finished and request.params.stop:
-            held = stop_holdback(request.params.stop, request.params.include_stop_str_in_output)
-        released = request.num_released_chars
-        upto = max(released, len(request.output_text) - held)
+        if stop and not finished:
+            held = stop_holdback(stop, request.params.include_stop_str_in_output)
+        upto = max(released, len(text) - held)
         request.num_released_chars = upto
-        return request.output_text.tail(released)[: upto - released]
+        return text.tail(released)[: upto - released]
 
     def _finish(
         self, request: Request, reason: FinishReason, stop_reason: int | str | None
@@ -491,20 +505,22 @@ class LLMEngine:
         """This step's output of `request`, shaped by its `output_kind`: DELTA and FINAL_ONLY
         keep the per-step host work O(new tokens); CUMULATIVE copies everything so far."""
         m = request.metrics
+        finished = request.is_finished
+        token_ids, logprobs = request.output_token_ids, request.logprobs
+        n_out = len(token_ids)
         if num_new:
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
-        m.num_generation_tokens = request.num_output_tokens
-        if request.is_finished:
+        m.num_generation_tokens = n_out
+        if finished:
             m.finished_time = now
         kind = request.params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not request.is_finished:
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        token_ids, logprobs = request.output_token_ids, request.logprobs
         if kind is RequestOutputKind.DELTA:
             text = new_text
-            token_ids = token_ids[len(token_ids) - num_new :]
+            token_ids = token_ids[n_out - num_new :]
             if logprobs is not None:
                 logprobs = logprobs[len(logprobs) - num_new :]
         else:
@@ -513,7 +529,7 @@ class LLMEngine:
             logprobs = list(logprobs) if logprobs is not None else None
         reason = "error" if error is not None else request.finish_reason
         prompt_logprobs = request.prompt_logprobs
-        if kind is RequestOutputKind.DELTA and request.num_output_tokens > num_new:
+        if kind is RequestOutputKind.DELTA and n_out > num_new:
             prompt_logprobs = None  # sent with the first delta
         return RequestOutput(
             request_id=request.request_id,
@@ -532,7 +548,7 @@ class LLMEngine:
                     stop_reason=request.stop_reason,
                 )
             ],
-            finished=request.is_finished,
+            finished=finished,
             metrics=m,
             prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
             num_new_tokens=num_new,

@@ -7,7 +7,14 @@ step's copies.
 
 Host -> device traffic is one copy per step: every array is packed into a pinned int64 staging
 row (two of them, used in turn, so a row is never rewritten while its copy may be in flight),
-copied to a device staging row, and split into the typed buffers by device-side copies.
+copied to a device staging row, and split into the typed buffers by device-side copies. The four
+int64 token arrays are rows of one device tensor and the two int32 length arrays rows of
+another, laid out as in the staging row, so the split is two copies (each a kernel launch on
+CUDA), not six. Rows are 256-byte aligned, as separate allocations would be.
+
+A decode step's shapes repeat, so the views a `ForwardBatch` hands out (and the upload's
+source and destination views) are built once per shape and reused: a view is a Python object
+over the same storage, and creating ~20 of them per step was a sizeable part of its host work.
 
 Page tables are not sent whole. A persistent device table holds one row per sequence slot (the
 scheduler's `Request.slot`); a step sends only the entries that changed since that row was last
@@ -35,6 +42,9 @@ if TYPE_CHECKING:
     from mlaserve.engine.prompt_logprobs import PromptLogprobSpan
 
 __all__ = ["HostBatch", "InputBuffers"]
+
+_ALIGN_BYTES = 256  # each row of the grouped device buffers starts at this alignment
+_MAX_SHAPES = 256  # cached view sets; cleared when full
 
 
 @dataclass
@@ -74,12 +84,16 @@ class InputBuffers:
         def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        self.input_ids = zeros(max_num_tokens, dtype=torch.int64)
-        self.positions = zeros(max_num_tokens, dtype=torch.int64)
-        self.slot_mapping = zeros(max_num_tokens, dtype=torch.int64)
-        self.logits_indices = zeros(max_num_tokens, dtype=torch.int64)
-        self.seq_lens = zeros(max_num_seqs, dtype=torch.int32)
-        self.cu_q_lens = zeros(max_num_seqs + 1, dtype=torch.int32)
+        # [4, T]: input ids, positions, KV write slots, logits rows; [2, L] int32: seq_lens
+        # (its last column a spare, see `fill`), cu_q_lens. Strides rounded up to 256 bytes.
+        self._tok_stride = _round_up(max_num_tokens, _ALIGN_BYTES // 8)
+        self._len_stride = _round_up(max_num_seqs + 1, _ALIGN_BYTES // 4)
+        self._tokens = zeros(4, self._tok_stride, dtype=torch.int64)
+        self._lens = zeros(2, self._len_stride, dtype=torch.int32)
+        rows = self._tokens[:, :max_num_tokens].unbind(0)
+        self.input_ids, self.positions, self.slot_mapping, self.logits_indices = rows
+        self.seq_lens = self._lens[0, :max_num_seqs]
+        self.cu_q_lens = self._lens[1, : max_num_seqs + 1]
         self.block_tables = zeros(max_num_seqs, max_pages_per_seq, dtype=torch.int32)
         # Persistent page table, one row per slot; row max_num_seqs stays zero (padding rows).
         self._page_rows = zeros(max_num_seqs + 1, max_pages_per_seq, dtype=torch.int32)
@@ -90,9 +104,11 @@ class InputBuffers:
         self._row_last: list[int | None] = [None] * max_num_seqs
         self.last_page_writes = 0  # page-table entries the last fill uploaded (tests, benches)
 
-        # Staging: [4 token arrays | seq_lens | cu_q_lens | table rows | n entry indices into
-        # the flat page table | n entry values], int64; only the used prefix is uploaded.
-        self._staging_len = 4 * max_num_tokens + 3 * max_num_seqs + 1
+        # Staging, int64: [the 4 token rows | the 2 length rows | table rows (max_num_seqs) |
+        # n entry indices into the flat page table | n entry values]; the row groups have the
+        # device tensors' strides. Only the used prefix is uploaded.
+        self._table_off = 4 * self._tok_stride + 2 * self._len_stride
+        self._staging_len = self._table_off + max_num_seqs
         self._staging_len += 2 * max_num_seqs * max_pages_per_seq
         pin = device.type == "cuda"
         self._host = [
@@ -101,6 +117,16 @@ class InputBuffers:
         self._host_np = [h.numpy() for h in self._host]
         self._turn = 0
         self._dev = zeros(self._staging_len, dtype=torch.int64) if pin else None
+        # The staging rows' groups (token rows, length rows, the page-table part) as arrays,
+        # where `fill` writes them, and as tensors: the upload's sources, per turn (the host
+        # rows on CPU; the device row, either turn, on CUDA).
+        self._stage_np = [self._groups(h) for h in self._host_np]
+        self._sources = [
+            self._groups(t) for t in (self._host if self._dev is None else [self._dev] * 2)
+        ]
+        self._arange = np.arange(max(max_num_tokens, max_num_seqs + 1) + 1)
+        # Per shape (num_tokens, n_logits, bs): the batch's views and the upload's destinations.
+        self._shapes: dict[tuple[int, int, int], _ShapeViews] = {}
 
     def fill(
         self,
@@ -124,7 +150,7 @@ class InputBuffers:
         bs = num_seqs if pad_to is None else pad_to
         if mode.is_uniform:
             q_len = q_len or host.q_lens[0]
-            if any(n != q_len for n in host.q_lens):
+            if host.q_lens.count(q_len) != num_seqs:
                 raise ValueError(f"{mode.value} batch: q_lens must be uniform, got {host.q_lens}")
             num_tokens = bs * q_len
         else:
@@ -138,30 +164,29 @@ class InputBuffers:
                 f"buffers ({self.max_num_seqs} seqs / {self.max_num_tokens} tokens)"
             )
         real_tokens = len(host.input_ids)
-        n_logits = num_tokens if mode.is_uniform else len(host.logits_indices)
-        tmax, smax = self.max_num_tokens, self.max_num_seqs
+        uniform = mode.is_uniform
+        n_logits = num_tokens if uniform else len(host.logits_indices)
 
-        stage = self._host_np[self._turn]
-        # Token arrays; padded tokens: id 0, position 0, slot 0 (the dummy page).
-        for k, values in enumerate((host.input_ids, host.positions, host.slot_mapping)):
-            view = stage[k * tmax : k * tmax + num_tokens]
-            view[:real_tokens] = values
-            view[real_tokens:] = 0
-        logits = stage[3 * tmax : 3 * tmax + n_logits]
-        logits[:] = np.arange(num_tokens) if mode.is_uniform else host.logits_indices
-        off = 4 * tmax
-        seq_lens = stage[off : off + bs]
+        tokens, (seq_lens, cu), table = self._stage_np[self._turn]
+        # Token rows; padded tokens: id 0, position 0, slot 0 (the dummy page).
+        tokens[0, :real_tokens] = host.input_ids
+        tokens[1, :real_tokens] = host.positions
+        tokens[2, :real_tokens] = host.slot_mapping
+        tokens[:3, real_tokens:num_tokens] = 0
+        tokens[3, :n_logits] = self._arange[:num_tokens] if uniform else host.logits_indices
         seq_lens[:num_seqs] = host.seq_lens
-        seq_lens[num_seqs:] = q_len
-        off += smax
-        cu = stage[off : off + bs + 1]
-        cu[0] = 0
-        np.cumsum(host.q_lens, out=cu[1 : num_seqs + 1])
-        cu[num_seqs + 1 :] = cu[num_seqs] + q_len * np.arange(1, bs - num_seqs + 1)
-        off += smax + 1
-        n_writes = self._stage_page_table(host, stage[off:], bs)
+        # Padding rows, and the column after the batch, which the upload copies along.
+        seq_lens[num_seqs : bs + 1] = q_len
+        if uniform:
+            np.multiply(self._arange[: bs + 1], q_len, out=cu[: bs + 1])
+        else:  # never padded
+            cu[0] = 0
+            np.cumsum(np.asarray(host.q_lens), out=cu[1 : num_seqs + 1])
+            cu[num_seqs + 1 : bs + 1] = cu[num_seqs]
+        n_writes = self._stage_page_table(host, table, bs)
 
-        self._upload(num_tokens, n_logits, bs, n_writes)
+        views = self._views(num_tokens, n_logits, bs)
+        self._upload(views, n_writes)
         self._turn ^= 1
         return ForwardBatch(
             mode=mode,
@@ -169,18 +194,50 @@ class InputBuffers:
             num_tokens=num_tokens,
             q_len=q_len,
             max_seq_len=max_seq_len,
-            input_ids=self.input_ids[:num_tokens],
-            positions=self.positions[:num_tokens],
-            seq_lens=self.seq_lens[:bs],
-            cu_q_lens=self.cu_q_lens[: bs + 1],
-            block_tables=self.block_tables[:bs],
-            slot_mapping=self.slot_mapping[:num_tokens],
-            logits_indices=self.logits_indices[:n_logits],
+            input_ids=views.input_ids,
+            positions=views.positions,
+            seq_lens=views.seq_lens,
+            cu_q_lens=views.cu_q_lens,
+            block_tables=views.block_tables,
+            slot_mapping=views.slot_mapping,
+            logits_indices=views.logits_indices,
             num_seqs=num_seqs,
-            seq_lens_host=None if mode.is_uniform else list(host.seq_lens),
-            q_lens_host=None if mode.is_uniform else list(host.q_lens),
+            seq_lens_host=None if uniform else list(host.seq_lens),
+            q_lens_host=None if uniform else list(host.q_lens),
             **batch_kwargs,
         )
+
+    def _groups(self, flat):  # np.ndarray or torch.Tensor, a staging row
+        """(token rows [4, T], length rows [2, L], the page-table part) of a staging row."""
+        ts, ls = self._tok_stride, self._len_stride
+        return (
+            flat[: 4 * ts].reshape(4, ts),
+            flat[4 * ts : 4 * ts + 2 * ls].reshape(2, ls),
+            flat[self._table_off :],
+        )
+
+    def _views(self, num_tokens: int, n_logits: int, bs: int) -> _ShapeViews:
+        key = (num_tokens, n_logits, bs)
+        views = self._shapes.get(key)
+        if views is None:
+            if len(self._shapes) >= _MAX_SHAPES:  # EXTEND shapes vary; decode shapes repeat
+                self._shapes.clear()
+            width = max(num_tokens, n_logits)
+            views = self._shapes[key] = _ShapeViews(
+                input_ids=self.input_ids[:num_tokens],
+                positions=self.positions[:num_tokens],
+                seq_lens=self.seq_lens[:bs],
+                cu_q_lens=self.cu_q_lens[: bs + 1],
+                block_tables=self.block_tables[:bs],
+                slot_mapping=self.slot_mapping[:num_tokens],
+                logits_indices=self.logits_indices[:n_logits],
+                tokens=self._tokens[:, :width],
+                lens=self._lens[:, : bs + 1],
+                src_tokens=tuple(tok[:, :width] for tok, _, _ in self._sources),
+                src_lens=tuple(lens[:, : bs + 1] for _, lens, _ in self._sources),
+                src_rows=tuple(table[:bs] for _, _, table in self._sources),
+            )
+        return views
 
     def _stage_page_table(self, host: HostBatch, stage: np.ndarray, bs: int) -> int:
         """Stage each batch row's table row and the entries that changed in those rows
@@ -219,25 +276,41 @@ class InputBuffers:
         self.last_page_writes = k
         return k
 
-    def _upload(self, num_tokens: int, n_logits: int, bs: int, n_writes: int) -> None:
-        """One host->device copy of the staging row's used prefix, then device-side splits."""
-        tmax, smax = self.max_num_tokens, self.max_num_seqs
-        table_off = 4 * tmax + 2 * smax + 1
-        used = table_off + smax + 2 * n_writes
-        src = self._host[self._turn]
+    def _upload(self, views: _ShapeViews, n_writes: int) -> None:
+        """One host->device copy of the staging row's used prefix, then device-side splits:
+        the token rows, the length rows (with the int32 cast), the changed page-table entries
+        (only when some changed), and the gather of the batch's table rows."""
+        turn, smax = self._turn, self.max_num_seqs
         if self._dev is not None:
-            self._dev[:used].copy_(src[:used], non_blocking=True)
-            src = self._dev
-        self.input_ids[:num_tokens].copy_(src[:num_tokens])
-        self.positions[:num_tokens].copy_(src[tmax : tmax + num_tokens])
-        self.slot_mapping[:num_tokens].copy_(src[2 * tmax : 2 * tmax + num_tokens])
-        self.logits_indices[:n_logits].copy_(src[3 * tmax : 3 * tmax + n_logits])
-        off = 4 * tmax
-        self.seq_lens[:bs].copy_(src[off : off + bs])
-        off += smax
-        self.cu_q_lens[: bs + 1].copy_(src[off : off + bs + 1])
-        off += smax + 1
-        writes = src[off + smax : off + smax + 2 * n_writes].view(2, n_writes)
+            used = self._table_off + smax + 2 * n_writes
+            self._dev[:used].copy_(self._host[turn][:used], non_blocking=True)
+        views.tokens.copy_(views.src_tokens[turn])
+        views.lens.copy_(views.src_lens[turn])
         if n_writes:
+            writes = self._sources[turn][2][smax : smax + 2 * n_writes].view(2, n_writes)
             self._page_rows.view(-1).index_copy_(0, writes[0], writes[1].to(torch.int32))
-        torch.index_select(self._page_rows, 0, src[off : off + bs], out=self.block_tables[:bs])
+        torch.index_select(self._page_rows, 0, views.src_rows[turn], out=views.block_tables)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True, slots=True)
+class _ShapeViews:
+    """The buffers' views for one batch shape: what a ForwardBatch holds, the upload's
+    destinations (`tokens` [4, max(num_tokens, n_logits)], `lens` [2, bs + 1]) and its
+    sources, per turn (the same columns of the staging rows, and the batch's table rows)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_q_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    logits_indices: torch.Tensor
+    tokens: torch.Tensor
+    lens: torch.Tensor
+    src_tokens: tuple[torch.Tensor, torch.Tensor]
+    src_lens: tuple[torch.Tensor, torch.Tensor]
+    src_rows: tuple[torch.Tensor, torch.Tensor]

@@ -191,19 +191,35 @@ class ModelRunner:
     def build_host_batch(self, sched: SchedulerOutput) -> HostBatch:
         """The scheduler's decision as host lists; the forward mode is the scheduler's."""
         ps = self.page_size
-        host = HostBatch(sched.mode, [], [], [], [], [], [], [], table_rows=[])
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        seq_lens: list[int] = []
+        q_lens: list[int] = []
+        tables: list[list[int]] = []
+        rows: list[int] = []
+        logits_indices: list[int] = []
         for s in sched.scheduled:
-            r, start = s.request, s.request.num_computed_tokens
-            end = start + s.num_new_tokens
-            host.input_ids.extend(r.tokens(start, end))
-            host.positions.extend(range(start, end))
-            host.slot_mapping.extend(r.pages[p // ps] * ps + p % ps for p in range(start, end))
-            host.seq_lens.append(end)
-            host.q_lens.append(s.num_new_tokens)
-            host.block_tables.append(r.pages)
-            host.table_rows.append(r.slot)
+            r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            end = start + n
+            if n == 1:  # a decode: one token, no ranges to build
+                ids.append(r.token_at(start))
+                positions.append(start)
+                slot_mapping.append(r.pages[start // ps] * ps + start % ps)
+            else:
+                ids.extend(r.tokens(start, end))
+                positions.extend(range(start, end))
+                slot_mapping.extend(r.pages[p // ps] * ps + p % ps for p in range(start, end))
+            seq_lens.append(end)
+            q_lens.append(n)
+            tables.append(r.pages)
+            rows.append(r.slot)
             if s.samples:
-                host.logits_indices.append(len(host.input_ids) - 1)
+                logits_indices.append(len(ids) - 1)
+        host = HostBatch(
+            sched.mode, ids, positions, slot_mapping, seq_lens, q_lens, tables, logits_indices,
+            table_rows=rows,
+        )  # fmt: skip
         if not sched.mode.is_uniform and any(
             s.request.prompt_logprobs is not None for s in sched.scheduled
         ):
@@ -302,12 +318,13 @@ class ModelRunner:
 
         out = self.sampler(logits[: len(sampling)], sb, mask)  # prompt-logprob rows come after
         slots.record(sb.slots, out.token_ids)
-        # The step's one host sync: sampled ids and the per-row finite flags in one copy.
-        ids, finite = self.read_back(torch.stack((out.token_ids, out.finite.to(torch.int64))))
+        # The step's one host sync: the sampled ids, -1 on rows whose logits were not finite
+        # (one device op and one [n] copy carry both).
+        ids = self.read_back(torch.where(out.finite, out.token_ids, -1))
         result = StepResult(token_ids=[[t] for t in ids])
-        if not all(finite):
-            result.errors = [None if ok else NONFINITE_LOGITS for ok in finite]
-        if any(r.params.logprobs is not None for r in sampling):
+        if min(ids) < 0:
+            result.errors = [None if t >= 0 else NONFINITE_LOGITS for t in ids]
+        if sb.need_logprobs:  # some row asked for logprobs
             result.logprobs = [[x] for x in out.logprobs.tolist()]
             result.ranks = [[x] for x in out.ranks.tolist()]
             if out.top_ids is not None:

@@ -11,8 +11,10 @@ step. Here each request's state is written once, when it is admitted to a slot:
   sampled in a step ON THE DEVICE (a scatter-add of the sampled ids), so no token list ever
   travels back from the host.
 
-A step then copies only the slot index and the step of each row (one pinned [2, n] int64 copy)
-and gathers its rows with two index kernels (plus two [n, V] gathers when penalties are on).
+A step then copies only the step of each row (one pinned [n] int64 copy) and, when penalties
+are on, gathers its rows' [n, V] output counts. The rows' params are gathered (two index
+kernels, plus the prompt mask with a repetition penalty) once per row order, while the batch
+keeps the same requests in the same rows: from one admission or finish to the next.
 Which optional stages run (top-k, penalties, logprobs, min_tokens bans) is still decided on the
 host, from the params mirrored per slot, so the sampler never asks the device.
 
@@ -25,7 +27,9 @@ exact up to 2**24 occurrences and are what the penalty arithmetic consumes, so n
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -37,6 +41,17 @@ __all__ = ["SamplingSlots"]
 
 _TEMP, _TOP_P, _MIN_P, _REP, _FREQ, _PRES = range(6)
 _TOP_K, _SEED, _GREEDY = range(3)
+_MAX_ROW_ORDERS = 8  # cached row orders (a speculative step alternates two or so)
+
+
+@dataclass(frozen=True, slots=True)
+class _Rows:
+    """What a batch of one row order reuses from step to step."""
+
+    template: SamplingBatch  # every field but steps, output_counts and the min_tokens bans
+    index: torch.Tensor  # [n] int64 device: the slots (the batch's `slots`)
+    penalised: bool  # some row uses a penalty: the output counts are gathered per step
+    bans: list[tuple[int, int, tuple[int, ...]]]  # (row, min_tokens, ids banned below it)
 
 
 def _uses_penalties(p: SamplingParams) -> bool:
@@ -73,9 +88,13 @@ class SamplingSlots:
         # Two pinned staging rows used in turn: the copy of step t may still be in flight while
         # step t + 1 is being prepared (the engine syncs on the sampled ids once per step).
         self._staging = [
-            torch.zeros(2, max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)
+            torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)
         ]
+        self._staging_np = [s.numpy() for s in self._staging]
         self._turn = 0
+        # Per row order (the slots of a batch, in order): what `batch` reuses. Cleared by every
+        # admit and release, the only changes to what it holds.
+        self._rows: dict[tuple[int, ...], _Rows] = {}
 
     # ----- admission -----
     @property
@@ -133,6 +152,7 @@ class SamplingSlots:
         self._params[slot] = params
         eos = () if params.ignore_eos else self.eos_token_ids
         self._bans[slot] = tuple(sorted(set(params.stop_ids) | set(eos)))
+        self._rows.clear()
 
     def release(self, slot: int) -> None:
         """The slot's request finished or was preempted; its device rows are simply left behind
@@ -140,6 +160,7 @@ class SamplingSlots:
         self._check_slot(slot)
         self._params[slot] = None
         self._bans[slot] = ()
+        self._rows.clear()
 
     def params_of(self, slot: int) -> SamplingParams | None:
         return self._params[slot]
@@ -147,15 +168,51 @@ class SamplingSlots:
     # ----- per step -----
     def batch(self, slots: Sequence[int], steps: Sequence[int]) -> SamplingBatch:
         """The SamplingBatch of rows slots[i] at steps[i] (tokens generated before this one).
-        Host -> device traffic: one [2, n] int64 copy, plus the (row, token) pairs of rows still
-        below min_tokens when there are any."""
+        Host -> device traffic: one [n] int64 copy of the steps, plus the (row, token) pairs of
+        rows still below min_tokens when there are any. What depends only on which requests
+        sit in which rows (params, switches, their device gathers) is built once per row order
+        and reused until a slot is admitted or released: a decode batch keeps its rows for
+        many steps."""
         n = len(slots)
         if n == 0:
             raise ValueError("slots: a sampling batch needs at least one row")
         if len(steps) != n:
             raise ValueError(f"steps: expected {n} rows (one per slot), got {len(steps)}")
-        if any(s < 0 for s in steps):
+        if min(steps) < 0:
             raise ValueError(f"steps: must be >= 0, got {list(steps)}")
+        key = tuple(slots)
+        rows = self._rows.get(key)
+        if rows is None:
+            if len(self._rows) >= _MAX_ROW_ORDERS:
+                self._rows.clear()
+            rows = self._rows[key] = self._gather_rows(key)
+
+        if n > self._staging[0].shape[0]:  # a verify batch has k + 1 rows per slot
+            pin = self.device.type == "cuda"
+            self._staging = [torch.zeros(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+            self._staging_np = [s.numpy() for s in self._staging]
+        staging = self._staging[self._turn][:n]
+        self._staging_np[self._turn][:n] = steps
+        self._turn ^= 1
+        # copy=True: on CPU too, the batch must not alias the staging row reused two steps on.
+        step_t = staging.to(self.device, non_blocking=True, copy=True)
+
+        batch = copy.copy(rows.template)
+        batch.steps = step_t
+        if rows.penalised:
+            # Rows without penalties read stale counts; their neutral factors ignore them.
+            counts, _ = self.reserve_penalties()
+            batch.output_counts = counts[rows.index]
+        bans = [
+            (row, t) for row, min_tokens, ids in rows.bans if steps[row] < min_tokens for t in ids
+        ]
+        if bans:
+            pairs = self._upload(torch.tensor(bans, dtype=torch.int64).T.contiguous())  # [2, m]
+            batch.banned_rows, batch.banned_tokens = pairs[0], pairs[1]
+        return batch
+
+    def _gather_rows(self, slots: tuple[int, ...]) -> _Rows:
+        """What a batch of these rows needs that does not change from step to step."""
         params: list[SamplingParams] = []
         for slot in slots:
             self._check_slot(slot)
@@ -163,43 +220,17 @@ class SamplingSlots:
             if p is None:
                 raise ValueError(f"slots: slot {slot} holds no admitted request")
             params.append(p)
-
-        if n > self._staging[0].shape[1]:  # a verify batch has k + 1 rows per slot
-            pin = self.device.type == "cuda"
-            self._staging = [torch.zeros(2, n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        staging = self._staging[self._turn][:, :n]
-        self._turn ^= 1
-        staging[0] = torch.tensor(slots, dtype=torch.int64)
-        staging[1] = torch.tensor(steps, dtype=torch.int64)
-        # copy=True: on CPU too, the batch must not alias the staging row reused two steps on.
-        index = staging.to(self.device, non_blocking=True, copy=True)
-        rows, step_t = index[0], index[1]
-        floats = self._floats[rows]  # [n, 6]
-        ints = self._ints[rows]  # [n, 3]
-
+        index = self._upload(torch.tensor(slots, dtype=torch.int64))
+        floats = self._floats[index]  # [n, 6]
+        ints = self._ints[index]  # [n, 3]
         use_rep = any(p.repetition_penalty != 1.0 for p in params)
         use_freq = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
-        prompt_mask = output_counts = None
-        if use_rep or use_freq:
-            counts, mask = self.reserve_penalties()
-            # Rows without penalties read stale counts; their neutral factors ignore them.
-            output_counts = counts[rows]
-            if use_rep:
-                prompt_mask = mask[rows]
-
-        banned_rows = banned_tokens = None
-        bans = [
-            (row, t)
-            for row, (slot, p, step) in enumerate(zip(slots, params, steps, strict=True))
-            if step < p.min_tokens
-            for t in self._bans[slot]
-        ]
-        if bans:
-            pairs = self._upload(torch.tensor(bans, dtype=torch.int64).T.contiguous())  # [2, m]
-            banned_rows, banned_tokens = pairs[0], pairs[1]
-
+        prompt_mask = None
+        if use_rep:  # written at admission only, so gathered once
+            _, mask = self.reserve_penalties()
+            prompt_mask = mask[index]
         v = self.vocab_size
-        return SamplingBatch(
+        template = SamplingBatch(
             vocab_size=v,
             temperatures=floats[:, _TEMP],
             is_greedy=ints[:, _GREEDY].bool(),
@@ -207,17 +238,23 @@ class SamplingSlots:
             top_ps=floats[:, _TOP_P],
             min_ps=floats[:, _MIN_P],
             seeds=ints[:, _SEED],
-            steps=step_t,
+            steps=index,  # replaced per step
             repetition_penalties=floats[:, _REP] if use_rep else None,
             frequency_penalties=floats[:, _FREQ] if use_freq else None,
             presence_penalties=floats[:, _PRES] if use_freq else None,
             prompt_mask=prompt_mask,
-            output_counts=output_counts,
-            banned_rows=banned_rows,
-            banned_tokens=banned_tokens,
-            slots=rows,
+            output_counts=None,  # gathered per step (record adds to the counts)
+            banned_rows=None,
+            banned_tokens=None,
+            slots=index,
             **host_switches(params, v),
         )
+        bans = [
+            (row, p.min_tokens, self._bans[slot])
+            for row, (slot, p) in enumerate(zip(slots, params, strict=True))
+            if p.min_tokens > 0 and self._bans[slot]
+        ]
+        return _Rows(template, index, use_rep or use_freq, bans)
 
     def verify_batch(self, slots: Sequence[int], steps: Sequence[int], k: int) -> SamplingBatch:
         """The batch of a speculative verify with k draft tokens per request: k + 1 rows per

@@ -3,6 +3,7 @@ and the gathered `block_tables` always equal the rows written whole."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.engine.input_buffers import HostBatch, InputBuffers
+from tests.device_ops import DeviceOps
 
 WIDTH = 8  # pages per sequence
 
@@ -98,3 +100,60 @@ def test_random_steps_match_whole_rows() -> None:
 def test_more_pages_than_the_table_holds_is_refused() -> None:
     with pytest.raises(ValueError, match="pages exceed"):
         fill(buffers(), decode([list(range(1, WIDTH + 2))], [0]))
+
+
+def test_every_array_is_written_with_explicit_padding() -> None:
+    """Token arrays, lengths and logits rows of an EXTEND batch, then of a padded decode batch
+    after it: nothing the larger batch left survives into a padded row."""
+    bufs = buffers()
+    extend = HostBatch(
+        ForwardMode.EXTEND, [5, 6, 7, 8, 9], [0, 1, 2, 0, 1], [8, 9, 10, 16, 17], [3, 2],
+        [3, 2], [[1], [2]], [2, 4], table_rows=[0, 1],
+    )  # fmt: skip
+    batch = bufs.fill(extend, max_seq_len=64, kv_pool=None, attn_backend=None)
+    assert batch.input_ids.tolist() == [5, 6, 7, 8, 9]
+    assert batch.positions.tolist() == [0, 1, 2, 0, 1]
+    assert batch.slot_mapping.tolist() == [8, 9, 10, 16, 17]
+    assert batch.logits_indices.tolist() == [2, 4]
+    assert batch.seq_lens.tolist() == [3, 2]
+    assert batch.cu_q_lens.tolist() == [0, 3, 5]
+    step = HostBatch(
+        ForwardMode.DECODE, [3], [3], [11], [4], [1], [[1]], [], table_rows=[0]
+    )  # fmt: skip
+    batch = bufs.fill(step, pad_to=4, max_seq_len=64, kv_pool=None, attn_backend=None)
+    assert batch.input_ids.tolist() == [3, 0, 0, 0]
+    assert batch.positions.tolist() == [3, 0, 0, 0]
+    assert batch.slot_mapping.tolist() == [11, 0, 0, 0]
+    assert batch.logits_indices.tolist() == [0, 1, 2, 3]
+    assert batch.seq_lens.tolist() == [4, 1, 1, 1]
+    assert batch.cu_q_lens.tolist() == [0, 1, 2, 3, 4]
+    assert batch.block_tables.tolist() == whole([[1]], 4)
+
+
+def test_a_decode_fill_is_two_copies_and_one_gather() -> None:
+    """Token rows and length rows are one copy each (on CUDA plus the one host->device copy,
+    which a CPU buffer does not need), the table rows one gather; no page writes when no page
+    was appended."""
+    bufs = buffers()
+    tables = [[1, 2], [3]]
+    fill(bufs, decode(tables, [0, 1]), pad_to=4)
+    with DeviceOps() as counted:
+        bufs.fill(decode(tables, [0, 1]), pad_to=4, max_seq_len=64, kv_pool=None, attn_backend=None)
+    assert dict(counted.ops) == {"copy_": 2, "index_select": 1}
+
+
+def test_the_buffers_are_separate_aligned_rows() -> None:
+    bufs = InputBuffers(
+        max_num_seqs=5, max_num_tokens=33, max_pages_per_seq=3, device=torch.device("cpu")
+    )
+    arrays = [bufs.input_ids, bufs.positions, bufs.slot_mapping, bufs.logits_indices]
+    assert all(a.shape == (33,) and a.dtype == torch.int64 for a in arrays)
+    assert bufs.seq_lens.shape == (5,) and bufs.cu_q_lens.shape == (6,)
+    lens = [bufs.seq_lens, bufs.cu_q_lens]
+    for group in (arrays, lens):  # each group is one allocation, its rows 256-byte apart
+        assert all((a.data_ptr() - group[0].data_ptr()) % 256 == 0 for a in group)
+    spans = sorted(
+        (a.data_ptr(), a.data_ptr() + a.numel() * a.element_size()) for a in arrays + lens
+    )
+    assert all(a.is_contiguous() for a in arrays + lens)
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))  # no overlap

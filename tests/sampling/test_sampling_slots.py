@@ -10,6 +10,7 @@ import torch
 
 from mlaserve.sampling import Sampler, SamplingBatch, SamplingSlots
 from mlaserve.sampling_params import SamplingParams
+from tests.device_ops import DeviceOps
 
 sampler = Sampler()
 
@@ -142,3 +143,62 @@ def test_slot_errors(device: torch.device) -> None:
     slots.release(0)
     with pytest.raises(ValueError, match="slot 0"):
         slots.batch([0], [0])
+
+
+def test_a_batch_that_keeps_its_rows_samples_like_build(device: torch.device) -> None:
+    """The same requests in the same rows for many steps (what `batch` reuses between
+    admissions), through min_tokens bans ending and penalty counts growing; then a release and
+    an admission change the rows."""
+    vocab, eos = 32, (1,)
+    slots = SamplingSlots(4, vocab, device, eos_token_ids=eos)
+    params = [
+        SamplingParams(temperature=0.0, min_tokens=3, max_tokens=64),
+        SamplingParams(temperature=0.9, top_k=5, frequency_penalty=0.7, logprobs=2, seed=3),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, stop_token_ids=[4], min_tokens=5),
+    ]
+    outputs: dict[int, list[int]] = {}
+    for slot, p in zip((2, 0, 3), params, strict=True):
+        slots.admit(slot, p, seed=slot, prompt_ids=[slot, 7])
+        outputs[slot] = []
+    generator = torch.Generator().manual_seed(1)
+    for step in range(12):
+        if step == 8:  # slot 0 finishes; slot 1 takes a new request
+            slots.release(0)
+            del outputs[0], params[1]
+            params.append(SamplingParams(temperature=1.0, min_p=0.2, seed=9))
+            slots.admit(1, params[-1], seed=1, prompt_ids=[5])
+            outputs[1] = []
+        rows = list(outputs)
+        steps = [len(outputs[s]) for s in rows]
+        built = SamplingBatch.build(
+            params, seeds=rows, steps=steps, prompt_ids=[[s, 7] if s != 1 else [5] for s in rows],
+            output_ids=[outputs[s] for s in rows], vocab_size=vocab, device=device,
+            eos_token_ids=eos,
+        )  # fmt: skip
+        batch = slots.batch(rows, steps)
+        logits = (torch.randn(len(rows), vocab, generator=generator) * 3).to(device)
+        logits[:, 1] = logits[:, 4] = 50.0  # EOS and the stop id win unless banned
+        want, got = sampler(logits, built), sampler(logits, batch)
+        for a, b in zip(got, want, strict=True):
+            assert (a is None) == (b is None), step
+            if a is not None:
+                torch.testing.assert_close(a, b, atol=0, rtol=0, msg=f"step {step}")
+        slots.record(batch.slots, got.token_ids)
+        for s, token in zip(rows, got.token_ids.tolist(), strict=True):
+            outputs[s].append(token)
+    # EOS (and slot 3's stop id) banned below min_tokens, then chosen.
+    assert 1 not in outputs[2][:3] and outputs[2][3] == 1
+    assert not {1, 4} & set(outputs[3][:5]) and outputs[3][5] in (1, 4)
+
+
+def test_a_steady_batch_uploads_its_steps_only(device: torch.device) -> None:
+    """Once a row order has been batched, the next steps' batches are one host->device copy
+    (the steps), and nothing else runs on the device while no row is penalised or banned."""
+    slots = SamplingSlots(4, 16, device)
+    slots.admit(1, SamplingParams(temperature=0.0), seed=0, prompt_ids=[1])
+    slots.admit(3, SamplingParams(temperature=0.8, top_p=0.9), seed=1, prompt_ids=[2])
+    slots.batch([3, 1], [0, 0])
+    with DeviceOps() as counted:
+        batch = slots.batch([3, 1], [1, 1])
+    assert dict(counted.ops) == {"_to_copy": 1}
+    assert batch.steps.tolist() == [1, 1] and batch.slots.tolist() == [3, 1]
