@@ -15,8 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
+from pathlib import Path
+
+# This checkout's package, not whatever an editable install elsewhere points at.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlaserve.config import EngineConfig
 from mlaserve.engine.grammar import GrammarBackend

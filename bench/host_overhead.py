@@ -38,9 +38,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+
+# This checkout's package, not whatever an editable install elsewhere points at.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlaserve.config import EngineConfig
 from mlaserve.llm_engine import LLMEngine
