@@ -25,7 +25,7 @@ with drafts made over an incomplete cache: counted at 1 token, so with `num_stal
     speculate iff L_eff > spec_s(b) / plain_s(b)             (the break-even accept length)
 
 When not speculating, the step refreshes the draft caches iff that costs at most
-`REFRESH_MAX_OVERHEAD` of a plain step at this size (on DeepSeek-V3 the MTP layer is one of 62;
+`REFRESH_MAX_OVERHEAD` of a plain step at this size and some request's cache is still whole (on DeepSeek-V3 the MTP layer is one of 62;
 on the 2-layer default model it is half a step, so there the caches go stale instead). Fresh
 caches are what let speculation come back for the requests already running when the batch
 shrinks, and what makes a probe's observation meaningful.
@@ -214,7 +214,7 @@ class SpecPolicy:
             return FORCED_SPEC if self.forced else FORCED_PLAIN
         if self.disable_batch_size is not None and bs > self.disable_batch_size:
             self._probe_left = 0
-            return Decision(False, "cap", refresh=self._refresh_pays(bs))
+            return Decision(False, "cap", refresh=self._refresh_pays(bs, num_stale))
         if self._costs is None:
             return Decision(True, "unmeasured")
         break_even = self._costs.break_even(bs)
@@ -231,8 +231,11 @@ class SpecPolicy:
         if fresh and self._off_streak + 1 >= PROBE_EVERY:
             self._probe_left = PROBE_STEPS - 1
             return Decision(True, "probe")
-        return Decision(False, "does_not_pay", refresh=self._refresh_pays(bs))
+        return Decision(False, "does_not_pay", refresh=self._refresh_pays(bs, num_stale))
 
-    def _refresh_pays(self, bs: int) -> bool:
+    def _refresh_pays(self, bs: int, num_stale: int) -> bool:
+        """Cheap enough, and some cache is still whole (a refresh cannot mend a stale one)."""
+        if num_stale >= bs:
+            return False
         overhead = self._costs.refresh_overhead(bs) if self._costs is not None else None
         return overhead is not None and overhead <= REFRESH_MAX_OVERHEAD

@@ -147,6 +147,8 @@ def test_refresh_when_it_costs_little(refresh_s: float, refresh: bool) -> None:
     assert not SpecPolicy(K, COSTS).decide(16).refresh
     capped = SpecPolicy(K, costs, disable_batch_size=0).decide(1)
     assert (capped.reason, capped.refresh) == ("cap", refresh)
+    all_stale = SpecPolicy(K, costs).decide(1, num_stale=1)  # nothing left to keep whole
+    assert (all_stale.reason, all_stale.refresh) == ("does_not_pay", False)
 
 
 def test_forced_decisions() -> None:
