@@ -77,6 +77,9 @@ class EngineStats:
     # accept-length estimate (what it compares with the measured break-even).
     spec_decisions: dict[str, int] = field(default_factory=dict)
     spec_accept_length_estimate: float = 0.0
+    # The policy's current break-even accept length per captured batch size (its costs follow
+    # the served steps); empty while unmeasured (CPU, graphs off).
+    spec_break_even: dict[int, float] = field(default_factory=dict)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -279,6 +282,11 @@ class LLMEngine:
                 else {}
             ),
             spec_accept_length_estimate=policy.accept_length_estimate if policy else 0.0,
+            spec_break_even=(
+                {b: policy.costs.break_even(b) for b in policy.costs.plain_s}
+                if policy is not None and policy.costs is not None
+                else {}
+            ),
         )
 
     # ----- the loop -----

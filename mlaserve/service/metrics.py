@@ -189,7 +189,7 @@ class Metrics:
         self.spec_decode_policy_steps = Counter(
             PREFIX + "spec_decode_policy_steps",
             "Steps by the speculation policy's decision (on/off) and its reason "
-            "(pays, does_not_pay, probe, cap, unmeasured, too_large).",
+            "(pays, does_not_pay, probe, cap, unmeasured, too_large, forced).",
             [*labels, "decision", "reason"],
             registry=r,
         )
@@ -198,6 +198,13 @@ class Metrics:
             "The policy's running accept-length estimate (compared with the measured "
             "break-even per batch size).",
             labels,
+            registry=r,
+        )
+        self.spec_decode_break_even = Gauge(
+            PREFIX + "spec_decode_break_even",
+            "Accept length above which speculation pays at this captured batch size "
+            "(speculative / plain step cost, followed from the served steps' wall times).",
+            [*labels, "batch_size"],
             registry=r,
         )
         # CUDA graphs: how steps ran, and JIT compiles after start-up (expected 0).
@@ -355,6 +362,8 @@ class Metrics:
             self.spec_decode_accept_length_estimate.labels(model).set(
                 stats.spec_accept_length_estimate
             )
+            for bs, ratio in stats.spec_break_even.items():
+                self.spec_decode_break_even.labels(model, str(bs)).set(ratio)
 
     def _on_spec_totals(self, stats: EngineStats) -> None:
         """Turn the engine's speculative running totals into what is new since the last call."""

@@ -9,6 +9,7 @@ from mlaserve import LLM, SamplingParams
 from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.graph_runner import CudaGraphRunner
 from mlaserve.service.metrics import Metrics
+from mlaserve.spec import StepCosts
 
 K = 2
 CPU = {"device": "cpu", "dtype": "float32", "kv_cache_dtype": "auto", "page_size": 4}
@@ -46,6 +47,24 @@ def test_engine_stats_feed_the_spec_metrics(checkpoint) -> None:
         == emitted
         == stats.spec_num_drafts + accepted
     )
+    assert stats.spec_break_even == {}  # CPU: no measured costs
+    assert "mlaserve:spec_decode_break_even{" not in text
+
+
+def test_the_live_break_even_is_a_metric(checkpoint) -> None:
+    llm = LLM(str(checkpoint("v3_mtp")), num_speculative_tokens=K, **CPU)
+    policy = llm.engine.spec_decoder.policy
+    policy.follow_served_steps = False
+    policy.costs = StepCosts(plain_s={1: 1.0, 4: 2.0}, spec_s={1: 1.5, 4: 5.0})
+    llm.generate(_prompts(2), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    stats = llm.engine.get_stats()
+    assert stats.spec_break_even == {1: 1.5, 4: 2.5}
+    metrics = Metrics()
+    metrics.bind_model("m")
+    metrics.on_stats(stats)
+    text = metrics.render().decode()
+    assert 'mlaserve:spec_decode_break_even{batch_size="1",model_name="m"} 1.5' in text
+    assert 'mlaserve:spec_decode_break_even{batch_size="4",model_name="m"} 2.5' in text
 
 
 def test_padded_verify_replays_are_lossless(checkpoint) -> None:
