@@ -119,7 +119,6 @@ class SpecDecoder:
         next step speculates."""
         target = self.graphs.run_with_hidden(self.runner.build_host_batch(sched))
         requests = [s.request for s in sched.scheduled if s.samples]
-        draft = speculate
         n = len(requests)
         dev = target.hidden.device
         sampled = torch.empty(0, dtype=torch.int64, device=dev)
@@ -130,7 +129,7 @@ class SpecDecoder:
             out = self.runner.sampler(target.logits[:n], sb)
             slots.record(sb.slots, out.token_ids)
             sampled = out.token_ids
-        drafts = self.drafter.after_extend(sched, target, sampled, requests, draft)
+        drafts = self.drafter.after_extend(sched, target, sampled, requests, speculate)
         for s in sched.scheduled:
             s.request.draft_token_ids = []
         if not n:

@@ -25,10 +25,11 @@ with drafts made over an incomplete cache: counted at 1 token, so with `num_stal
     speculate iff L_eff > spec_s(b) / plain_s(b)             (the break-even accept length)
 
 When not speculating, the step refreshes the draft caches iff that costs at most
-`REFRESH_MAX_OVERHEAD` of a plain step at this size and some request's cache is still whole (on DeepSeek-V3 the MTP layer is one of 62;
-on the 2-layer default model it is half a step, so there the caches go stale instead). Fresh
-caches are what let speculation come back for the requests already running when the batch
-shrinks, and what makes a probe's observation meaningful.
+`REFRESH_MAX_OVERHEAD` of a plain step at this size and some request's cache is still whole
+(on DeepSeek-V3 the MTP layer is one of 62; on the 2-layer default model it is half a step, so
+there the caches go stale instead). Fresh caches are what let speculation come back for the
+requests already running when the batch shrinks, and what makes a probe's observation
+meaningful.
 
 A step that does not speculate observes nothing, so while speculation does not pay, every
 `PROBE_EVERY`-th decision starts a probe of `PROBE_STEPS` speculating decisions (one steady-state
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "FORCED_PLAIN",
@@ -75,13 +76,15 @@ def prior_accept_length(k: int, rate: float = PRIOR_RATE) -> float:
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Seconds per engine step, measured per captured batch size (keys sorted on lookup).
-    `refresh_s` (a plain step that keeps the draft caches) may be absent: caches then go stale
-    whenever a step does not speculate."""
+    """Seconds per engine step, measured per captured batch size. `refresh_s` (a plain step
+    that keeps the draft caches) may be absent: caches then go stale whenever a step does not
+    speculate. The batch sizes are fixed; `SpecPolicy` updates its own copy's seconds in place
+    as served steps come in."""
 
     plain_s: dict[int, float]
     spec_s: dict[int, float]
     refresh_s: dict[int, float] | None = None
+    _sizes: tuple[int, ...] = field(init=False, repr=False, compare=False)  # sorted, once
 
     def __post_init__(self) -> None:
         sizes = set(self.plain_s)
@@ -99,12 +102,12 @@ class StepCosts:
         bad = sorted({b for t in tables for b, s in t.items() if not s > 0})
         if bad:
             raise ValueError(f"StepCosts: costs must be > 0, not at batch sizes {bad}")
+        object.__setattr__(self, "_sizes", tuple(sorted(sizes)))
 
     def size_for(self, bs: int) -> int | None:
         """The smallest measured size >= bs (where a step of bs requests replays), or None."""
-        sizes = sorted(self.plain_s)
-        i = bisect.bisect_left(sizes, bs)
-        return sizes[i] if i < len(sizes) else None
+        i = bisect.bisect_left(self._sizes, bs)
+        return self._sizes[i] if i < len(self._sizes) else None
 
     def break_even(self, bs: int) -> float | None:
         """The accept length at which speculation pays at batch size `bs` (it runs in the
@@ -140,9 +143,9 @@ class SpecPolicy:
         self.k = k
         self.disable_batch_size = disable_batch_size
         self.decisions: Counter[tuple[bool, str]] = Counter()
-        # Set to override every decision (the start-up cost measurement, tests, benchmarks):
-        # a Decision, or True / False for FORCED_SPEC / FORCED_PLAIN.
-        self.forced: Decision | bool | None = None
+        # Set to override every decision (the start-up cost measurement, tests): FORCED_SPEC,
+        # FORCED_PLAIN or FORCED_REFRESH.
+        self.forced: Decision | None = None
         # Follow the served steps' wall times (`observe_step`); off where costs are given as
         # data (tests, what-if runs).
         self.follow_served_steps = True
@@ -209,9 +212,7 @@ class SpecPolicy:
 
     def _decide(self, bs: int, num_stale: int) -> Decision:
         if self.forced is not None:
-            if isinstance(self.forced, Decision):
-                return self.forced
-            return FORCED_SPEC if self.forced else FORCED_PLAIN
+            return self.forced
         if self.disable_batch_size is not None and bs > self.disable_batch_size:
             self._probe_left = 0
             return Decision(False, "cap", refresh=self._refresh_pays(bs, num_stale))

@@ -11,10 +11,11 @@ policy's starting point; it follows the served steps' own wall times from there.
 
 `step_fns` / `time_replays` (bench/spec.py): device time of the graphs alone. A plain step: the
 DECODE graph and an argmax over its logits (the greedy sampler). A speculative step: the VERIFY
-graph (k+1 rows per request), an argmax over its logits (greedy acceptance's one pass over [bs*(k+1), V]), the
-(k+1)-row DRAFT_EXTEND graph and the DRAFT graph (k tokens). Inputs are the padding rows the
-capture used (short contexts): both steps read the same weights, and at long contexts the
-attention share grows alike for both (k+1 query rows share one KV read per request).
+graph (k+1 rows per request), an argmax over its logits (greedy acceptance's one pass over
+[bs*(k+1), V]), the (k+1)-row DRAFT_EXTEND graph and the DRAFT graph (k tokens). Inputs are
+the padding rows the capture used (short contexts): both steps read the same weights, and at
+long contexts the attention share grows alike for both (k+1 query rows share one KV read per
+request).
 
 Device time between CUDA events, median of `iters` back-to-back runs after one warm run.
 """

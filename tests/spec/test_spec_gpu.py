@@ -13,6 +13,7 @@ import torch
 from mlaserve import LLM, SamplingParams
 from mlaserve.kernels_adapter.flashmla import flashmla_available
 from mlaserve.spec.mtp_drafter import target_mode
+from mlaserve.spec.spec_policy import FORCED_SPEC
 from tests.graph_runner.harness import poison_kv
 from tests.spec.test_spec_decode import prompts_for, token_ids
 
@@ -73,7 +74,7 @@ def test_fp32_graphs_lossless_and_one_wait_per_step(v3_mtp, fp32_expected) -> No
     prompts, expected = fp32_expected
     for k in (1, 3):
         llm = LLM(v3_mtp, num_speculative_tokens=k, **FP32)
-        llm.engine.spec_decoder.policy.forced = True  # speculate in every step
+        llm.engine.spec_decoder.policy.forced = FORCED_SPEC  # speculate in every step
         drafter = llm.engine.spec_decoder.drafter
         assert len(drafter.graphs) == 3 * len(SIZES)  # extend q=1, extend q=k+1, draft
         replays = drafter.num_replays
@@ -89,12 +90,13 @@ def test_fp32_graphs_lossless_and_one_wait_per_step(v3_mtp, fp32_expected) -> No
 @pytest.mark.parametrize("k", [2, 3])
 def test_padded_shrinking_growing_batches_over_poisoned_pages(v3_mtp, fp32_expected, k) -> None:
     """64 steps; requests arrive while others run (batch 1 -> 8) and finish mid-window (8 -> 1),
-    so verify and draft-extend replay at every captured size and at sizes between. Every KV page starts NaN: a read of a slot nobody
-    wrote (target or MTP layer) would surface as NaN logits (an error) or a NaN draft state."""
+    so verify and draft-extend replay at every captured size and at sizes between. Every KV page
+    starts NaN: a read of a slot nobody wrote (target or MTP layer) would surface as NaN logits
+    (an error) or a NaN draft state."""
     prompts, expected = fp32_expected
     llm = LLM(v3_mtp, num_speculative_tokens=k, **FP32)
     engine, drafter = llm.engine, llm.engine.spec_decoder.drafter
-    engine.spec_decoder.policy.forced = True  # speculate in every step
+    engine.spec_decoder.policy.forced = FORCED_SPEC  # speculate in every step
     poison_kv(engine)
     params = [
         SamplingParams(max_tokens=20 + 3 * i, temperature=0.0, ignore_eos=True)
@@ -175,7 +177,7 @@ def test_default_model_flashmla_lossless_without_host_syncs(kv_cache_dtype: str)
     if costs is not None:
         even = {b: round(costs.break_even(b), 2) for b in costs.plain_s}
         print(f"{kv_cache_dtype}: the policy's measured break-even accept length {even}")
-    engine.spec_decoder.policy.forced = True  # speculate in every step
+    engine.spec_decoder.policy.forced = FORCED_SPEC  # speculate in every step
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, GREEDY)
     engine.step()  # the prefill (eager EXTEND) and its drafts

@@ -153,9 +153,9 @@ def test_refresh_when_it_costs_little(refresh_s: float, refresh: bool) -> None:
 
 def test_forced_decisions() -> None:
     policy = SpecPolicy(K, COSTS)
-    policy.forced = True
+    policy.forced = FORCED_SPEC
     assert policy.decide(32) == FORCED_SPEC
-    policy.forced = False
+    policy.forced = FORCED_PLAIN
     assert policy.decide(1) == FORCED_PLAIN
     policy.forced = FORCED_REFRESH
     assert policy.decide(1).refresh and not policy.decide(1).speculate
