@@ -163,7 +163,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     """The listening socket, bound before the engine starts: a taken port is an error at once
     (uvicorn binds only after the app's startup, i.e. after the engine began loading)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not the default 0: asyncio disables Nagle (TCP_NODELAY) only on
+    # accepted sockets whose proto says TCP. With proto 0 every response after the first on a
+    # keep-alive connection (headers and body are two writes) waited ~40 ms for the client's
+    # delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
