@@ -136,9 +136,9 @@ def time_replay(llm: LLM, bs: int) -> float:
     return replay_ms(decode_graph(llm, bs), 20)
 
 
-def kernels_per_replay(graph: torch.cuda.CUDAGraph) -> int:
-    """GPU kernels one replay of the decode graph runs (torch.profiler / CUPTI records each kernel
-    node of a replayed graph; memcpy and memset nodes are not counted)."""
+def replay_kernels(graph: torch.cuda.CUDAGraph) -> list[tuple[str, float]]:
+    """(name, GPU us) of every kernel one replay of the decode graph runs (torch.profiler / CUPTI
+    records each kernel node of a replayed graph; memcpy and memset nodes are left out)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -147,11 +147,28 @@ def kernels_per_replay(graph: torch.cuda.CUDAGraph) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    return sum(
-        1
+    return [
+        (e.name, e.device_time)
         for e in prof.events()
         if e.device_type == DeviceType.CUDA and not e.name.lower().startswith(("memcpy", "memset"))
-    )
+    ]
+
+
+def print_kernel_table(kernels: list[tuple[str, float]], layers: int, top: int = 25) -> None:
+    """Kernels grouped by name, by total GPU time: the profile of one replay."""
+    by_name: dict[str, list[float]] = {}
+    for name, us in kernels:
+        by_name.setdefault(name, []).append(us)
+    total = sum(us for _, us in kernels)
+    print(f"  top kernels of one replay ({len(kernels)} kernels, {total / 1e3:.3f} ms busy)")
+    print(f"  {'us':>9} {'share':>6} {'count':>5} {'/layer':>6} {'us each':>8}  name")
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    for name, times in ranked[:top]:
+        t = sum(times)
+        print(
+            f"  {t:>9.1f} {t / total:>6.1%} {len(times):>5} {len(times) / layers:>6.2f} "
+            f"{t / len(times):>8.2f}  {name[:90]}"
+        )
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, iters: int) -> float:
@@ -272,7 +289,11 @@ def bench_model(model: str | None, args: argparse.Namespace, bandwidth: float) -
                 engine.graphs.enabled = True
                 graph.append(time_steps(llm, args.steps))
             replay = time_replay(llm, bs)
-            kernels = kernels_per_replay(decode_graph(llm, bs))
+            profile = replay_kernels(decode_graph(llm, bs))
+            kernels = len(profile)
+            if args.kernel_table:
+                print(f"model {model or 'default-model'} ctx {ctx} bs {bs}:")
+                print_kernel_table(profile, engine.model_config.num_hidden_layers)
             attn = attention_overhead(llm, bs, ctx) if ctx == args.contexts[0] else {}
             finish_all(llm)
             row = {
@@ -385,6 +406,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="fp8_e4m3")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument(
+        "--kernel-table", action="store_true", help="print each cell's top kernels by GPU time"
+    )
     args = ap.parse_args()
     if len(args.model) > 2:
         raise SystemExit("--model: at most two checkpoints (the second is compared to the first)")

@@ -6,7 +6,8 @@
 Part 1, the default model (its trained MTP layer, real prompts, real accept lengths): time per
 output token through `LLMEngine.step()` (all graphed) with speculation off and on (k = 1, 2, 3),
 at batch sizes 1, 4, 16, 32. "on" is what the engine does (the cost policy decides per step);
-"forced" has the policy's costs removed, so every decode step speculates. TPOT = decode-phase
+"forced" overrides the policy (FORCED_SPEC), so every decode step speculates; the rounds of off,
+on and forced are interleaved, medians reported. TPOT = decode-phase
 wall time / output tokens per request after the first.
 
 Part 2, a V2-Lite-sized DeepSeek-V3-architecture checkpoint with one MTP layer (random weights,
@@ -41,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import copy_bandwidth
 
 from mlaserve import LLM, SamplingParams
+from mlaserve.spec.spec_policy import FORCED_SPEC
 from mlaserve.spec.step_timer import step_fns, time_replays
 
 BATCH_SIZES = (1, 4, 16, 32)
@@ -93,22 +95,27 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
     for k in (1, 2, 3):
         engines[k] = LLM(num_speculative_tokens=k, **kw)
     for bs in BATCH_SIZES:
-        off = statistics.median(tpot_ms(engines["off"], bs, new_tokens)[0] for _ in range(rounds))
+        # rounds interleaved (off, then each k on and forced), so host noise hits all alike
+        off, on, forced = [], {k: [] for k in (1, 2, 3)}, {k: [] for k in (1, 2, 3)}
+        for _ in range(rounds):
+            off.append(tpot_ms(engines["off"], bs, new_tokens)[0])
+            for k in (1, 2, 3):
+                llm = engines[k]
+                policy = llm.engine.spec_decoder.policy
+                on[k].append(tpot_ms(llm, bs, new_tokens))
+                policy.forced = FORCED_SPEC  # every step speculates
+                forced[k].append(tpot_ms(llm, bs, new_tokens))
+                policy.forced = None
         for k in (1, 2, 3):
-            llm = engines[k]
-            policy = llm.engine.spec_decoder.policy
-            on = [tpot_ms(llm, bs, new_tokens) for _ in range(rounds)]
-            costs, policy.costs = policy.costs, None  # forced: every step speculates
-            forced = [tpot_ms(llm, bs, new_tokens) for _ in range(rounds)]
-            policy.costs = costs
-            acc = [a for _, a in forced if a is not None]
+            costs = engines[k].engine.spec_decoder.policy.costs
+            acc = [a for _, a in forced[k] if a is not None]
             rows.append(
                 {
                     "bs": bs,
                     "k": k,
-                    "tpot_off_ms": round(off, 4),
-                    "tpot_on_ms": round(statistics.median(t for t, _ in on), 4),
-                    "tpot_forced_ms": round(statistics.median(t for t, _ in forced), 4),
+                    "tpot_off_ms": round(statistics.median(off), 4),
+                    "tpot_on_ms": round(statistics.median(t for t, _ in on[k]), 4),
+                    "tpot_forced_ms": round(statistics.median(t for t, _ in forced[k]), 4),
                     "accept_length": round(statistics.mean(acc), 3) if acc else None,
                     "break_even": round(costs.break_even(bs), 3) if costs else None,
                 }

@@ -163,5 +163,5 @@ class DeepseekForCausalLM(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         for module in self.modules():
-            if isinstance(module, MLAAttention):
+            if isinstance(module, (MLAAttention, DeepseekMoE)):
                 module.process_weights_after_loading()

@@ -155,6 +155,8 @@ class SpecDecoder:
         fresh = [r.draft_cache_valid for r in requests]  # before this step may change it
         bs = len(requests)
         verify = all(len(r.draft_token_ids) == k for r in requests)
+        if not verify and not decision.speculate and not decision.refresh:
+            return self._plain(sched, requests)
         q = k + 1 if verify else 1
         host = HostBatch(target_mode(q), [], [], [], [], [], [], [])
         for r in requests:
@@ -221,6 +223,16 @@ class SpecDecoder:
             lp = raw_logprobs(logits.float(), out_tokens.reshape(-1), sb.max_num_logprobs)
             self._logprobs(result, lp, lens, q)
         return result, [n - 1 for n in lens]
+
+    def _plain(self, sched: SchedulerOutput, requests: list[Request]) -> tuple[StepResult, list]:
+        """No draft work at all: exactly a plain engine's step (its host batch fast path, its
+        sampling and read-back), so speculation off costs what an engine without it does. The
+        draft caches go stale."""
+        for r in requests:
+            r.draft_cache_valid = False
+        self._last_step = ("plain", len(requests))
+        logits = self.graphs.run(self.runner.build_host_batch(sched))
+        return self.runner.sample(logits, sched), [0] * len(requests)
 
     # ----- helpers -----
     def _set_drafts(self, requests: list[Request], values: list[int] | None) -> None:

@@ -8,9 +8,12 @@ engine steps of three kinds (`StepCosts`):
     refresh  a plain step plus the draft's one-row cache update (draft-extend, no drafting)
 
 While serving, every steady-state decode step's own wall time updates the cost of its kind at
-its size (`observe_step`: an exponential average over ~`COST_SMOOTHING` steps, one outlier
-clipped to `OUTLIER_FACTOR` x the estimate), so the costs follow what serving really costs:
-longer contexts, another process on the GPU, a start-up measurement thrown off by noise.
+its size (`observe_step`): the cost is the median of the last `COST_WINDOW` observed steps, the
+start-up figure counting as `STARTUP_WEIGHT` of them. So the costs follow what serving really
+costs (longer contexts, another process on the GPU), a start-up measurement thrown off by noise
+is outvoted within `STARTUP_WEIGHT + 1` steps (on the GPU an exponential average over 32 steps
+needed ~30 wrong decisions for that), and a lone outlier (a garbage-collection pause) moves
+nothing.
 
 Accept length. L_hat is a running estimate: a prior of `PRIOR_WEIGHT` pseudo-steps at the accept
 length of a chain whose every position is accepted with probability `PRIOR_RATE`
@@ -31,9 +34,12 @@ there the caches go stale instead). Fresh caches are what let speculation come b
 requests already running when the batch shrinks, and what makes a probe's observation
 meaningful.
 
-A step that does not speculate observes nothing, so while speculation does not pay, every
-`PROBE_EVERY`-th decision starts a probe of `PROBE_STEPS` speculating decisions (one steady-state
-speculative step: drafts are made one step ahead), as long as some request's cache is fresh.
+A step that does not speculate observes nothing, so while speculation does not pay, a probe of
+`PROBE_STEPS` speculating decisions (one steady-state speculative step: drafts are made one step
+ahead) runs now and then, as long as some request's cache is fresh: after `probe_interval` plain
+decisions, at least `PROBE_EVERY` and as many as keep the probes' extra cost within
+`PROBE_BUDGET` of the plain steps' time (PROBE_STEPS (break_even - 1) / interval; on the GPU,
+with break-even 2.5 on the default model, one probe per 64 steps was a 5% loss).
 `disable_batch_size` is a hard cap: above it, never (reason "cap"). Without measured costs (CPU,
 graphs off) speculation is always on below the cap (reason "unmeasured").
 
@@ -43,7 +49,9 @@ Decisions are counted by (speculate, reason) for the metrics. Pure host arithmet
 from __future__ import annotations
 
 import bisect
-from collections import Counter
+import math
+import statistics
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -60,11 +68,12 @@ __all__ = [
 PRIOR_RATE = 0.6  # per-position acceptance of the prior (MTP on real text: 0.6-0.9)
 PRIOR_WEIGHT = 8.0  # pseudo-steps behind the prior
 HALF_LIFE = 1024  # verified requests after which an observation weighs half
-PROBE_EVERY = 64  # while off by cost, probe once per this many decisions
+PROBE_EVERY = 64  # while off by cost, probe at most once per this many decisions
+PROBE_BUDGET = 0.01  # and no more often than costs this fraction of the plain steps' time
 PROBE_STEPS = 2  # speculating decisions per probe: a draft step, then one verify with drafts
 REFRESH_MAX_OVERHEAD = 0.02  # keep draft caches fresh while off if it costs <= 2% of a step
-COST_SMOOTHING = 32  # steps an online cost estimate averages over (EMA weight 1/32)
-OUTLIER_FACTOR = 3.0  # an observed step longer than this x the estimate counts as this much
+COST_WINDOW = 32  # served steps an online cost is the median of
+STARTUP_WEIGHT = 4  # served steps the start-up measurement counts as, until outvoted
 STEP_KINDS = ("spec", "plain", "refresh")
 
 
@@ -166,6 +175,7 @@ class SpecPolicy:
         """Start from `costs` (kept as `startup_costs`); the live copy is updated in place."""
         self.startup_costs = costs
         self._costs = None
+        self._windows: dict[tuple[str, int], deque[float]] = {}
         if costs is not None:
             refresh = dict(costs.refresh_s) if costs.refresh_s is not None else None
             self._costs = StepCosts(dict(costs.plain_s), dict(costs.spec_s), refresh)
@@ -182,8 +192,12 @@ class SpecPolicy:
         size = costs.size_for(bs)
         if table is None or size is None:
             return
-        old = table[size]
-        table[size] = old + (min(seconds, OUTLIER_FACTOR * old) - old) / COST_SMOOTHING
+        window = self._windows.get((kind, size))
+        if window is None:
+            window = deque([table[size]] * STARTUP_WEIGHT, maxlen=COST_WINDOW)
+            self._windows[(kind, size)] = window
+        window.append(seconds)
+        table[size] = statistics.median(window)
 
     # ----- accept length -----
     @property
@@ -229,10 +243,18 @@ class SpecPolicy:
         effective = (fresh * self.accept_length_estimate + (bs - fresh)) / max(bs, 1)
         if effective > break_even:
             return Decision(True, "pays")
-        if fresh and self._off_streak + 1 >= PROBE_EVERY:
+        if fresh and self._off_streak + 1 >= self.probe_interval(bs):
             self._probe_left = PROBE_STEPS - 1
             return Decision(True, "probe")
         return Decision(False, "does_not_pay", refresh=self._refresh_pays(bs, num_stale))
+
+    def probe_interval(self, bs: int) -> int:
+        """Plain decisions between probes at `bs`: PROBE_EVERY, or more where a probe's extra
+        cost (PROBE_STEPS speculative steps instead of plain ones) would exceed PROBE_BUDGET."""
+        break_even = self._costs.break_even(bs) if self._costs is not None else None
+        if break_even is None:
+            return PROBE_EVERY
+        return max(PROBE_EVERY, math.ceil(PROBE_STEPS * (break_even - 1.0) / PROBE_BUDGET))
 
     def _refresh_pays(self, bs: int, num_stale: int) -> bool:
         """Cheap enough, and some cache is still whole (a refresh cannot mend a stale one)."""

@@ -162,3 +162,35 @@ def test_routing_matches_transformers(gating: str) -> None:
     order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
     torch.testing.assert_close(ids.gather(1, order), ref_ids.gather(1, ref_order))
     torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU suites run the compiled kernels")
+@pytest.mark.parametrize("num_tokens", [1, 3, 16, 17])
+def test_decode_kernels_take_small_batches(num_tokens: int, monkeypatch) -> None:
+    """With fused ops on (the interpreter here), batches of up to DECODE_MAX_TOKENS tokens run
+    `ops/moe_decode.py` (routed + shared in two kernels) and agree with the unfused layer
+    (fp16, 2e-2 of max |out|); larger ones keep the grouped path."""
+    pytest.importorskip("triton")
+    from mlaserve.model.layers import moe as moe_module
+
+    monkeypatch.setenv("MLASERVE_FUSED_OPS", "1")
+    layer = make_moe(make_config("sigmoid_noaux_tc"), torch.float16)
+    x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(3)).half()
+    want = layer(x).float()
+    calls = []
+    real = moe_module.DeepseekMoE.process_weights_after_loading
+    real(layer)
+    assert layer.decode_weights is not None and layer.decode_weights.num_shared == 1
+    kernel = layer._moe_decode
+    layer._moe_decode = lambda *a: calls.append(1) or kernel(*a)
+    got = layer(x).float()
+    assert len(calls) == (1 if num_tokens <= moe_module.DECODE_MAX_TOKENS else 0)
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_decode_kernels_can_be_turned_off(monkeypatch) -> None:
+    monkeypatch.setenv("MLASERVE_FUSED_OPS", "1")
+    monkeypatch.setenv("MLASERVE_MOE_DECODE_MAX_TOKENS", "0")
+    layer = make_moe(make_config("softmax_greedy"), torch.float16)
+    layer.process_weights_after_loading()
+    assert layer.decode_weights is None

@@ -3,6 +3,8 @@ step per batch size, shaped like an H100 measurement) and observed accept length
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from mlaserve.spec.spec_policy import (
@@ -10,9 +12,10 @@ from mlaserve.spec.spec_policy import (
     FORCED_REFRESH,
     FORCED_SPEC,
     HALF_LIFE,
-    OUTLIER_FACTOR,
+    PROBE_BUDGET,
     PROBE_EVERY,
     PROBE_STEPS,
+    STARTUP_WEIGHT,
     SpecPolicy,
     StepCosts,
     prior_accept_length,
@@ -78,15 +81,19 @@ def test_observed_accept_lengths_move_the_decision() -> None:
 
 
 def test_probe_while_off() -> None:
-    """Every PROBE_EVERY-th decision starts a probe of PROBE_STEPS speculating decisions (a
-    draft step, then one verify that drafts again: one steady-state speculative step)."""
+    """After probe_interval decisions off, a probe of PROBE_STEPS speculating decisions (a draft
+    step, then one verify that drafts again: one steady-state speculative step). The interval
+    keeps the probes within PROBE_BUDGET of the plain steps' time, and is at least PROBE_EVERY."""
     policy = SpecPolicy(K, COSTS)
     policy.observe([1] * 1000)
-    reasons = [policy.decide(16).reason for _ in range(2 * PROBE_EVERY + 2 * PROBE_STEPS)]
+    every = policy.probe_interval(16)  # break-even 2.4: 2 x 1.4 / 1% = 280 decisions
+    assert every == math.ceil(PROBE_STEPS * 1.4 / PROBE_BUDGET)
+    assert policy.probe_interval(1) == PROBE_EVERY  # break-even 1.2: 40 -> at least 64
+    reasons = [policy.decide(16).reason for _ in range(2 * every + 2 * PROBE_STEPS)]
     assert reasons.count("probe") == 2 * PROBE_STEPS
-    first = PROBE_EVERY - 1
+    first = every - 1
     assert reasons[first : first + PROBE_STEPS] == ["probe"] * PROBE_STEPS
-    second = first + PROBE_STEPS + PROBE_EVERY - 1  # 63 decisions off, then the next probe
+    second = first + PROBE_STEPS + every - 1  # every - 1 decisions off, then the next probe
     assert reasons[second : second + PROBE_STEPS] == ["probe"] * PROBE_STEPS
 
 
@@ -124,10 +131,23 @@ def test_online_costs_follow_the_served_steps() -> None:
     assert policy.decide(1).reason == "does_not_pay"
 
 
-def test_one_outlier_step_moves_a_cost_little() -> None:
+def test_a_wrong_startup_cost_is_outvoted_within_a_few_steps() -> None:
+    """The start-up figure counts as STARTUP_WEIGHT steps (median of the window): STARTUP_WEIGHT
+    + 1 served steps outvote it."""
+    policy = SpecPolicy(K, COSTS)  # start-up: spec 6 ms, plain 5 ms at bs 1 (break-even 1.2)
+    assert policy.decide(1).speculate
+    for _ in range(STARTUP_WEIGHT):
+        assert policy.costs.spec_s[1] == pytest.approx(6e-3)
+        policy.observe_step("spec", 1, 25e-3)  # what serving really costs
+    policy.observe_step("spec", 1, 25e-3)
+    assert policy.costs.spec_s[1] == pytest.approx(25e-3)
+    assert policy.decide(1).reason == "does_not_pay"
+
+
+def test_one_outlier_step_moves_no_cost() -> None:
     policy = SpecPolicy(K, COSTS)
     policy.observe_step("plain", 1, 10.0)  # e.g. a garbage-collection pause
-    assert policy.costs.plain_s[1] == pytest.approx(5e-3 * (1 + (OUTLIER_FACTOR - 1) / 32))
+    assert policy.costs.plain_s[1] == pytest.approx(5e-3)
     policy.observe_step("plain", 64, 10.0)  # past every captured size: ignored
     with pytest.raises(ValueError, match="kind"):
         policy.observe_step("verify", 1, 1e-3)

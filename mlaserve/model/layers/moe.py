@@ -22,12 +22,18 @@ Built with `quant`, the stacked weights are FP8 with block scales (`gate_up_proj
 [E, 2I/128 or 2I, H/128], `down_proj_scale_inv` [E, H/128, I/128]; layout in `fp8_linear.py`)
 and both GEMMs of the sorted layout run `grouped_block_fp8_linear` (a Triton block-FP8 grouped
 GEMM on CUDA, graph-safe; a per-expert loop on CPU).
+
+Decode-sized batches (at most `DeepseekMoE.decode_max_tokens` tokens) skip all of that on CUDA:
+`mlaserve/ops/moe_decode.py` runs routed and shared experts together in two kernels, bf16 or
+FP8 weights (`MLASERVE_MOE_DECODE_MAX_TOKENS=0` turns it off, for A/B runs).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Literal
+import logging
+import os
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +46,20 @@ from mlaserve.model.layers.mlp import DeepseekMLP, silu_and_mul
 from mlaserve.ops import fused_ops_enabled
 from mlaserve.ops.fp8_grouped_gemm import grouped_block_fp8_linear, grouped_layout
 
+if TYPE_CHECKING:
+    from mlaserve.ops.moe_decode import MoeDecodeWeights
+
 __all__ = ["DeepseekMoE", "ExpertsImpl", "FusedExperts", "TopKRouter", "select_experts"]
 
+logger = logging.getLogger(__name__)
+
 ExpertsImpl = Literal["auto", "grouped_mm", "loop", "dense"]
+
+# Up to this many tokens the decode kernels run instead of the sorted grouped GEMM: on an H100 at
+# the V2-Lite shape they win at every count measured, 1..16 (bench/moe_decode.py: bf16 1.85x at 1
+# token, 1.12x at 16; FP8 2.9x / 1.14x). Past that each pair's GEMV re-reads experts that the
+# grouped GEMM reads once per tile of tokens.
+DECODE_MAX_TOKENS = 8
 
 
 def select_experts(
@@ -85,6 +102,10 @@ def select_experts(
     if norm_topk_prob:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
     return topk_weights * routed_scaling_factor, topk_ids
+
+
+def _data(param: nn.Parameter | None) -> torch.Tensor | None:
+    return None if param is None else param.data
 
 
 def _group_mask(group_scores: torch.Tensor, topk_group: int, per_group: int) -> torch.Tensor:
@@ -378,9 +399,44 @@ class DeepseekMoE(nn.Module):
                 quant=quant,
             )
 
+        # Set by process_weights_after_loading where the decode kernels run (CUDA + Triton).
+        self.decode_weights: MoeDecodeWeights | None = None
+        self.decode_max_tokens = 0
+
+    def process_weights_after_loading(self) -> None:
+        """Hand the loaded weights to the decode kernels (views, no copies) where they run."""
+        weight = self.experts.gate_up_proj
+        if not fused_ops_enabled(weight.device) or weight.dtype == torch.float32:
+            return
+        limit = int(os.environ.get("MLASERVE_MOE_DECODE_MAX_TOKENS", DECODE_MAX_TOKENS))
+        if limit <= 0:
+            return
+        from mlaserve.ops.moe_decode import MoeDecodeWeights, moe_decode
+
+        self._moe_decode = moe_decode
+        experts, shared = self.experts, self.shared_experts
+        try:
+            self.decode_weights = MoeDecodeWeights(
+                experts.gate_up_proj.data,
+                experts.down_proj.data,
+                shared.gate_up_proj.weight.data if shared is not None else None,
+                shared.down_proj.weight.data if shared is not None else None,
+                w13_scale=_data(experts.gate_up_proj_scale_inv),
+                w2_scale=_data(experts.down_proj_scale_inv),
+                shared_w13_scale=_data(shared.gate_up_proj.weight_scale_inv) if shared else None,
+                shared_w2_scale=_data(shared.down_proj.weight_scale_inv) if shared else None,
+            )
+        except ValueError as exc:  # a layout the kernels do not take: the grouped path serves
+            logger.warning("MoE decode kernels off for this layer: %s", exc)
+            return
+        self.decode_max_tokens = limit
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]"""
         topk_weights, topk_ids = self.gate(x)
+        if x.shape[0] <= self.decode_max_tokens and self.decode_weights is not None:
+            y = self._moe_decode(x, topk_weights, topk_ids, self.decode_weights)
+            return all_reduce(y, self.tp)
         y = self.experts(x, topk_weights, topk_ids)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

@@ -1,0 +1,213 @@
+"""One MoE layer at decode sizes: the two decode kernels (`mlaserve/ops/moe_decode.py`) vs the
+sorted grouped-GEMM path + shared MLP they replace, against the layer's bytes floor.
+
+    python3 bench/moe_decode.py [--tokens 1 2 4 8 16] [--iters 20] [--sweep]
+
+DeepSeek-V2-Lite's MoE layer (hidden 2048, 64 experts top-6 softmax, 2 shared, width 1408),
+random weights, bf16 and FP8 (block scales). `--layers` distinct layers are called in turn so
+that no expert stays in L2 between calls (one layer's experts are 1.1 GB in bf16). Each variant
+runs `--iters` calls captured in one CUDA graph, timed with CUDA events (median of 5 replays):
+GPU time per layer call, routing included, launch overhead excluded, as in the decode graph.
+
+floor = bytes the call must read (router + shared experts + the distinct routed experts its
+tokens chose, in the weights' dtype) / device copy bandwidth measured in this run. `--sweep`
+also times the kernels' tile choices at each token count.
+
+Prints tables and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+
+import torch
+
+from mlaserve.config import ModelConfig, QuantizationConfig
+from mlaserve.model.layers.moe import DeepseekMoE
+from mlaserve.ops.moe_decode import moe_decode
+
+V2LITE = {
+    "vocab_size": 1024,
+    "hidden_size": 2048,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 16,
+    "kv_lora_rank": 512,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 1408,
+    "model_type": "deepseek_v2",
+    "topk_method": "greedy",
+}
+TILES = [((8, 8), 4), ((16, 16), 4), ((32, 16), 4), ((16, 8), 8), ((16, 16), 8), ((32, 32), 8)]
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / min(times)  # read + write
+
+
+def make_layer(config: ModelConfig, fp8: bool, seed: int) -> DeepseekMoE:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    quant = QuantizationConfig() if fp8 else None
+    with torch.device("cuda"):
+        layer = DeepseekMoE(config, params_dtype=torch.bfloat16, quant=quant)
+    for name, p in layer.named_parameters():
+        if p.dtype == torch.float8_e4m3fn:  # random codes below 0x70: finite, |x| < 256
+            p.data.view(torch.uint8).copy_(torch.randint_like(p.data.view(torch.uint8), 0, 0x70))
+            p.data.view(torch.uint8)[..., ::2] |= 0x80  # half of them negative
+        elif name.endswith("scale_inv"):
+            p.data.fill_(1e-3)
+        else:
+            p.data.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
+    layer.process_weights_after_loading()
+    assert layer.decode_weights is not None, "decode kernels off (MLASERVE_* env?)"
+    return layer
+
+
+def graph_us(fn, iters: int) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(3):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(iters):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / iters)
+    return statistics.median(times)
+
+
+def floor_us(layers: list[DeepseekMoE], xs: list[torch.Tensor], bandwidth: float) -> float:
+    """Mean over the layers of (router + shared + distinct routed experts' bytes) / bandwidth."""
+    total = 0
+    for layer, x in zip(layers, xs, strict=True):
+        ids = layer.gate(x)[1]
+        experts, shared = layer.experts, layer.shared_experts
+        per_expert = sum(
+            t[0].numel() * t.element_size() for t in (experts.gate_up_proj, experts.down_proj)
+        )
+        per_expert += sum(
+            t[0].numel() * t.element_size()
+            for t in (experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv)
+            if t is not None
+        )
+        total += ids.unique().numel() * per_expert
+        total += layer.gate.weight.numel() * 4
+        total += sum(p.numel() * p.element_size() for p in shared.parameters())
+    return total / len(layers) / bandwidth * 1e6
+
+
+def bench_weights(
+    config: ModelConfig, fp8: bool, args: argparse.Namespace, bandwidth: float, rows, sweep
+) -> None:
+    """Every token count for one weight format; appends to `rows` (and `sweep`)."""
+    layers = [make_layer(config, fp8, seed) for seed in range(args.layers)]
+    for tokens in args.tokens:
+        xs = [torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16) for _ in layers]
+
+        def call(i, limit, xs=xs):
+            layer = layers[i % len(layers)]
+            layer.decode_max_tokens = limit
+            return layer(xs[i % len(layers)])
+
+        row = {
+            "weights": "fp8" if fp8 else "bf16",
+            "tokens": tokens,
+            "unfused_us": graph_us(functools.partial(call, limit=0), args.iters),
+            "fused_us": graph_us(functools.partial(call, limit=1 << 20), args.iters),
+            "floor_us": floor_us(layers, xs, bandwidth),
+        }
+        row["speedup"] = row["unfused_us"] / row["fused_us"]
+        row["fused_vs_floor"] = row["fused_us"] / row["floor_us"]
+        row["unfused_vs_floor"] = row["unfused_us"] / row["floor_us"]
+        rows.append(row)
+        if not args.sweep:
+            continue
+        routed = [layer.gate(x) for layer, x in zip(layers, xs, strict=True)]
+        for block_n, warps in TILES:
+
+            def tile(i, block_n=block_n, warps=warps, xs=xs, routed=routed):
+                j = i % len(layers)
+                w, ids = routed[j]
+                return moe_decode(
+                    xs[j], w, ids, layers[j].decode_weights, block_n=block_n, num_warps=warps
+                )
+
+            sweep.append(
+                {
+                    "weights": row["weights"],
+                    "tokens": tokens,
+                    "block_n": list(block_n),
+                    "num_warps": warps,
+                    "kernels_us": graph_us(tile, args.iters),
+                }
+            )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth()
+    config = ModelConfig.from_dict(V2LITE)
+    rows, sweep = [], []
+    for fp8 in (False, True):
+        bench_weights(config, fp8, args, bandwidth, rows, sweep)
+        torch.cuda.empty_cache()
+    print(f"device: {torch.cuda.get_device_name()}  copy BW {bandwidth / 1e12:.2f} TB/s")
+    print(f"{'weights':>7} {'T':>3} {'unfused us':>10} {'fused us':>9} {'speedup':>7} "
+          f"{'floor us':>8} {'fused/floor':>11} {'unfused/floor':>13}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['weights']:>7} {r['tokens']:>3} {r['unfused_us']:>10.1f} {r['fused_us']:>9.1f} "
+            f"{r['speedup']:>7.2f} {r['floor_us']:>8.1f} {r['fused_vs_floor']:>11.2f} "
+            f"{r['unfused_vs_floor']:>13.2f}"
+        )
+    if sweep:
+        print("\ntiles (kernels alone, routing excluded): us")
+        for s in sweep:
+            print(f"{s['weights']:>7} T {s['tokens']:>3} block_n {s['block_n']} warps "
+                  f"{s['num_warps']}: {s['kernels_us']:.1f}")  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "bench": "moe_decode",
+                "device": torch.cuda.get_device_name(),
+                "copy_bandwidth_tbs": bandwidth / 1e12,
+                "rows": rows,
+                "sweep": sweep,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
