@@ -2,6 +2,7 @@
 
     python3 bench/spec.py [--v3lite /tmp/v3lite]     (make it: bench/make_checkpoint.py --arch v3
                                                      --mtp --out /tmp/v3lite)
+                          [--default-model-costs]    (part 2 on the default model too)
 
 Part 1, the default model (its trained MTP layer, real prompts, real accept lengths): time per
 output token through `LLMEngine.step()` (all graphed) with speculation off and on (k = 1, 2, 3),
@@ -178,7 +179,7 @@ def floors_ms(llm: LLM, bs: int, k: int, bandwidth: float) -> dict[str, float]:
     }
 
 
-def part2(path: str, k: int, iters: int) -> list[dict]:
+def part2(path: str | None, k: int, iters: int, label: str) -> list[dict]:
     llm = LLM(
         path,
         num_speculative_tokens=k,
@@ -219,15 +220,16 @@ def part2(path: str, k: int, iters: int) -> list[dict]:
                 "draft_step_over_decode": round(t["draft"] / t["decode"], 3),
             }
         )
-    print(f"\nV3-lite (random weights, 1 MTP layer), k={k}: device ms per step, floors, break-even")
+    print(f"\n{label}, k={k}: device ms per step, floors, break-even")
     print(
-        " bs  decode    spec  d-ext draft/tok | floor: decode   spec | spec/floor"
+        " bs  decode    spec  d-ext draft/tok draft/dec | floor: decode   spec | spec/floor"
         "  break-even: device  engine wall"
     )
     for r in rows:
         print(
             f"{r['bs']:3d} {r['decode_ms']:7.3f} {r['spec_ms']:7.3f} {r['draft_extend_ms']:6.3f} "
-            f"{r['draft_ms']:6.3f}    | {r['decode_floor_ms']:12.3f} {r['spec_floor_ms']:6.3f} "
+            f"{r['draft_ms']:6.3f} {r['draft_step_over_decode']:9.1%} "
+            f"| {r['decode_floor_ms']:12.3f} {r['spec_floor_ms']:6.3f} "
             f"| {r['spec_over_floor']:9.2f}   {r['break_even_device']:12.2f} "
             f"{r['break_even_wall'] or 0:12.2f}"
         )
@@ -237,13 +239,24 @@ def part2(path: str, k: int, iters: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--v3lite", default=None, help="bench/make_checkpoint.py --arch v3 --mtp")
+    ap.add_argument(
+        "--default-model-costs",
+        action="store_true",
+        help="also part 2 (step costs) on the default model: its draft step vs its decode step",
+    )
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--k", type=int, default=3)
     args = ap.parse_args()
     result = {"device": torch.cuda.get_device_name()}
     if args.v3lite:  # first: the step-cost targets
-        result["v3lite"] = part2(args.v3lite, args.k, iters=20)
+        label = "V3-lite (random weights, 1 MTP layer)"
+        result["v3lite"] = part2(args.v3lite, args.k, iters=20, label=label)
+        gc.collect()
+        torch.cuda.empty_cache()
+    if args.default_model_costs:
+        label = "default model (trained, 1 MTP layer)"
+        result["default_model_costs"] = part2(None, args.k, iters=20, label=label)
         gc.collect()
         torch.cuda.empty_cache()
     result["default_model"] = part1(args.new_tokens, args.rounds)
