@@ -18,7 +18,7 @@ if [ "$what" != tests ] && [ ! -f $ckpt/config.json ]; then
     writer=$!
 fi
 if [ "$what" != bench ]; then
-    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider -s -rs \
+    timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -m gpu -q -p no:cacheprovider -s -rs \
         >"$out/gpu_suite.log" 2>&1
     grep -E "passed|failed|^FAILED|^ERROR|agreement|graph vs eager|graph pool" "$out/gpu_suite.log"
 fi

@@ -13,6 +13,7 @@ from mlaserve import LLM, SamplingParams
 from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.kernels_adapter.flashmla import flashmla_available
 from tests.checkpoints import VARIANTS, make_reference_model
+from tests.engine.greedy_agreement import NEAR_TIE, agreement, divergence_margins
 from tests.engine.test_engine_parity import GREEDY, NEW_TOKENS, hf_greedy, prompts_for, token_ids
 
 pytestmark = [
@@ -73,19 +74,28 @@ def test_decode_forward_never_syncs_with_host(checkpoint, backend: str) -> None:
 
 
 def test_flashmla_engine_agrees_with_reference() -> None:
-    """The default model (DeepSeek's 512/64 dims) decodes through FlashMLA when `auto` finds
-    it, and its greedy tokens follow the reference backend's (bf16 rounding inside the kernel
-    may flip a near-tie late in a sequence, hence the agreement bound rather than equality)."""
+    """The default model (DeepSeek's 512/64 latent) decodes through FlashMLA when `auto` finds
+    it, and its greedy tokens follow the reference backend's: wherever a continuation first
+    leaves the reference's, the reference was at a near-tie there (top-1 minus top-2 logprob
+    below NEAR_TIE), which bf16 rounding inside the kernels may flip; after a flip greedy
+    continuations part for good, so the agreement rate is only a floor against breakage
+    (measured on an H100: 0.961 with the 2-layer v1 model, 0.609 with the 10-layer v2)."""
     if not flashmla_available():
         pytest.skip("flashmla needs an SM90 GPU and sgl-flash-mla")
     prompts = ["def fibonacci(n):", "import os\n\n\ndef main():", "class Stack:", "for i in"]
-    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    runs = {}
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2)
+    runs, margins = {}, []
     for backend in ("auto", "reference"):
         llm = LLM(device="cuda", dtype="bfloat16", kv_cache_dtype="bf16", attention_backend=backend)
-        runs[llm.engine.runner.attn_backend.name] = token_ids(llm.generate(prompts, params))
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        runs[llm.engine.runner.attn_backend.name] = [o.token_ids for o in outs]
+        if backend == "reference":
+            for o in outs:
+                tops = [sorted((lp.logprob for lp in d.values()), reverse=True) for d in o.logprobs]
+                margins.append([t[0] - t[1] for t in tops])
     assert set(runs) == {"flashmla", "reference"}, "auto should pick flashmla on SM90"
-    pairs = [(a, b) for fa, fr in zip(runs["flashmla"], runs["reference"]) for a, b in zip(fa, fr)]
-    agreement = sum(a == b for a, b in pairs) / len(pairs)
-    print(f"flashmla vs reference greedy agreement: {agreement:.3f}")
-    assert agreement >= 0.9
+    ties = divergence_margins(runs["flashmla"], runs["reference"], margins)
+    rate = agreement(runs["flashmla"], runs["reference"])
+    print(f"flashmla vs reference greedy agreement: {rate:.3f}; margins where they part: {ties}")
+    assert all(t < NEAR_TIE for t in ties), ties
+    assert rate >= 0.5
