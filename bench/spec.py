@@ -35,6 +35,7 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -98,12 +99,15 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
     for bs in BATCH_SIZES:
         # rounds interleaved (off, then each k on and forced), so host noise hits all alike
         off, on, forced = [], {k: [] for k in (1, 2, 3)}, {k: [] for k in (1, 2, 3)}
+        decided: dict[int, Counter] = {k: Counter() for k in (1, 2, 3)}  # the "on" runs'
         for _ in range(rounds):
             off.append(tpot_ms(engines["off"], bs, new_tokens)[0])
             for k in (1, 2, 3):
                 llm = engines[k]
                 policy = llm.engine.spec_decoder.policy
+                before = Counter(policy.decisions)
                 on[k].append(tpot_ms(llm, bs, new_tokens))
+                decided[k].update(policy.decisions - before)
                 policy.forced = FORCED_SPEC  # every step speculates
                 forced[k].append(tpot_ms(llm, bs, new_tokens))
                 policy.forced = None
@@ -119,15 +123,21 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
                     "tpot_forced_ms": round(statistics.median(t for t, _ in forced[k]), 4),
                     "accept_length": round(statistics.mean(acc), 3) if acc else None,
                     "break_even": round(costs.break_even(bs), 3) if costs else None,
+                    # the policy's decisions over the "on" runs, "spec:pays" style keys
+                    "on_decisions": {
+                        f"{'spec' if spec else 'plain'}:{why}": n
+                        for (spec, why), n in sorted(decided[k].items())
+                    },
                 }
             )
     print("\ndefault model: TPOT (ms) speculation off / on (policy) / forced, accept length")
-    print(" bs  k    off      on   forced  on/off  accept  break-even")
+    print(" bs  k    off      on   forced  on/off  accept  break-even  policy decisions (on runs)")
     for r in rows:
+        decisions = " ".join(f"{key}={n}" for key, n in r["on_decisions"].items())
         print(
             f"{r['bs']:3d} {r['k']:2d} {r['tpot_off_ms']:7.3f} {r['tpot_on_ms']:7.3f} "
             f"{r['tpot_forced_ms']:7.3f} {r['tpot_on_ms'] / r['tpot_off_ms']:6.2f}x "
-            f"{r['accept_length'] or 0:6.2f} {r['break_even'] or 0:8.2f}"
+            f"{r['accept_length'] or 0:6.2f} {r['break_even'] or 0:8.2f}  {decisions}"
         )
     return rows
 
