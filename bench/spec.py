@@ -108,6 +108,16 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
                 before = Counter(policy.decisions)
                 on[k].append(tpot_ms(llm, bs, new_tokens))
                 decided[k].update(policy.decisions - before)
+                if policy.costs is not None:  # what the decisions were made from
+                    print(
+                        f"bs {bs} k {k} on-run: accept estimate "
+                        f"{policy.accept_length_estimate:.3f}, break-even "
+                        f"{policy.costs.break_even(bs):.3f} (spec "
+                        f"{policy.costs.spec_s[policy.costs.size_for(bs)] * 1e3:.3f} ms, plain "
+                        f"{policy.costs.plain_s[policy.costs.size_for(bs)] * 1e3:.3f} ms), "
+                        f"accept this run {on[k][-1][1]}",
+                        flush=True,
+                    )
                 policy.forced = FORCED_SPEC  # every step speculates
                 forced[k].append(tpot_ms(llm, bs, new_tokens))
                 policy.forced = None

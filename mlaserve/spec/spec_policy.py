@@ -208,6 +208,11 @@ class SpecPolicy:
     def accept_length_estimate(self) -> float:
         return (PRIOR_WEIGHT * self.prior + self._sum) / (PRIOR_WEIGHT + self._weight)
 
+    def reset_observations(self) -> None:
+        """Back to the prior: no accept lengths observed, no probe under way."""
+        self._sum = self._weight = 0.0
+        self._off_streak = self._probe_left = 0
+
     def observe(self, accept_lens: list[int]) -> None:
         """Accept lengths (1..k+1) of requests one speculative step verified (fresh caches)."""
         decay = 0.5 ** (1.0 / HALF_LIFE)

@@ -3,9 +3,12 @@ decides from).
 
 `measure_engine_step_costs` (start-up): the wall time of real engine steps, host work included
 (batch building, acceptance, the read-back), on throwaway requests with short prompts: per
-captured size, `steps` decode steps with every decision forced to speculate, then `steps` plain
-steps that refresh the draft caches, then `steps` plain steps with no draft work (after two
-steps each to settle: drafts are made one step ahead), median of each. On a small model the
+captured size, `rounds` rounds of `steps` decode steps with every decision forced to speculate,
+then `steps` plain steps that refresh the draft caches, then `steps` plain steps with no draft
+work (after two steps each to settle: drafts are made one step ahead), median of each kind over
+its rounds. Interleaved rounds, because a speculating engine never observes a plain step while
+serving: one unlucky plain figure (on an H100 a single 10-step median read 24% high) would
+otherwise set its break-even for good. On a small model the
 host work is a large share of a step, which device time alone would miss. These are the
 policy's starting point; it follows the served steps' own wall times from there.
 
@@ -71,7 +74,7 @@ def step_fns(graphs: CudaGraphRunner, drafter: MTPDrafter, k: int, size: int):
     return plain, spec
 
 
-def measure_engine_step_costs(engine: Any, steps: int = 10) -> StepCosts | None:
+def measure_engine_step_costs(engine: Any, steps: int = 10, rounds: int = 3) -> StepCosts | None:
     """engine: an `LLMEngine` with a speculative decoder and captured graphs (typed loosely:
     the engine composes this package, not the other way round). Runs throwaway requests to
     completion of the measurement, then aborts them. None without graphs."""
@@ -86,30 +89,34 @@ def measure_engine_step_costs(engine: Any, steps: int = 10) -> StepCosts | None:
         max_tokens=4 * steps * (dec.k + 1) + 8, temperature=0.0, ignore_eos=True
     )
     policy = dec.policy
-    plain_s: dict[int, float] = {}
-    spec_s: dict[int, float] = {}
-    refresh_s: dict[int, float] = {}
-    # Spec first and plain last: a plain step without draft work leaves the caches stale.
-    kinds = ((FORCED_SPEC, spec_s), (FORCED_REFRESH, refresh_s), (FORCED_PLAIN, plain_s))
+    times: dict[str, dict[int, list[float]]] = {"spec": {}, "refresh": {}, "plain": {}}
+    # Spec first and plain last in a round: a plain step without draft work leaves the caches
+    # stale, and the next round's prefill-free spec steps need them whole, so each round
+    # starts from fresh requests.
+    kinds = ((FORCED_SPEC, "spec"), (FORCED_REFRESH, "refresh"), (FORCED_PLAIN, "plain"))
     try:
         for size in sizes:
-            ids = [f"__spec_cost_{size}_{i}" for i in range(size)]
-            for i, rid in enumerate(ids):
-                engine.add_request(rid, [(31 * i + 7 * j + 3) % vocab for j in range(8)], params)
-            for forced, table in kinds:
-                policy.forced = forced
-                while engine.scheduler.num_waiting:
-                    engine.step()  # the prefill
-                for _ in range(2):
-                    engine.step()
-                times = []
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    engine.step()
-                    times.append(time.perf_counter() - t0)
-                table[size] = statistics.median(times)
-            for rid in ids:
-                engine.abort_request(rid)
+            for r in range(rounds):
+                ids = [f"__spec_cost_{size}_{r}_{i}" for i in range(size)]
+                for i, rid in enumerate(ids):
+                    prompt = [(31 * i + 7 * j + 3 * r) % vocab for j in range(8)]
+                    engine.add_request(rid, prompt, params)
+                for forced, kind in kinds:
+                    policy.forced = forced
+                    while engine.scheduler.num_waiting:
+                        engine.step()  # the prefill
+                    for _ in range(2):
+                        engine.step()
+                    for _ in range(steps):
+                        t0 = time.perf_counter()
+                        engine.step()
+                        times[kind].setdefault(size, []).append(time.perf_counter() - t0)
+                for rid in ids:
+                    engine.abort_request(rid)
     finally:
         policy.forced = None
+    plain_s, spec_s, refresh_s = (
+        {b: statistics.median(t) for b, t in times[kind].items()}
+        for kind in ("plain", "spec", "refresh")
+    )
     return StepCosts(plain_s=plain_s, spec_s=spec_s, refresh_s=refresh_s)

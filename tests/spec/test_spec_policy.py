@@ -189,3 +189,11 @@ def test_cap_unmeasured_and_too_large() -> None:
     unmeasured = SpecPolicy(K, None, disable_batch_size=8)
     assert unmeasured.decide(8).reason == "unmeasured" and unmeasured.decide(8).speculate
     assert SpecPolicy(K, COSTS).decide(64).reason == "too_large"
+
+
+def test_reset_observations_returns_to_the_prior() -> None:
+    policy = SpecPolicy(K, COSTS)
+    policy.observe([K + 1] * 500)  # e.g. the start-up measurement's synthetic prompts
+    assert policy.accept_length_estimate > 3.5
+    policy.reset_observations()
+    assert policy.accept_length_estimate == pytest.approx(policy.prior)
