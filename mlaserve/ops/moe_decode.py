@@ -1,4 +1,4 @@
-"""A decode-sized MoE layer (routed + shared experts of a few tokens) in two kernels.
+"""A decode-sized MoE layer (routed + shared experts of a few tokens) in three kernels.
 
     x           [T, H]      bf16 / fp16 / fp32, contiguous
     weights     [T, K]      fp32 routing weights (`routed_scaling_factor` already applied)
@@ -33,7 +33,7 @@ GEMMs (sort, counts, gather, offsets, SiLU, unsort, weighted sum, the shared MLP
 add) that cost more than the bytes at batch 1. Each pair here is a GEMV (one token), so no
 tensor cores and no sorting: programs of one expert that run together share its weights in L2.
 Past a few tokens the pairs re-read the same experts and the grouped GEMM wins; the caller
-picks by token count (`FusedExperts.decode_max_tokens`).
+picks by token count (`DeepseekMoE.decode_max_tokens`).
 
 Rounding follows the unfused path: gate and up outputs rounded to the dtype, SiLU rounded, the
 product rounded (h), each routed expert's down output rounded before its weight is applied; the

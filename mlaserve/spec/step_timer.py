@@ -7,8 +7,9 @@ captured size, `rounds` rounds of `steps` decode steps with every decision force
 then `steps` plain steps that refresh the draft caches, then `steps` plain steps with no draft
 work (after two steps each to settle: drafts are made one step ahead), median of each kind over
 its rounds. Interleaved rounds, because a speculating engine never observes a plain step while
-serving: one unlucky plain figure (on an H100 a single 10-step median read 24% high) would
-otherwise set its break-even for good. On a small model the
+serving, so a noisy plain figure sets its break-even for good. (They did not remove the bias
+seen on an H100: the start-up plain figure still read 20-30% above served plain steps; cause not
+found yet.) On a small model the
 host work is a large share of a step, which device time alone would miss. These are the
 policy's starting point; it follows the served steps' own wall times from there.
 

@@ -24,7 +24,7 @@ and both GEMMs of the sorted layout run `grouped_block_fp8_linear` (a Triton blo
 GEMM on CUDA, graph-safe; a per-expert loop on CPU).
 
 Decode-sized batches (at most `DeepseekMoE.decode_max_tokens` tokens) skip all of that on CUDA:
-`mlaserve/ops/moe_decode.py` runs routed and shared experts together in two kernels, bf16 or
+`mlaserve/ops/moe_decode.py` runs routed and shared experts together in three kernels, bf16 or
 FP8 weights (`MLASERVE_MOE_DECODE_MAX_TOKENS=0` turns it off, for A/B runs).
 """
 
@@ -55,10 +55,11 @@ logger = logging.getLogger(__name__)
 
 ExpertsImpl = Literal["auto", "grouped_mm", "loop", "dense"]
 
-# Up to this many tokens the decode kernels run instead of the sorted grouped GEMM: on an H100 at
-# the V2-Lite shape they win at every count measured, 1..16 (bench/moe_decode.py: bf16 1.85x at 1
-# token, 1.12x at 16; FP8 2.9x / 1.14x). Past that each pair's GEMV re-reads experts that the
-# grouped GEMM reads once per tile of tokens.
+# Up to this many tokens the decode kernels run instead of the sorted grouped GEMM. On an H100 at
+# the V2-Lite shape the layer microbench wins at every count measured, 1..16 (bench/moe_decode.py:
+# bf16 1.85x at 1 token, 1.12x at 16; FP8 2.9x / 1.14x), but in the whole model 16 tokens lost
+# (V3-lite decode at bs 16: 5.99 -> 9.19 ms): with concentrated routing each pair's GEMV re-reads
+# experts that the grouped GEMM reads once per tile of tokens. Up to 8, every in-model run won.
 DECODE_MAX_TOKENS = 8
 
 
