@@ -1,4 +1,4 @@
-"""One MoE layer at decode sizes: the two decode kernels (`mlaserve/ops/moe_decode.py`) vs the
+"""One MoE layer at decode sizes: the decode kernels (`mlaserve/ops/moe_decode.py`) vs the
 sorted grouped-GEMM path + shared MLP they replace, against the layer's bytes floor.
 
     python3 bench/moe_decode.py [--tokens 1 2 4 8 16] [--iters 20] [--sweep]
@@ -6,7 +6,7 @@ sorted grouped-GEMM path + shared MLP they replace, against the layer's bytes fl
 DeepSeek-V2-Lite's MoE layer (hidden 2048, 64 experts top-6 softmax, 2 shared, width 1408),
 random weights, bf16 and FP8 (block scales). `--layers` distinct layers are called in turn so
 that no expert stays in L2 between calls (one layer's experts are 1.1 GB in bf16). Each variant
-runs `--iters` calls captured in one CUDA graph, timed with CUDA events (median of 5 replays):
+runs `--iters` calls captured in one CUDA graph, timed with CUDA events (median of 5 replays, `bench/fusions.py`'s timer):
 GPU time per layer call, routing included, launch overhead excluded, as in the decode graph.
 
 floor = bytes the call must read (router + shared experts + the distinct routed experts its
@@ -19,11 +19,16 @@ Prints tables and one JSON line.
 from __future__ import annotations
 
 import argparse
-import functools
+import itertools
 import json
-import statistics
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import copy_bandwidth
+from fusions import graph_time_us
 
 from mlaserve.config import ModelConfig, QuantizationConfig
 from mlaserve.model.layers.moe import DeepseekMoE
@@ -42,21 +47,8 @@ V2LITE = {
     "model_type": "deepseek_v2",
     "topk_method": "greedy",
 }
+REPS = 5  # timed replays of each captured graph (median)
 TILES = [((8, 8), 4), ((16, 16), 4), ((32, 16), 4), ((16, 8), 8), ((16, 16), 8), ((32, 32), 8)]
-
-
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * nbytes / min(times)  # read + write
 
 
 def make_layer(config: ModelConfig, fp8: bool, seed: int) -> DeepseekMoE:
@@ -77,28 +69,11 @@ def make_layer(config: ModelConfig, fp8: bool, seed: int) -> DeepseekMoE:
     return layer
 
 
-def graph_us(fn, iters: int) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(3):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(iters):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
-    return statistics.median(times)
+def in_turn(fn, n: int):
+    """A no-argument call of fn(0), fn(1), ..., fn(n - 1), fn(0), ... in turn (warm-up and
+    capture included): one layer after another, so none stays in L2."""
+    turn = itertools.count()
+    return lambda: fn(next(turn) % n)
 
 
 def floor_us(layers: list[DeepseekMoE], xs: list[torch.Tensor], bandwidth: float) -> float:
@@ -130,15 +105,16 @@ def bench_weights(
         xs = [torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16) for _ in layers]
 
         def call(i, limit, xs=xs):
-            layer = layers[i % len(layers)]
-            layer.decode_max_tokens = limit
-            return layer(xs[i % len(layers)])
+            layers[i].decode_max_tokens = limit
+            return layers[i](xs[i])
 
+        unfused = in_turn(lambda i: call(i, 0), len(layers))
+        fused = in_turn(lambda i: call(i, 1 << 20), len(layers))
         row = {
             "weights": "fp8" if fp8 else "bf16",
             "tokens": tokens,
-            "unfused_us": graph_us(functools.partial(call, limit=0), args.iters),
-            "fused_us": graph_us(functools.partial(call, limit=1 << 20), args.iters),
+            "unfused_us": graph_time_us(unfused, args.iters, REPS),
+            "fused_us": graph_time_us(fused, args.iters, REPS),
             "floor_us": floor_us(layers, xs, bandwidth),
         }
         row["speedup"] = row["unfused_us"] / row["fused_us"]
@@ -150,8 +126,7 @@ def bench_weights(
         routed = [layer.gate(x) for layer, x in zip(layers, xs, strict=True)]
         for block_n, warps in TILES:
 
-            def tile(i, block_n=block_n, warps=warps, xs=xs, routed=routed):
-                j = i % len(layers)
+            def tile(j, block_n=block_n, warps=warps, xs=xs, routed=routed):
                 w, ids = routed[j]
                 return moe_decode(
                     xs[j], w, ids, layers[j].decode_weights, block_n=block_n, num_warps=warps
@@ -163,7 +138,7 @@ def bench_weights(
                     "tokens": tokens,
                     "block_n": list(block_n),
                     "num_warps": warps,
-                    "kernels_us": graph_us(tile, args.iters),
+                    "kernels_us": graph_time_us(in_turn(tile, len(layers)), args.iters, REPS),
                 }
             )
 
@@ -176,7 +151,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(torch.device("cuda"))
     config = ModelConfig.from_dict(V2LITE)
     rows, sweep = [], []
     for fp8 in (False, True):
