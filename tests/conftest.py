@@ -37,3 +37,17 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
         return cache[variant]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def small_engine(checkpoint: Callable[[str], Path]):
+    """A CPU `LLMEngine` on the tiny v3_moe checkpoint (fp32, page 4, 128 tokens, 8 sequences),
+    one per test module that asks for it."""
+    from mlaserve.config import EngineConfig  # after TRITON_INTERPRET is set, above
+    from mlaserve.llm_engine import LLMEngine
+
+    config = EngineConfig(
+        model=str(checkpoint("v3_moe")), device="cpu", dtype="float32", page_size=4,
+        max_model_len=128, max_num_seqs=8,
+    )  # fmt: skip
+    return LLMEngine(config)

@@ -4,42 +4,30 @@ steady decode step has a fixed op budget, checked here on CPU through the same c
 
 from __future__ import annotations
 
-import pytest
-
-from mlaserve.config import EngineConfig
 from mlaserve.llm_engine import LLMEngine
 from mlaserve.sampling_params import RequestOutputKind, SamplingParams
 from tests.device_ops import DeviceOps, uncounted
 
 
-@pytest.fixture(scope="module")
-def engine(checkpoint) -> LLMEngine:
-    config = EngineConfig(
-        model=str(checkpoint("v3_moe")), device="cpu", dtype="float32", page_size=4,
-        max_model_len=128, max_num_seqs=8,
-    )  # fmt: skip
-    return LLMEngine(config)
-
-
-def test_a_steady_greedy_decode_step_runs_nine_device_ops(engine: LLMEngine) -> None:
+def test_a_steady_greedy_decode_step_runs_nine_device_ops(small_engine: LLMEngine) -> None:
     """Outside the forward: the input split (token rows, length rows, table-row gather; no page
     is appended at this step), the sampling batch's steps, argmax, the finite check, and the
-    read-back. On CUDA the staging row's host->device copy adds one (a CPU engine needs none).
+    read-back. On CUDA the staging row's host->device copy adds one (a CPU small_engine needs none).
     The code before this test came in ran 19 here."""
     greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)  # fmt: skip
     for i in range(3):
-        engine.add_request(f"r{i}", [1 + i, 2, 3, 4, 5], greedy)
+        small_engine.add_request(f"r{i}", [1 + i, 2, 3, 4, 5], greedy)
     for _ in range(4):  # prefill, then decodes; the step after is steady
-        engine.step()
-    runner = engine.runner
+        small_engine.step()
+    runner = small_engine.runner
     forward = runner.forward_with_hidden
     runner.forward_with_hidden = uncounted(forward)
     try:
         # 5 prompt tokens + 3 decoded: the next token is position 8, on a fresh page of 4.
-        engine.step()
+        small_engine.step()
         with DeviceOps() as counted:
-            outputs = engine.step()
+            outputs = small_engine.step()
     finally:
         del runner.forward_with_hidden
     assert len(outputs) == 3 and all(o.num_new_tokens == 1 for o in outputs)
@@ -52,5 +40,5 @@ def test_a_steady_greedy_decode_step_runs_nine_device_ops(engine: LLMEngine) -> 
         "isfinite": 1,  # ... is finite
         "where": 1,  # ids and finite flags in one read-back
     }
-    while engine.has_unfinished_requests():
-        engine.step()
+    while small_engine.has_unfinished_requests():
+        small_engine.step()

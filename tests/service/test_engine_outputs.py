@@ -9,20 +9,10 @@ import time
 import pytest
 import torch
 
-from mlaserve.config import EngineConfig
 from mlaserve.llm_engine import LLMEngine
 from mlaserve.sampling_params import SamplingParams
 
 POISON = 7  # a token id whose embedding the NaN test overwrites
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint) -> LLMEngine:
-    config = EngineConfig(
-        model=str(checkpoint("v3_moe")), device="cpu", dtype="float32", page_size=4,
-        max_model_len=128, max_num_seqs=8,
-    )  # fmt: skip
-    return LLMEngine(config)
 
 
 def _run(engine: LLMEngine) -> dict[str, list]:
@@ -34,18 +24,18 @@ def _run(engine: LLMEngine) -> dict[str, list]:
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_nonfinite_logits_fail_only_their_request(engine: LLMEngine, bad: float) -> None:
+def test_nonfinite_logits_fail_only_their_request(small_engine: LLMEngine, bad: float) -> None:
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, min_tokens=3)
-    engine.add_request("ref", [1, 2, 3, 4], greedy)
-    reference = _run(engine)["ref"][-1].outputs[0].token_ids
-    weight = engine.runner.model.model.embed_tokens.weight
+    small_engine.add_request("ref", [1, 2, 3, 4], greedy)
+    reference = _run(small_engine)["ref"][-1].outputs[0].token_ids
+    weight = small_engine.runner.model.model.embed_tokens.weight
     saved = weight[POISON].clone()
     try:
         with torch.no_grad():
             weight[POISON] = bad  # a numerical fault in one request's activations only
-        engine.add_request("clean", [1, 2, 3, 4], greedy)
-        engine.add_request("poisoned", [1, POISON, 3, 4], greedy)
-        outs = _run(engine)
+        small_engine.add_request("clean", [1, 2, 3, 4], greedy)
+        small_engine.add_request("poisoned", [1, POISON, 3, 4], greedy)
+        outs = _run(small_engine)
     finally:
         with torch.no_grad():
             weight[POISON] = saved
@@ -55,21 +45,21 @@ def test_nonfinite_logits_fail_only_their_request(engine: LLMEngine, bad: float)
     assert failed.outputs[0].token_ids == [] and failed.num_new_tokens == 0
     clean = outs["clean"][-1].outputs[0]
     assert clean.finish_reason == "length" and clean.token_ids == reference
-    assert engine.allocator.num_free_pages == engine.allocator.num_usable_pages
+    assert small_engine.allocator.num_free_pages == small_engine.allocator.num_usable_pages
 
 
-def test_delta_outputs_add_up_to_the_cumulative_output(engine: LLMEngine) -> None:
+def test_delta_outputs_add_up_to_the_cumulative_output(small_engine: LLMEngine) -> None:
     from mlaserve.sampling_params import RequestOutputKind  # new in issue 13
 
     base = dict(max_tokens=24, temperature=0.8, seed=3, logprobs=2, stop=["e", "("])
-    engine.add_request("cum", [1, 2, 3], SamplingParams(**base))
-    engine.add_request(
+    small_engine.add_request("cum", [1, 2, 3], SamplingParams(**base))
+    small_engine.add_request(
         "delta", [1, 2, 3], SamplingParams(**base, output_kind=RequestOutputKind.DELTA)
     )
-    engine.add_request(
+    small_engine.add_request(
         "final", [1, 2, 3], SamplingParams(**base, output_kind=RequestOutputKind.FINAL_ONLY)
     )
-    outs = _run(engine)
+    outs = _run(small_engine)
     whole = outs["cum"][-1].outputs[0]
     deltas = [o.outputs[0] for o in outs["delta"]]
     assert all(len(d.token_ids) == 1 for d in deltas)  # one token per step, never the history
@@ -82,7 +72,7 @@ def test_delta_outputs_add_up_to_the_cumulative_output(engine: LLMEngine) -> Non
     assert final.outputs[0].token_ids == whole.token_ids
 
 
-def test_aborts_are_constant_time(engine: LLMEngine) -> None:
+def test_aborts_are_constant_time(small_engine: LLMEngine) -> None:
     """Aborting n queued requests costs O(n), not O(n^2): 16x the requests take < 100x the
     time (list/deque removal: ~256x)."""
     params = SamplingParams(max_tokens=1)
@@ -90,14 +80,16 @@ def test_aborts_are_constant_time(engine: LLMEngine) -> None:
     def abort_all(n: int) -> float:
         ids = [f"abort-{n}-{i}" for i in range(n)]
         for rid in ids:
-            engine.add_request(rid, [1, 2], params)
+            small_engine.add_request(rid, [1, 2], params)
         t0 = time.perf_counter()
         for rid in reversed(ids):  # the newest first: the worst case for list.remove
-            engine.abort_request(rid)
+            small_engine.abort_request(rid)
         elapsed = time.perf_counter() - t0
-        assert engine.get_stats().num_waiting == 0 and not engine.has_unfinished_requests()
-        engine.step()  # drops the finished entries
-        assert not engine.scheduler.waiting
+        assert (
+            small_engine.get_stats().num_waiting == 0 and not small_engine.has_unfinished_requests()
+        )
+        small_engine.step()  # drops the finished entries
+        assert not small_engine.scheduler.waiting
         return elapsed
 
     abort_all(500)  # warm-up
