@@ -8,8 +8,10 @@ Part 1, the default model (its trained MTP layer, real prompts, real accept leng
 output token through `LLMEngine.step()` (all graphed) with speculation off and on (k = 1, 2, 3),
 at batch sizes 1, 4, 16, 32. "on" is what the engine does (the cost policy decides per step);
 "forced" overrides the policy (FORCED_SPEC), so every decode step speculates; the rounds of off,
-on and forced are interleaved, medians reported. TPOT = decode-phase
-wall time / output tokens per request after the first.
+on and forced are interleaved, medians reported. TPOT is per request, averaged over the batch:
+(last token time - first token time) / (tokens - 1), as vLLM and SGLang report it; the batch
+column is the batch's decode-phase wall time per token, which waits for the request whose drafts
+were accepted least.
 
 Part 2, a V2-Lite-sized DeepSeek-V3-architecture checkpoint with one MTP layer (random weights,
 so accept lengths mean nothing there): per captured batch size, the device time of
@@ -65,8 +67,13 @@ def prompts_for(llm: LLM, n: int) -> list[list[int]]:
     return [[*tok.encode(TEXTS[i % len(TEXTS)]), 100 + i] for i in range(n)]
 
 
-def tpot_ms(llm: LLM, bs: int, new_tokens: int) -> tuple[float, float | None]:
-    """-> (ms per output token after the first, mean accept length of this run or None)."""
+def tpot_ms(llm: LLM, bs: int, new_tokens: int) -> tuple[float, float, float | None]:
+    """-> (mean over requests of each one's ms per output token after its first, the batch's
+    decode-phase wall time per output token, mean accept length of this run or None).
+
+    The first is TPOT as vLLM and SGLang report it (per request, then averaged); the second
+    waits for the slowest request, which with speculation is the one whose drafts were accepted
+    least (every request's tokens are `new_tokens`, its steps are not)."""
     engine = llm.engine
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     stats0 = engine.get_stats()
@@ -75,8 +82,13 @@ def tpot_ms(llm: LLM, bs: int, new_tokens: int) -> tuple[float, float | None]:
     engine.step()  # the prefill (and its drafts)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
+    per_request = []
     while engine.has_unfinished_requests():
-        engine.step()
+        for out in engine.step():
+            m = out.metrics
+            if out.finished and m is not None and m.num_generation_tokens > 1:
+                span = m.last_token_time - m.first_token_time
+                per_request.append(span / (m.num_generation_tokens - 1) * 1e3)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     stats = engine.get_stats()
@@ -87,7 +99,23 @@ def tpot_ms(llm: LLM, bs: int, new_tokens: int) -> tuple[float, float | None]:
             n * c for n, c in stats0.spec_accept_lengths.items()
         )
         accept = emitted / drafts
-    return elapsed / (new_tokens - 1) * 1e3, accept
+    return statistics.mean(per_request), elapsed / (new_tokens - 1) * 1e3, accept
+
+
+def _window_summary(policy, kind: str, bs: int) -> str:
+    """The start-up figure and the served steps behind the policy's current `kind` cost."""
+    startup = policy.startup_costs
+    size = startup.size_for(bs)
+    first = (startup.spec_s if kind == "spec" else startup.plain_s)[size]
+    window = policy.cost_window(kind, bs)
+    head = 0  # the start-up figure's copies lead the window until pushed out
+    while head < len(window) and window[head] == first:
+        head += 1
+    served = window[head:]
+    seen = f"served n={len(served)}"
+    if served:
+        seen += f" median {statistics.median(served) * 1e3:.3f} max {max(served) * 1e3:.3f}"
+    return f"{kind} start-up {first * 1e3:.3f} ms, {seen}"
 
 
 def part1(new_tokens: int, rounds: int) -> list[dict]:
@@ -97,11 +125,12 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
     for k in (1, 2, 3):
         engines[k] = LLM(num_speculative_tokens=k, **kw)
     for bs in BATCH_SIZES:
-        # rounds interleaved (off, then each k on and forced), so host noise hits all alike
+        # rounds interleaved (off, then each k on and forced), so host noise hits all alike;
+        # each run -> (per-request TPOT, batch TPOT, accept length)
         off, on, forced = [], {k: [] for k in (1, 2, 3)}, {k: [] for k in (1, 2, 3)}
         decided: dict[int, Counter] = {k: Counter() for k in (1, 2, 3)}  # the "on" runs'
         for _ in range(rounds):
-            off.append(tpot_ms(engines["off"], bs, new_tokens)[0])
+            off.append(tpot_ms(engines["off"], bs, new_tokens))
             for k in (1, 2, 3):
                 llm = engines[k]
                 policy = llm.engine.spec_decoder.policy
@@ -112,25 +141,32 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
                     print(
                         f"bs {bs} k {k} on-run: accept estimate "
                         f"{policy.accept_length_estimate:.3f}, break-even "
-                        f"{policy.costs.break_even(bs):.3f} (spec "
-                        f"{policy.costs.spec_s[policy.costs.size_for(bs)] * 1e3:.3f} ms, plain "
-                        f"{policy.costs.plain_s[policy.costs.size_for(bs)] * 1e3:.3f} ms), "
-                        f"accept this run {on[k][-1][1]}",
+                        f"{policy.costs.break_even(bs):.3f} ("
+                        f"{_window_summary(policy, 'spec', bs)}; "
+                        f"{_window_summary(policy, 'plain', bs)}), "
+                        f"accept this run {on[k][-1][2]}",
                         flush=True,
                     )
                 policy.forced = FORCED_SPEC  # every step speculates
                 forced[k].append(tpot_ms(llm, bs, new_tokens))
                 policy.forced = None
+
+        def med(runs: list[tuple], i: int) -> float:
+            return round(statistics.median(r[i] for r in runs), 4)
+
         for k in (1, 2, 3):
             costs = engines[k].engine.spec_decoder.policy.costs
-            acc = [a for _, a in forced[k] if a is not None]
+            acc = [a for _, _, a in forced[k] if a is not None]
             rows.append(
                 {
                     "bs": bs,
                     "k": k,
-                    "tpot_off_ms": round(statistics.median(off), 4),
-                    "tpot_on_ms": round(statistics.median(t for t, _ in on[k]), 4),
-                    "tpot_forced_ms": round(statistics.median(t for t, _ in forced[k]), 4),
+                    "tpot_off_ms": med(off, 0),
+                    "tpot_on_ms": med(on[k], 0),
+                    "tpot_forced_ms": med(forced[k], 0),
+                    "batch_tpot_off_ms": med(off, 1),
+                    "batch_tpot_on_ms": med(on[k], 1),
+                    "batch_tpot_forced_ms": med(forced[k], 1),
                     "accept_length": round(statistics.mean(acc), 3) if acc else None,
                     "break_even": round(costs.break_even(bs), 3) if costs else None,
                     # the policy's decisions over the "on" runs, "spec:pays" style keys
@@ -140,14 +176,23 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
                     },
                 }
             )
-    print("\ndefault model: TPOT (ms) speculation off / on (policy) / forced, accept length")
-    print(" bs  k    off      on   forced  on/off  accept  break-even  policy decisions (on runs)")
+    print(
+        "\ndefault model: TPOT (ms, per request, averaged) speculation off / on (policy) / "
+        "forced; batch = the batch's wall time per token (waits for its slowest request)"
+    )
+    print(
+        " bs  k    off      on   forced  on/off forced/off | batch on/off forced/off |"
+        " accept  break-even  policy decisions (on runs)"
+    )
     for r in rows:
         decisions = " ".join(f"{key}={n}" for key, n in r["on_decisions"].items())
+        off_ms, batch_off = r["tpot_off_ms"], r["batch_tpot_off_ms"]
         print(
-            f"{r['bs']:3d} {r['k']:2d} {r['tpot_off_ms']:7.3f} {r['tpot_on_ms']:7.3f} "
-            f"{r['tpot_forced_ms']:7.3f} {r['tpot_on_ms'] / r['tpot_off_ms']:6.2f}x "
-            f"{r['accept_length'] or 0:6.2f} {r['break_even'] or 0:8.2f}  {decisions}"
+            f"{r['bs']:3d} {r['k']:2d} {off_ms:7.3f} {r['tpot_on_ms']:7.3f} "
+            f"{r['tpot_forced_ms']:7.3f} {r['tpot_on_ms'] / off_ms:6.2f}x "
+            f"{r['tpot_forced_ms'] / off_ms:9.2f}x |"
+            f" {r['batch_tpot_on_ms'] / batch_off:11.2f}x {r['batch_tpot_forced_ms'] / batch_off:9.2f}x"
+            f" | {r['accept_length'] or 0:6.2f} {r['break_even'] or 0:11.2f}  {decisions}"
         )
     return rows
 

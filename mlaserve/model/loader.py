@@ -3,6 +3,8 @@
 Checkpoint key -> parameter mapping (the only places our names differ from HF's):
 
     model.layers.{i}.mlp[.shared_experts].{gate,up}_proj.weight -> ...gate_up_proj.weight [0|1]
+    model.layers.{i}.self_attn.{q_a_proj|q_proj, kv_a_proj_with_mqa}.weight
+                                        -> self_attn.fused_qkv_a_proj_with_mqa.weight [0|1]
     model.layers.{i}.mlp.experts.{e}.{gate,up}_proj.weight  -> mlp.experts.gate_up_proj [e][0|1]
     model.layers.{i}.mlp.experts.{e}.down_proj.weight       -> mlp.experts.down_proj [e]
       (or transformers' fused `mlp.experts.gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I])
@@ -202,6 +204,13 @@ def _checkpoint_keys(name: str, config: ModelConfig) -> tuple[list[tuple[str, di
             for s, p in enumerate(projs)
         ]
         return keys, hf
+    if hf.endswith("fused_qkv_a_proj_with_mqa.weight"):
+        base = hf.removesuffix("fused_qkv_a_proj_with_mqa.weight")
+        q = "q_a_proj" if config.q_lora_rank is not None else "q_proj"
+        return [
+            (f"{base}{q}.weight", {"shard_id": 0}),
+            (f"{base}kv_a_proj_with_mqa.weight", {"shard_id": 1}),
+        ], None
     if hf.endswith("gate_up_proj.weight"):
         base = hf.removesuffix("gate_up_proj.weight")
         return [

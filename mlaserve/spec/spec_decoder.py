@@ -157,11 +157,11 @@ class SpecDecoder:
         caches go stale."""
         k, ps = self.k, self.runner.page_size
         requests = [s.request for s in sched.scheduled]
-        fresh = [r.draft_cache_valid for r in requests]  # before this step may change it
-        bs = len(requests)
         verify = all(len(r.draft_token_ids) == k for r in requests)
         if not verify and not decision.speculate and not decision.refresh:
             return self._plain(sched, requests)
+        fresh = [r.draft_cache_valid for r in requests]  # before this step may change it
+        bs = len(requests)
         q = k + 1 if verify else 1
         host = HostBatch(target_mode(q), [], [], [], [], [], [], [])
         for r in requests:

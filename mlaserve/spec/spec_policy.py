@@ -199,6 +199,12 @@ class SpecPolicy:
         window.append(seconds)
         table[size] = statistics.median(window)
 
+    def cost_window(self, kind: str, bs: int) -> list[float]:
+        """The seconds the current `kind` cost at bs's size is the median of: the start-up figure
+        (`STARTUP_WEIGHT` times, until pushed out) and the served steps since, oldest first."""
+        size = self._costs.size_for(bs) if self._costs is not None else None
+        return list(self._windows.get((kind, size), ()))
+
     # ----- accept length -----
     @property
     def prior(self) -> float:

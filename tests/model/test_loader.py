@@ -245,3 +245,28 @@ def test_weight_loaders_take_this_ranks_shard() -> None:
 
     with pytest.raises(ValueError, match=r"expected \[8, 4\], got \[8, 3\]"):
         col.weight.weight_loader(col.weight, full[:, :3])
+
+
+@pytest.mark.parametrize("name", ["v2_no_q_lora", "v3_moe"])
+def test_q_and_kv_a_projections_load_as_one_weight(checkpoint: Checkpoint, name: str) -> None:
+    """q_a_proj (V3) or q_proj (V2) and kv_a_proj_with_mqa are stored stacked, in that order, in
+    `fused_qkv_a_proj_with_mqa` (one GEMM); rank 1 of 2 keeps V2's q_proj column-parallel and
+    apart, since its layout differs from kv_a's (replicated)."""
+    path = checkpoint(name)
+    state = load_file(path / "model.safetensors")
+    config = ModelConfig.from_pretrained(path)
+    q = "q_a_proj" if config.q_lora_rank is not None else "q_proj"
+    attn = load(path).model.layers[0].self_attn
+    prefix = "model.layers.0.self_attn."
+    expected = torch.cat(
+        [state[f"{prefix}{q}.weight"], state[f"{prefix}kv_a_proj_with_mqa.weight"]]
+    )
+    torch.testing.assert_close(
+        attn.fused_qkv_a_proj_with_mqa.weight.data, expected.float(), rtol=0, atol=0
+    )
+    assert not hasattr(attn, q) and not hasattr(attn, "kv_a_proj_with_mqa")
+
+    from mlaserve.model.layers.mla import MLAAttention
+
+    split = MLAAttention(config, 0, tp=TensorParallel(rank=1, size=2))
+    assert (split.fused_qkv_a_proj_with_mqa is None) == (config.q_lora_rank is None)

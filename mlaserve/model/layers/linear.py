@@ -5,6 +5,7 @@ parameters a `weight_loader(param, loaded, ...)` that receives the *full* checkp
 copies this rank's shard into the parameter:
 
     ReplicatedLinear            every rank holds the whole [out, in] weight
+    MergedReplicatedLinear      several replicated outputs stored side by side (q_a|kv_a)
     ColumnParallelLinear        output dim split: rank r holds rows   [r*out/tp, (r+1)*out/tp)
     MergedColumnParallelLinear  several column-parallel outputs stored side by side (gate|up)
     RowParallelLinear           input dim split: rank r holds columns [r*in/tp, (r+1)*in/tp);
@@ -17,10 +18,16 @@ weight loader turns that into a `WeightLoadError` naming the checkpoint key.
 Built with `quant` (a `QuantizationConfig`), a layer keeps its weight in FP8 with 128 x 128
 block scales (`weight_scale_inv`, layout in `fp8_linear.py`) and runs `block_fp8_linear`; its
 weight loader then also takes the checkpoint's `scale`. FP8 layers are single-rank for now.
+
+Decode-sized inputs (at most `gemv_max_m` tokens; shapes are fixed per captured graph, so this
+is decided on the host) take `ops.gemv` on CUDA: one launch that streams the weight once, where
+an FP8 weight otherwise costs four launches at M = 1. The limits per weight kind are measured
+(`bench/gemv.py`); `MLASERVE_GEMV_MAX_M` / `MLASERVE_GEMV_MAX_M_FP8` override them (0 = off).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -30,12 +37,14 @@ from torch import nn
 
 from mlaserve.config import QuantizationConfig
 from mlaserve.model.layers.fp8_linear import copy_block_rows, make_fp8_weight, needs_per_row_scales
+from mlaserve.ops import fused_ops_enabled
 from mlaserve.ops.fp8_gemm import block_fp8_linear
 
 __all__ = [
     "NO_TP",
     "ColumnParallelLinear",
     "MergedColumnParallelLinear",
+    "MergedReplicatedLinear",
     "ReplicatedLinear",
     "RowParallelLinear",
     "TensorParallel",
@@ -64,6 +73,38 @@ class TensorParallel:
 
 
 NO_TP = TensorParallel()  # a single rank: the default everywhere until TP lands
+
+# Tokens up to which a linear runs `ops.gemv` on CUDA (`gemv_max_m`). From bench/gemv.py on an
+# H100 (V2-Lite and V3 shapes, bench/RESULTS.md): against cuBLAS (bf16) the GEMV wins at 1-2
+# tokens (1.0-2.6x) and loses from 4 on, except on narrow outputs (N <= 1024: kv_a, router) where
+# it wins to 8; against block_fp8_linear it wins at 1-2 tokens (1.2-4.8x: one launch for four at
+# M = 1) and at 4 up to N = 4096. With no split over K, a very long K (V3's o_proj, K = 16384)
+# leaves too few programs streaming: there the GEMMs win even at one token.
+GEMV_MAX_M = 2
+GEMV_MAX_M_FP8 = 2
+GEMV_MAX_M_FP8_UP_TO_4096 = 4  # FP8, N <= 4096
+GEMV_MAX_M_NARROW = 8  # N <= GEMV_NARROW_N, either kind
+GEMV_NARROW_N = 1024
+GEMV_MAX_K = 8192
+
+
+def gemv_max_m(weight: torch.Tensor) -> int:
+    """Tokens up to which a linear with `weight` [N, K] takes `ops.gemv` (0: never): CUDA with
+    the fused ops on; the measured limits above, or `MLASERVE_GEMV_MAX_M(_FP8)`."""
+    if not fused_ops_enabled(weight.device):
+        return 0
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    flag = os.environ.get("MLASERVE_GEMV_MAX_M_FP8" if fp8 else "MLASERVE_GEMV_MAX_M", "")
+    if flag:
+        return int(flag)
+    n, k = weight.shape[-2:]
+    if k > GEMV_MAX_K:
+        return 0
+    if n <= GEMV_NARROW_N:
+        return GEMV_MAX_M_NARROW
+    if fp8:
+        return GEMV_MAX_M_FP8_UP_TO_4096 if n <= 4096 else GEMV_MAX_M_FP8
+    return GEMV_MAX_M
 
 
 def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -126,6 +167,7 @@ class _Linear(nn.Module):
                 (), out_local, in_local, quant, per_row=self.per_row_scales
             )
             self.weight.weight_loader = self.fp8_weight_loader
+        self.gemv_max_m = gemv_max_m(self.weight)
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(
@@ -138,7 +180,14 @@ class _Linear(nn.Module):
         return [self.out_features]
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., in] -> [..., out]: F.linear, or the block-FP8 GEMM for an FP8 weight."""
+        """x [..., in] -> [..., out]: F.linear, or the block-FP8 GEMM for an FP8 weight; the GEMV
+        for decode-sized x."""
+        if x.numel() <= self.gemv_max_m * x.shape[-1] and x.numel():
+            from mlaserve.ops.gemv import gemv
+
+            x2 = x.reshape(-1, x.shape[-1]).contiguous()
+            y = gemv(x2, self.weight, self.weight_scale_inv).view(*x.shape[:-1], -1)
+            return y if bias is None else y + bias
         if self.weight_scale_inv is None:
             return F.linear(x, self.weight, bias)
         return block_fp8_linear(x, self.weight, self.weight_scale_inv, bias)
@@ -184,6 +233,36 @@ class _Linear(nn.Module):
 
 class ReplicatedLinear(_Linear):
     """Every rank holds the whole weight."""
+
+
+class MergedReplicatedLinear(ReplicatedLinear):
+    """Replicated outputs of several checkpoint tensors that read the same input, stored one
+    after another so one GEMM computes them all: MLA's `q_a_proj | kv_a_proj_with_mqa` (SGLang's
+    `fused_qkv_a_proj_with_mqa`). The loader is called once per checkpoint tensor with its
+    `shard_id` (index into `output_sizes`)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        *,
+        params_dtype: torch.dtype = torch.float32,
+        tp: TensorParallel = NO_TP,
+        quant: QuantizationConfig | None = None,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(
+            in_features, sum(output_sizes), params_dtype=params_dtype, tp=tp, quant=quant
+        )
+
+    def stacked_sizes(self) -> list[int]:
+        return list(self.output_sizes)
+
+    def weight_loader(  # type: ignore[override]
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int
+    ) -> None:
+        check_shape(loaded, (self.output_sizes[shard_id], self.in_features))
+        param.data.narrow(0, sum(self.output_sizes[:shard_id]), loaded.shape[0]).copy_(loaded)
 
 
 class ColumnParallelLinear(_Linear):

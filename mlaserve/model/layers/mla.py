@@ -5,6 +5,7 @@ d_v = v_head_dim:
 
     q        = q_b_proj(q_a_layernorm(q_a_proj(x)))  or  q_proj(x)        [H, d_n + d_r]
     c_kv|k_pe = kv_a_proj_with_mqa(x);  c_kv = kv_a_layernorm(c_kv)        [r], [d_r]
+    (q_a_proj or q_proj, and kv_a_proj_with_mqa, run as one GEMM: `fused_qkv_a_proj_with_mqa`)
     kv_b_proj = [W_UK; W_UV] per head: k_nope_h = W_UK_h c_kv, v_h = W_UV_h c_kv
 
 Absorbing W_UK into the query (q_nope_h . W_UK_h c = (W_UK_h^T q_nope_h) . c) means keys and
@@ -24,6 +25,7 @@ from mlaserve.config import ModelConfig, QuantizationConfig
 from mlaserve.model.layers.linear import (
     NO_TP,
     ColumnParallelLinear,
+    MergedReplicatedLinear,
     ReplicatedLinear,
     RowParallelLinear,
     TensorParallel,
@@ -65,17 +67,26 @@ class MLAAttention(nn.Module):
         bias = config.attention_bias
         kw = {"params_dtype": params_dtype, "tp": tp, "quant": quant}
 
-        if self.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(hidden, h * config.qk_head_dim, **kw)
+        # q_a_proj (or q_proj) and kv_a_proj_with_mqa both read x: stored as one weight, one
+        # GEMM (one launch per layer fewer at decode). Not where their TP layouts differ
+        # (q_proj is column-parallel, kv_a replicated) or with biases (none in DeepSeek).
+        q_out = self.q_lora_rank or h * config.qk_head_dim
+        latent = self.kv_lora_rank + self.qk_rope_head_dim
+        self.q_out = q_out
+        self.fused_qkv_a_proj_with_mqa: MergedReplicatedLinear | None = None
+        if not bias and (self.q_lora_rank is not None or tp.size == 1):
+            self.fused_qkv_a_proj_with_mqa = MergedReplicatedLinear(hidden, [q_out, latent], **kw)
         else:
-            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias, **kw)
+            if self.q_lora_rank is None:
+                self.q_proj = ColumnParallelLinear(hidden, q_out, bias=bias, **kw)
+            else:
+                self.q_a_proj = ReplicatedLinear(hidden, q_out, bias=bias, **kw)
+            self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, latent, bias=bias, **kw)
+        if self.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(
                 self.q_lora_rank, _LATENT_NORM_EPS, params_dtype=params_dtype
             )
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, h * config.qk_head_dim, **kw)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(
-            hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias, **kw
-        )
         self.kv_a_layernorm = RMSNorm(
             self.kv_lora_rank, _LATENT_NORM_EPS, params_dtype=params_dtype
         )
@@ -121,16 +132,19 @@ class MLAAttention(nn.Module):
         if self.w_uk is None:
             raise RuntimeError("MLAAttention: call process_weights_after_loading() after loading")
         num_tokens = x.shape[0]
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
+        if self.fused_qkv_a_proj_with_mqa is not None:
+            q, latent = self.fused_qkv_a_proj_with_mqa(x).split(
+                [self.q_out, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
+            )  # views of one [T, q_out + r + d_r] output
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_proj(x) if self.q_lora_rank is None else self.q_a_proj(x)
+            latent = self.kv_a_proj_with_mqa(x)
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(num_tokens, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-
-        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split(
-            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
-        )  # [T, r], [T, d_r]
+        # [T, r], [T, d_r]
+        kv_c, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         backend = batch.attn_backend
         mha = backend.mha_extend and not batch.mode.is_uniform
         if self._norm_rope is not None:

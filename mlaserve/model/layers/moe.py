@@ -41,7 +41,13 @@ from torch import nn
 
 from mlaserve.config import ModelConfig, QuantizationConfig
 from mlaserve.model.layers.fp8_linear import copy_block_rows, make_fp8_weight, needs_per_row_scales
-from mlaserve.model.layers.linear import NO_TP, TensorParallel, all_reduce, check_shape
+from mlaserve.model.layers.linear import (
+    GEMV_MAX_M_NARROW,
+    NO_TP,
+    TensorParallel,
+    all_reduce,
+    check_shape,
+)
 from mlaserve.model.layers.mlp import DeepseekMLP, silu_and_mul
 from mlaserve.ops import fused_ops_enabled
 from mlaserve.ops.fp8_grouped_gemm import grouped_block_fp8_linear, grouped_layout
@@ -145,16 +151,26 @@ class TopKRouter(nn.Module):
         # On CUDA the whole selection is one Triton kernel (`mlaserve/ops/routing.py`, about 15
         # small kernels fewer per layer); `select_experts` is its reference and the CPU path.
         self.select = select_experts
+        # Decode-sized inputs: the logits by `ops.gemv` (bf16 activations against the fp32 gate
+        # in registers: one launch for the cast and the cuBLAS GEMM).
+        self.gemv_max_m = 0
         if fused_ops_enabled(self.weight.device):
             from mlaserve.ops.routing import fused_select_experts
 
             self.select = fused_select_experts
+            self.gemv_max_m = GEMV_MAX_M_NARROW
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, K] fp32, ids [T, K] int64)"""
         c = self.config
+        if 0 < x.shape[0] <= self.gemv_max_m:
+            from mlaserve.ops.gemv import gemv
+
+            logits = gemv(x.contiguous(), self.weight, out_dtype=torch.float32)
+        else:
+            logits = F.linear(x.float(), self.weight)
         return self.select(
-            F.linear(x.float(), self.weight),
+            logits,
             top_k=c.num_experts_per_tok,
             scoring_func=c.scoring_func,
             topk_method=c.topk_method,
