@@ -25,10 +25,18 @@ Decision. A speculative step emits L tokens per request on average (bonus includ
 with drafts made over an incomplete cache: counted at 1 token, so with `num_stale` of `bs`:
 
     L_eff = ((bs - num_stale) * L_hat + num_stale) / bs
-    speculate iff L_eff > spec_s(b) / plain_s(b)             (the break-even accept length)
+    speculate iff L_eff > (1 + SPEC_MARGIN) spec_s(b) / plain_s(b)   (the break-even, + margin)
+
+The margin: TPOT is per request, and requests' accept lengths differ, so the mean TPOT under
+speculation is the step cost times the mean of their inverses, above the cost over the mean
+accept length. On an H100 (default model, bs 4-32, bench/spec.py) the break-even read off the
+requests' TPOT sat 6-8% above the step-cost ratio.
 
 When not speculating, the step refreshes the draft caches iff that costs at most
-`REFRESH_MAX_OVERHEAD` of a plain step at this size and some request's cache is still whole
+`REFRESH_MAX_OVERHEAD` of a plain step at this size (by the start-up measurement, which times
+both kinds in the same rounds: a served plain cost inflated by a slow stretch once made refresh
+steps look free, and a refreshing engine observes no plain step to correct it) and some
+request's cache is still whole
 (on DeepSeek-V3 the MTP layer is one of 62; on the 2-layer default model it is half a step, so
 there the caches go stale instead). Fresh caches are what let speculation come back for the
 requests already running when the batch shrinks, and what makes a probe's observation
@@ -58,6 +66,7 @@ __all__ = [
     "FORCED_PLAIN",
     "FORCED_REFRESH",
     "FORCED_SPEC",
+    "SPEC_MARGIN",
     "STEP_KINDS",
     "Decision",
     "SpecPolicy",
@@ -72,6 +81,7 @@ PROBE_EVERY = 64  # while off by cost, probe at most once per this many decision
 PROBE_BUDGET = 0.01  # and no more often than costs this fraction of the plain steps' time
 PROBE_STEPS = 2  # speculating decisions per probe: a draft step, then one verify with drafts
 REFRESH_MAX_OVERHEAD = 0.02  # keep draft caches fresh while off if it costs <= 2% of a step
+SPEC_MARGIN = 0.05  # speculate only where the accept length clears the break-even by this much
 COST_WINDOW = 32  # served steps an online cost is the median of
 STARTUP_WEIGHT = 4  # served steps the start-up measurement counts as, until outvoted
 STEP_KINDS = ("spec", "plain", "refresh")
@@ -252,7 +262,7 @@ class SpecPolicy:
             return Decision(True, "probe")
         fresh = bs - min(num_stale, bs)
         effective = (fresh * self.accept_length_estimate + (bs - fresh)) / max(bs, 1)
-        if effective > break_even:
+        if effective > (1.0 + SPEC_MARGIN) * break_even:
             return Decision(True, "pays")
         if fresh and self._off_streak + 1 >= self.probe_interval(bs):
             self._probe_left = PROBE_STEPS - 1
@@ -271,5 +281,6 @@ class SpecPolicy:
         """Cheap enough, and some cache is still whole (a refresh cannot mend a stale one)."""
         if num_stale >= bs:
             return False
-        overhead = self._costs.refresh_overhead(bs) if self._costs is not None else None
+        startup = self.startup_costs
+        overhead = startup.refresh_overhead(bs) if startup is not None else None
         return overhead is not None and overhead <= REFRESH_MAX_OVERHEAD

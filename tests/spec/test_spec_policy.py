@@ -8,6 +8,7 @@ import math
 import pytest
 
 from mlaserve.spec.spec_policy import (
+    COST_WINDOW,
     FORCED_PLAIN,
     FORCED_REFRESH,
     FORCED_SPEC,
@@ -15,6 +16,7 @@ from mlaserve.spec.spec_policy import (
     PROBE_BUDGET,
     PROBE_EVERY,
     PROBE_STEPS,
+    SPEC_MARGIN,
     STARTUP_WEIGHT,
     SpecPolicy,
     StepCosts,
@@ -169,6 +171,28 @@ def test_refresh_when_it_costs_little(refresh_s: float, refresh: bool) -> None:
     assert (capped.reason, capped.refresh) == ("cap", refresh)
     all_stale = SpecPolicy(K, costs).decide(1, num_stale=1)  # nothing left to keep whole
     assert (all_stale.reason, all_stale.refresh) == ("does_not_pay", False)
+
+
+def test_refresh_is_judged_by_the_startup_measurement() -> None:
+    """Served plain steps that ran slow (another process, a long stretch of them) must not make
+    a refresh look free: the refresh/plain ratio is the start-up one, measured side by side."""
+    costs = StepCosts(plain_s={1: 5e-3}, spec_s={1: 50e-3}, refresh_s={1: 6e-3})
+    policy = SpecPolicy(K, costs)
+    for _ in range(COST_WINDOW):
+        policy.observe_step("plain", 1, 8e-3)
+    assert policy.costs.refresh_overhead(1) < 0  # live: refresh looks cheaper than plain
+    assert not policy.decide(1).refresh
+
+
+def test_speculation_needs_the_margin_over_the_break_even() -> None:
+    """bs 1: break-even 1.2; an accept length 3% above it does not speculate, 8% does
+    (SPEC_MARGIN 5%)."""
+    assert SPEC_MARGIN == 0.05
+    policy = SpecPolicy(K, COSTS)
+    policy.observe([1.2 * 1.03] * 20 * HALF_LIFE)
+    assert policy.decide(1).reason == "does_not_pay"
+    policy.observe([1.2 * 1.08] * 20 * HALF_LIFE)
+    assert policy.decide(1).reason == "pays"
 
 
 def test_forced_decisions() -> None:
