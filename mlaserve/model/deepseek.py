@@ -139,6 +139,7 @@ class DeepseekForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
+        self.params_dtype = params_dtype
         self.model = DeepseekModel(config, params_dtype=params_dtype, tp=tp, quant=quant)
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, params_dtype=params_dtype, tp=tp
@@ -165,3 +166,9 @@ class DeepseekForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (MLAAttention, DeepseekMoE)):
                 module.process_weights_after_loading()
+        # Compile the decode GEMVs for every token bucket they take (not only the captured
+        # batch sizes that warm-up runs), so none compiles while serving.
+        for module in self.modules():
+            warm_up = getattr(module, "warm_up_gemv", None)  # linears and the MoE router
+            if warm_up is not None:
+                warm_up(self.params_dtype)

@@ -36,7 +36,14 @@ import triton.language as tl
 
 from mlaserve.ops.fp8_quant import dequantize_weight_block
 
-__all__ = ["GEMV_MAX_M", "GemvConfig", "gemv", "gemv_config", "gemv_reference"]
+__all__ = [
+    "GEMV_MAX_M",
+    "GemvConfig",
+    "gemv",
+    "gemv_config",
+    "gemv_reference",
+    "gemv_warm_up",
+]
 
 # Past this M the per-thread accumulators (M per weight vector) crowd the registers; callers
 # switch to the tensor-core GEMMs (F.linear, fp8_gemm.py) well before.
@@ -56,10 +63,12 @@ class GemvConfig(NamedTuple):
     num_warps: int
 
 
-@triton.jit
+# M is a runtime value (not specialised), so one compile serves every M of a power-of-two
+# bucket (BLOCK_M): `gemv_warm_up` compiles the buckets a layer uses before serving.
+@triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, s_stride,
-    M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, y_ptr, s_stride, M,
+    N: tl.constexpr, K: tl.constexpr,
     HAS_SCALE: tl.constexpr, ROW_DIV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SUB_K: tl.constexpr, VEC: tl.constexpr,
@@ -97,8 +106,10 @@ def _gemv_kernel(
             col = k0 // 128 + offs_r  # R = 1 when BLOCK_K <= 128
             mask_s = mask_n[None, :] & (col < (K + 127) // 128)[:, None]
             scale = tl.load(s_rows + col[:, None], mask=mask_s, other=0.0)[None]  # [1, R, BN]
-        for m in tl.static_range(M):  # the weight tile is read once for all M rows
-            xm = tl.load(x_rows + m * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        for m in tl.static_range(BLOCK_M):  # the weight tile is read once for all rows
+            # rows past M (padding to the bucket) load zeros and are not stored
+            xm = tl.load(x_rows + m * K + offs_k, mask=mask_k & (m < M), other=0.0)
+            xm = xm.to(tl.float32)
             part = tl.sum(w * xm, axis=3)  # [T, R, BLOCK_N]
             if HAS_SCALE:
                 part *= scale
@@ -196,20 +207,38 @@ def gemv(
     if m == 0 or n == 0:
         return y
     if config is None:
-        config = gemv_config(m, n, k, w.dtype == _FP8, _num_sms(x.device))
+        config = gemv_config(triton.next_power_of_2(m), n, k, w.dtype == _FP8, _num_sms(x.device))
     block_n, block_k, warps = config
     for name, v, lo, hi in (("block_n", block_n, 1, 128), ("block_k", block_k, 16, 1 << 16)):
         if not lo <= v <= hi or v & (v - 1):
             raise ValueError(f"gemv: {name} = {v} must be a power of two in [{lo}, {hi}]")
     has_scale = w_scale is not None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w, w_scale if has_scale else x, y, w_scale.stride(0) if has_scale else 0,
-        M=m, N=n, K=k, HAS_SCALE=has_scale, ROW_DIV=row_div,
+        x, w, w_scale if has_scale else x, y, w_scale.stride(0) if has_scale else 0, m,
+        N=n, K=k, HAS_SCALE=has_scale, ROW_DIV=row_div,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         SUB_K=min(block_k, _SCALE_BLOCK) if has_scale else block_k,
         VEC=16 // x.element_size(), num_warps=warps,
     )  # fmt: skip
     return y
+
+
+def gemv_warm_up(
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    max_m: int,
+    x_dtype: torch.dtype,
+    out_dtype: torch.dtype | None = None,
+) -> None:
+    """Compile (run once on zeros) every M bucket a layer with weight `w` takes up to `max_m`
+    tokens, so no compile happens while serving (a Triton compile is a stall of ~0.5 s)."""
+    if max_m <= 0:
+        return
+    bucket = 1
+    while bucket <= triton.next_power_of_2(min(max_m, GEMV_MAX_M)):
+        x = torch.zeros(min(bucket, max_m), w.shape[1], dtype=x_dtype, device=w.device)
+        gemv(x, w, w_scale, out_dtype=out_dtype)
+        bucket *= 2
 
 
 def gemv_reference(

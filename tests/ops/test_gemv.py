@@ -175,3 +175,21 @@ def test_gemv_config_covers_the_sms():
                 cfg = gemv_config(m, n, k, fp8, num_sms=132)
                 assert -(-n // cfg.block_n) >= 3 * 132 or cfg.block_n == 1
                 assert 16 <= cfg.block_k <= max(16, 2 * k)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=gpu, id="cuda")])
+def test_warm_up_compiles_every_bucket(device):
+    """After `gemv_warm_up(max_m=5)`, calls at every M up to 5 compile nothing (M is a runtime
+    value within a power-of-two bucket): what keeps compiles out of serving."""
+    from mlaserve.graph_runner.compile_watch import CompileWatch
+    from mlaserve.ops.gemv import gemv, gemv_warm_up
+
+    w = torch.randn(136, 264, device=device, dtype=torch.bfloat16)  # a shape no other test has
+    gemv_warm_up(w, None, 5, torch.bfloat16)
+    watch = CompileWatch()
+    watch.mark_ready()
+    for m in range(1, 6):
+        gemv(torch.randn(m, 264, device=device, dtype=torch.bfloat16), w)
+    assert watch.compiles_since_ready == 0
+    gemv(torch.randn(9, 264, device=device, dtype=torch.bfloat16), w)  # bucket 16: not warmed
+    assert watch.compiles_since_ready == 1

@@ -195,6 +195,14 @@ class _Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
+    def warm_up_gemv(self, act_dtype: torch.dtype) -> None:
+        """Compile the GEMV for every token bucket up to `gemv_max_m` (activations in
+        `act_dtype`), before serving."""
+        if self.gemv_max_m:
+            from mlaserve.ops.gemv import gemv_warm_up
+
+            gemv_warm_up(self.weight, self.weight_scale_inv, self.gemv_max_m, act_dtype)
+
     def fp8_weight_loader(
         self,
         param: nn.Parameter,

@@ -160,6 +160,13 @@ class TopKRouter(nn.Module):
             self.select = fused_select_experts
             self.gemv_max_m = GEMV_MAX_M_NARROW
 
+    def warm_up_gemv(self, act_dtype: torch.dtype) -> None:
+        """Compile the logits' GEMV for every token bucket it takes, before serving."""
+        if self.gemv_max_m:
+            from mlaserve.ops.gemv import gemv_warm_up
+
+            gemv_warm_up(self.weight, None, self.gemv_max_m, act_dtype, torch.float32)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, K] fp32, ids [T, K] int64)"""
         c = self.config
