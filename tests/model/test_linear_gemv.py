@@ -54,7 +54,8 @@ def test_gemv_limits_follow_the_measured_shapes(monkeypatch: pytest.MonkeyPatch)
         ((3648, 2048), torch.bfloat16, 2),  # V2-Lite q|kv_a: cuBLAS wins from 4 tokens
         ((3648, 2048), fp8, 4),
         ((24576, 1536), fp8, 2),  # V3 q_b
-        ((576, 7168), torch.bfloat16, 8),  # narrow: V3 kv_a
+        ((576, 7168), torch.bfloat16, 4),  # narrow, long K: V3 kv_a
+        ((576, 2048), torch.bfloat16, 8),  # narrow, short K: V2-Lite kv_a
         ((7168, 16384), fp8, 0),  # V3 o_proj: K too long for a GEMV without a K split
     ]
     for shape, dtype, limit in cases:

@@ -76,16 +76,24 @@ NO_TP = TensorParallel()  # a single rank: the default everywhere until TP lands
 
 # Tokens up to which a linear runs `ops.gemv` on CUDA (`gemv_max_m`). From bench/gemv.py on an
 # H100 (V2-Lite and V3 shapes, bench/RESULTS.md): against cuBLAS (bf16) the GEMV wins at 1-2
-# tokens (1.0-2.6x) and loses from 4 on, except on narrow outputs (N <= 1024: kv_a, router) where
-# it wins to 8; against block_fp8_linear it wins at 1-2 tokens (1.2-4.8x: one launch for four at
-# M = 1) and at 4 up to N = 4096. With no split over K, a very long K (V3's o_proj, K = 16384)
-# leaves too few programs streaming: there the GEMMs win even at one token.
+# tokens (1.0-2.7x) and loses from 4 on, except on narrow outputs (N <= 1024: the router, kv_a)
+# where it wins to 4, and to 8 with K <= 4096; against block_fp8_linear it wins at 1-2 tokens
+# (1.05-4.8x: one launch for four at M = 1) and at 4 up to N = 4096. With no split over K, a
+# very long K (V3's o_proj, K = 16384) leaves too few programs streaming: there the GEMMs win
+# even at one token.
 GEMV_MAX_M = 2
 GEMV_MAX_M_FP8 = 2
 GEMV_MAX_M_FP8_UP_TO_4096 = 4  # FP8, N <= 4096
-GEMV_MAX_M_NARROW = 8  # N <= GEMV_NARROW_N, either kind
+GEMV_MAX_M_NARROW = 4  # N <= GEMV_NARROW_N, either kind
+GEMV_MAX_M_NARROW_SHORT_K = 8  # ... and K <= GEMV_SHORT_K
 GEMV_NARROW_N = 1024
+GEMV_SHORT_K = 4096
 GEMV_MAX_K = 8192
+
+
+def narrow_gemv_max_m(k: int) -> int:
+    """Tokens up to which a narrow output (N <= GEMV_NARROW_N) takes the GEMV, by K."""
+    return GEMV_MAX_M_NARROW_SHORT_K if k <= GEMV_SHORT_K else GEMV_MAX_M_NARROW
 
 
 def gemv_max_m(weight: torch.Tensor) -> int:
@@ -101,7 +109,7 @@ def gemv_max_m(weight: torch.Tensor) -> int:
     if k > GEMV_MAX_K:
         return 0
     if n <= GEMV_NARROW_N:
-        return GEMV_MAX_M_NARROW
+        return narrow_gemv_max_m(k)
     if fp8:
         return GEMV_MAX_M_FP8_UP_TO_4096 if n <= 4096 else GEMV_MAX_M_FP8
     return GEMV_MAX_M

@@ -42,11 +42,11 @@ from torch import nn
 from mlaserve.config import ModelConfig, QuantizationConfig
 from mlaserve.model.layers.fp8_linear import copy_block_rows, make_fp8_weight, needs_per_row_scales
 from mlaserve.model.layers.linear import (
-    GEMV_MAX_M_NARROW,
     NO_TP,
     TensorParallel,
     all_reduce,
     check_shape,
+    narrow_gemv_max_m,
 )
 from mlaserve.model.layers.mlp import DeepseekMLP, silu_and_mul
 from mlaserve.ops import fused_ops_enabled
@@ -158,7 +158,7 @@ class TopKRouter(nn.Module):
             from mlaserve.ops.routing import fused_select_experts
 
             self.select = fused_select_experts
-            self.gemv_max_m = GEMV_MAX_M_NARROW
+            self.gemv_max_m = narrow_gemv_max_m(config.hidden_size)
 
     def warm_up_gemv(self, act_dtype: torch.dtype) -> None:
         """Compile the logits' GEMV for every token bucket it takes, before serving."""
