@@ -24,10 +24,7 @@ step, which set block_k; there is no K split to sweep: a deterministic one needs
 launch) and prints the best per (shape, weights, M) as it goes. Each tile is a Triton compile
 (~0.5 s), ~30 per (shape, weights, M): sweep a few shapes per run to stay within time limits.
 
-Also (first, `--heads-only` for just that): MLA's absorbed per-head projections W_UK and W_UV,
-`ops/head_gemv.py` vs the torch.bmm that mla.py runs otherwise, V2-Lite (16 heads) and V3 (128).
-
-Prints tables and one JSON line.
+Prints a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -175,52 +172,6 @@ def sweep_one(row: dict, x: torch.Tensor, weights: list, args, sweep: list) -> N
     )
 
 
-# MLA's absorbed per-head projections (`ops/head_gemv.py` vs torch.bmm, as mla.py runs them):
-# name -> (H, d_n, r, d_v)
-HEAD_SHAPES = {"v2lite": (16, 128, 512, 128), "v3": (128, 128, 512, 128)}
-
-
-def bench_heads(args, bandwidth: float) -> list[dict]:
-    from mlaserve.ops.head_gemv import head_gemv
-
-    rows = []
-    for name, (h, dn, r, dv) in HEAD_SHAPES.items():
-        nbytes = h * (dn + dv) * r * 2
-        copies = max(2, -(-L2_FLUSH_BYTES // nbytes))
-        kv_b = [
-            torch.randn(h, dn + dv, r, device="cuda", dtype=torch.bfloat16) / 16
-            for _ in range(copies)
-        ]
-        w_uk = [w[:, :dn, :] for w in kv_b]  # [H, d_n, r]
-        w_uv = [w[:, dn:, :].transpose(1, 2) for w in kv_b]  # [H, r, d_v]
-        for t in args.m:
-            q = torch.randn(t, h, dn + 64, device="cuda", dtype=torch.bfloat16)
-            q_nope = q[..., :dn]  # a split view, as in mla.py
-            o_lat = torch.randn(t, h, r, device="cuda", dtype=torch.bfloat16)
-            for proj, x, ws in (("W_UK", q_nope, w_uk), ("W_UV", o_lat, w_uv)):
-                ref = torch.bmm(x.transpose(0, 1).float(), ws[0].float()).transpose(0, 1)
-                err = float((head_gemv(x, ws[0]).float() - ref).abs().max() / ref.abs().max())
-                row = {
-                    "model": name, "proj": proj, "t": t,
-                    "head_gemv_us": time_us(lambda i, x=x, ws=ws: head_gemv(x, ws[i]), copies, args.iters),
-                    "bmm_us": time_us(
-                        lambda i, x=x, ws=ws: torch.bmm(x.transpose(0, 1), ws[i]), copies, args.iters
-                    ),
-                    "floor_us": nbytes / 2 / bandwidth * 1e6,  # W_UK or W_UV: half of kv_b
-                    "max_rel_err": err,
-                }  # fmt: skip
-                rows.append(row)
-    print(
-        f"\n{'model':<7} {'proj':<5} {'T':>2} {'head_gemv us':>12} {'bmm us':>8} {'floor us':>8} {'speedup':>7}"
-    )
-    for r_ in rows:
-        print(
-            f"{r_['model']:<7} {r_['proj']:<5} {r_['t']:>2} {r_['head_gemv_us']:>12.2f} "
-            f"{r_['bmm_us']:>8.2f} {r_['floor_us']:>8.2f} {r_['bmm_us'] / r_['head_gemv_us']:>7.2f}"
-        )
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -228,22 +179,15 @@ def main() -> None:
     ap.add_argument("--weights", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
     ap.add_argument("--iters", type=int, default=20, help="calls per graph (at least one per copy)")
     ap.add_argument("--sweep-configs", action="store_true", help="also time tile choices")
-    ap.add_argument(
-        "--heads-only", action="store_true", help="only MLA's per-head projections (head_gemv)"
-    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/gemv.py needs a CUDA GPU")
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(torch.device("cuda"))
     rows, sweep = [], []
-    print(f"device: {torch.cuda.get_device_name()}  copy BW {bandwidth / 1e12:.2f} TB/s")
-    heads = bench_heads(args, bandwidth)
-    if args.heads_only:
-        print(json.dumps({"bench": "gemv", "device": torch.cuda.get_device_name(), "heads": heads}))
-        return
     for name in args.shapes:
         bench_shape(name, args, bandwidth, rows, sweep)
+    print(f"device: {torch.cuda.get_device_name()}  copy BW {bandwidth / 1e12:.2f} TB/s")
     print(f"{'shape':<14} {'w':>4} {'M':>2} {'N':>6} {'K':>6} {'gemv us':>8} {'base us':>8} "
           f"{'base':<18} {'floor us':>8} {'gemv/floor':>10} {'base/floor':>10} {'speedup':>7}")  # fmt: skip
     for r in rows:
@@ -260,7 +204,6 @@ def main() -> None:
                 "copy_bandwidth_tbs": bandwidth / 1e12,
                 "rows": rows,
                 "sweep": sweep,
-                "heads": heads,
             }
         )
     )

@@ -16,7 +16,6 @@ latent output o_h = sum_s p_hs c_s goes through W_UV_h, then o_proj.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,10 +42,6 @@ __all__ = ["MLAAttention"]
 # transformers/DeepSeek build q_a_layernorm and kv_a_layernorm with the RMSNorm default eps,
 # not config.rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
-# Up to this many tokens the absorbed per-head products (W_UK, W_UV) run as `ops.head_gemv` on
-# CUDA instead of torch.bmm (bench/gemv.py, bench/RESULTS.md); MLASERVE_HEAD_GEMV_MAX_TOKENS
-# overrides it (0: off).
-HEAD_GEMV_MAX_TOKENS = 2
 
 
 class MLAAttention(nn.Module):
@@ -112,16 +107,10 @@ class MLAAttention(nn.Module):
         # write run as one Triton kernel (`mlaserve/ops/mla_norm_rope.py`); the torch code in
         # `forward` is its reference.
         self._norm_rope = None
-        self._head_gemv = None
-        self.head_gemv_max_tokens = 0
         if fused_ops_enabled(self.kv_a_layernorm.weight.device):
-            from mlaserve.ops.head_gemv import head_gemv
             from mlaserve.ops.mla_norm_rope import mla_norm_rope
 
             self._norm_rope = mla_norm_rope
-            self._head_gemv = head_gemv
-            flag = os.environ.get("MLASERVE_HEAD_GEMV_MAX_TOKENS", "")
-            self.head_gemv_max_tokens = int(flag) if flag else HEAD_GEMV_MAX_TOKENS
 
     def process_weights_after_loading(self) -> None:
         """Split kv_b_proj into the absorbed projections. Views, no copies: each head's matrix
@@ -183,16 +172,9 @@ class MLAAttention(nn.Module):
             )  # [T, H, d_v]
             return self.o_proj(o.reshape(num_tokens, self.num_heads * self.v_head_dim))
 
-        per_head = self._head_gemv if num_tokens <= self.head_gemv_max_tokens else None
         # Absorb W_UK: [H, T, d_n] @ [H, d_n, r] -> [H, T, r]
-        if per_head is not None:
-            q_latent = per_head(q_nope, self.w_uk)  # [T, H, r]
-        else:
-            q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, r]
         o_latent = backend.forward(self.layer_id, q_latent, q_pe, kv_c, k_pe, batch)  # [T, H, r]
         # Up-project with W_UV: [H, T, r] @ [H, r, d_v] -> [H, T, d_v]
-        if per_head is not None and o_latent.stride(-1) == 1:
-            o = per_head(o_latent, self.w_uv)  # [T, H, d_v]
-        else:
-            o = torch.bmm(o_latent.transpose(0, 1), self.w_uv).transpose(0, 1)
+        o = torch.bmm(o_latent.transpose(0, 1), self.w_uv).transpose(0, 1)  # [T, H, d_v]
         return self.o_proj(o.reshape(num_tokens, self.num_heads * self.v_head_dim))
