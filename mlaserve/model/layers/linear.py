@@ -251,46 +251,17 @@ class ReplicatedLinear(_Linear):
     """Every rank holds the whole weight."""
 
 
-class MergedReplicatedLinear(ReplicatedLinear):
-    """Replicated outputs of several checkpoint tensors that read the same input, stored one
-    after another so one GEMM computes them all: MLA's `q_a_proj | kv_a_proj_with_mqa` (SGLang's
-    `fused_qkv_a_proj_with_mqa`). The loader is called once per checkpoint tensor with its
-    `shard_id` (index into `output_sizes`)."""
-
-    def __init__(
-        self,
-        in_features: int,
-        output_sizes: list[int],
-        *,
-        params_dtype: torch.dtype = torch.float32,
-        tp: TensorParallel = NO_TP,
-        quant: QuantizationConfig | None = None,
-    ) -> None:
-        self.output_sizes = list(output_sizes)
-        super().__init__(
-            in_features, sum(output_sizes), params_dtype=params_dtype, tp=tp, quant=quant
-        )
-
-    def stacked_sizes(self) -> list[int]:
-        return list(self.output_sizes)
-
-    def weight_loader(  # type: ignore[override]
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int
-    ) -> None:
-        check_shape(loaded, (self.output_sizes[shard_id], self.in_features))
-        param.data.narrow(0, sum(self.output_sizes[:shard_id]), loaded.shape[0]).copy_(loaded)
-
-
 class ColumnParallelLinear(_Linear):
     """Output features split over ranks; each rank's output is its slice (no gather)."""
 
     split_dim = 0
 
 
-class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Column-parallel outputs of several checkpoint tensors stored one after another, e.g.
-    `gate_up_proj` = [gate_proj; up_proj], so one GEMM computes both. The loader is called once
-    per checkpoint tensor with its `shard_id` (index into `output_sizes`)."""
+class _StackedOutputs(_Linear):
+    """Outputs of several checkpoint tensors that read the same input, stored one after another
+    so one GEMM computes them all. The loader is called once per checkpoint tensor with its
+    `shard_id` (index into `output_sizes`); in a column-parallel layer each tensor's rows are
+    split over the ranks, in a replicated one they are kept whole."""
 
     def __init__(
         self,
@@ -301,8 +272,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp: TensorParallel = NO_TP,
         quant: QuantizationConfig | None = None,
     ) -> None:
-        for size in output_sizes:
-            tp.split(size, "MergedColumnParallelLinear output size")
+        if self.split_dim == 0:
+            for size in output_sizes:
+                tp.split(size, f"{type(self).__name__} output size")
         self.output_sizes = list(output_sizes)
         super().__init__(
             in_features, sum(output_sizes), params_dtype=params_dtype, tp=tp, quant=quant
@@ -315,9 +287,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int
     ) -> None:
         check_shape(loaded, (self.output_sizes[shard_id], self.in_features))
-        local = [size // self.tp.size for size in self.output_sizes]
+        split = self.split_dim == 0
+        local = [size // self.tp.size if split else size for size in self.output_sizes]
         rows = param.data.narrow(0, sum(local[:shard_id]), local[shard_id])
-        rows.copy_(_shard(loaded, 0, self.tp))
+        rows.copy_(_shard(loaded, 0, self.tp) if split else loaded)
+
+
+class MergedReplicatedLinear(_StackedOutputs, ReplicatedLinear):
+    """Replicated stacked outputs: MLA's `q_a_proj | kv_a_proj_with_mqa` (SGLang's
+    `fused_qkv_a_proj_with_mqa`)."""
+
+
+class MergedColumnParallelLinear(_StackedOutputs, ColumnParallelLinear):
+    """Column-parallel stacked outputs, e.g. `gate_up_proj` = [gate_proj; up_proj]."""
 
 
 class RowParallelLinear(_Linear):
