@@ -7,8 +7,8 @@ engine steps of three kinds (`StepCosts`):
     plain    decode and sampling, no draft work at all (what an engine without speculation does)
     refresh  a plain step plus the draft's one-row cache update (draft-extend, no drafting)
 
-While serving, every steady-state decode step's own wall time updates the cost of its kind at
-its size (`observe_step`): the cost is the median of the last `COST_WINDOW` observed steps, the
+While serving, every steady-state speculative or plain decode step's own wall time updates the
+cost of its kind at its size (`observe_step`): the cost is the median of the last `COST_WINDOW` observed steps, the
 start-up figure counting as `STARTUP_WEIGHT` of them. So the costs follow what serving really
 costs (longer contexts, another process on the GPU), a start-up measurement thrown off by noise
 is outvoted within `STARTUP_WEIGHT + 1` steps (on the GPU an exponential average over 32 steps
@@ -192,15 +192,17 @@ class SpecPolicy:
 
     def observe_step(self, kind: str, bs: int, seconds: float) -> None:
         """The wall time of one steady-state decode step of `kind` (STEP_KINDS) with `bs`
-        requests. Ignored without start-up costs (or of that kind) or past the measured sizes."""
+        requests. Ignored without start-up costs or past the measured sizes, and for refresh
+        steps: whether to refresh is judged by the start-up ratio alone (`_refresh_pays`), so a
+        served refresh cost would drive nothing."""
         if kind not in STEP_KINDS:
             raise ValueError(f"observe_step: kind must be one of {STEP_KINDS}, got {kind!r}")
         costs = self._costs
-        if costs is None or not self.follow_served_steps or not seconds > 0:
+        if costs is None or kind == "refresh" or not self.follow_served_steps or not seconds > 0:
             return
-        table = {"plain": costs.plain_s, "spec": costs.spec_s, "refresh": costs.refresh_s}[kind]
+        table = costs.plain_s if kind == "plain" else costs.spec_s
         size = costs.size_for(bs)
-        if table is None or size is None:
+        if size is None:
             return
         window = self._windows.get((kind, size))
         if window is None:
