@@ -1,13 +1,15 @@
-"""One MoE layer at decode sizes: the decode kernels (`mlaserve/ops/moe_decode.py`) vs the
-sorted grouped-GEMM path + shared MLP they replace, against the layer's bytes floor.
+"""One MoE layer at decode and verify sizes: the decode kernels (`mlaserve/ops/moe_decode.py`)
+and the grouped kernels (`mlaserve/ops/moe_grouped.py`) vs the sorted grouped-GEMM path + shared
+MLP they replace, against the layer's bytes floor.
 
-    python3 bench/moe_decode.py [--tokens 1 2 4 8 16] [--iters 20] [--sweep]
+    python3 bench/moe_decode.py [--tokens 1 2 4 8 16 32 64 128 256] [--iters 20] [--sweep]
 
 DeepSeek-V2-Lite's MoE layer (hidden 2048, 64 experts top-6 softmax, 2 shared, width 1408),
 random weights, bf16 and FP8 (block scales). `--layers` distinct layers are called in turn so
 that no expert stays in L2 between calls (one layer's experts are 1.1 GB in bf16). Each variant
 runs `--iters` calls captured in one CUDA graph, timed with CUDA events (median of 5 replays, `bench/fusions.py`'s timer):
 GPU time per layer call, routing included, launch overhead excluded, as in the decode graph.
+The decode kernels are timed up to DECODE_TIMED_MAX tokens (past that they only lose).
 
 floor = bytes the call must read (router + shared experts + the distinct routed experts its
 tokens chose, in the weights' dtype) / device copy bandwidth measured in this run. `--sweep`
@@ -33,6 +35,7 @@ from fusions import graph_time_us
 from mlaserve.config import ModelConfig, QuantizationConfig
 from mlaserve.model.layers.moe import DeepseekMoE
 from mlaserve.ops.moe_decode import moe_decode
+from mlaserve.ops.moe_grouped import moe_grouped
 
 V2LITE = {
     "vocab_size": 1024,
@@ -49,6 +52,19 @@ V2LITE = {
 }
 REPS = 5  # timed replays of each captured graph (median)
 TILES = [((8, 8), 4), ((16, 16), 4), ((32, 16), 4), ((16, 8), 8), ((16, 16), 8), ((32, 32), 8)]
+# grouped kernels: (block_n, num_warps, num_stages, block_m or None for the default)
+GROUPED_TILES = [
+    (None, 4, 3, None),  # the launcher's defaults
+    ((64, 64), 4, 3, None),
+    ((32, 32), 4, 3, None),
+    ((64, 64), 4, 4, None),
+    ((128, 128), 4, 3, None),
+    ((64, 64), 8, 3, None),
+    ((64, 64), 4, 3, 32),
+]
+DECODE_TIMED_MAX = 32
+# (decode_max_tokens, grouped_max_tokens) of each variant
+MODES = {"unfused": (0, 0), "decode": (1 << 20, 0), "grouped": (0, 1 << 20)}
 
 
 def make_layer(config: ModelConfig, fp8: bool, seed: int) -> DeepseekMoE:
@@ -104,48 +120,54 @@ def bench_weights(
     for tokens in args.tokens:
         xs = [torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16) for _ in layers]
 
-        def call(i, limit, xs=xs):
-            layers[i].decode_max_tokens = limit
+        def call(i, mode, xs=xs):
+            layers[i].decode_max_tokens, layers[i].grouped_max_tokens = MODES[mode]
             return layers[i](xs[i])
 
-        unfused = in_turn(lambda i: call(i, 0), len(layers))
-        fused = in_turn(lambda i: call(i, 1 << 20), len(layers))
-        row = {
-            "weights": "fp8" if fp8 else "bf16",
-            "tokens": tokens,
-            "unfused_us": graph_time_us(unfused, args.iters, REPS),
-            "fused_us": graph_time_us(fused, args.iters, REPS),
-            "floor_us": floor_us(layers, xs, bandwidth),
-        }
-        row["speedup"] = row["unfused_us"] / row["fused_us"]
-        row["fused_vs_floor"] = row["fused_us"] / row["floor_us"]
+        row = {"weights": "fp8" if fp8 else "bf16", "tokens": tokens}
+        for mode in MODES:
+            if mode != "decode" or tokens <= DECODE_TIMED_MAX:
+                fn = in_turn(lambda i, mode=mode: call(i, mode), len(layers))
+                row[mode + "_us"] = graph_time_us(fn, args.iters, REPS)
+        row["floor_us"] = floor_us(layers, xs, bandwidth)
+        best = min(row.get("decode_us", float("inf")), row["grouped_us"])
+        row["speedup"] = row["unfused_us"] / best
+        row["fused_vs_floor"] = best / row["floor_us"]
         row["unfused_vs_floor"] = row["unfused_us"] / row["floor_us"]
         rows.append(row)
         if not args.sweep:
             continue
         routed = [layer.gate(x) for layer, x in zip(layers, xs, strict=True)]
-        for block_n, warps in TILES:
+        tiles = [("decode", *t) for t in TILES] if tokens <= DECODE_TIMED_MAX else []
+        tiles += [("grouped", *t) for t in GROUPED_TILES] if tokens > 1 else []
+        for tile in tiles:
 
-            def tile(j, block_n=block_n, warps=warps, xs=xs, routed=routed):
+            def run(j, tile=tile, xs=xs, routed=routed):
                 w, ids = routed[j]
-                return moe_decode(
-                    xs[j], w, ids, layers[j].decode_weights, block_n=block_n, num_warps=warps
-                )
+                if tile[0] == "decode":
+                    _, block_n, warps = tile
+                    return moe_decode(
+                        xs[j], w, ids, layers[j].decode_weights, block_n=block_n, num_warps=warps
+                    )
+                _, block_n, warps, stages, block_m = tile
+                return moe_grouped(
+                    xs[j], w, ids, layers[j].decode_weights, block_n=block_n,
+                    num_warps=warps, num_stages=stages, block_m=block_m,
+                )  # fmt: skip
 
             sweep.append(
                 {
                     "weights": row["weights"],
                     "tokens": tokens,
-                    "block_n": list(block_n),
-                    "num_warps": warps,
-                    "kernels_us": graph_time_us(in_turn(tile, len(layers)), args.iters, REPS),
+                    "tile": [str(v) for v in tile],
+                    "kernels_us": graph_time_us(in_turn(run, len(layers)), args.iters, REPS),
                 }
             )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 32, 64, 128, 256])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true")
@@ -158,19 +180,20 @@ def main() -> None:
         bench_weights(config, fp8, args, bandwidth, rows, sweep)
         torch.cuda.empty_cache()
     print(f"device: {torch.cuda.get_device_name()}  copy BW {bandwidth / 1e12:.2f} TB/s")
-    print(f"{'weights':>7} {'T':>3} {'unfused us':>10} {'fused us':>9} {'speedup':>7} "
-          f"{'floor us':>8} {'fused/floor':>11} {'unfused/floor':>13}")  # fmt: skip
+    print(f"{'weights':>7} {'T':>3} {'unfused us':>10} {'decode us':>9} {'grouped us':>10} "
+          f"{'speedup':>7} {'floor us':>8} {'fused/floor':>11} {'unfused/floor':>13}")  # fmt: skip
     for r in rows:
+        decode = f"{r['decode_us']:>9.1f}" if "decode_us" in r else f"{'-':>9}"
         print(
-            f"{r['weights']:>7} {r['tokens']:>3} {r['unfused_us']:>10.1f} {r['fused_us']:>9.1f} "
-            f"{r['speedup']:>7.2f} {r['floor_us']:>8.1f} {r['fused_vs_floor']:>11.2f} "
-            f"{r['unfused_vs_floor']:>13.2f}"
+            f"{r['weights']:>7} {r['tokens']:>3} {r['unfused_us']:>10.1f} {decode} "
+            f"{r['grouped_us']:>10.1f} {r['speedup']:>7.2f} {r['floor_us']:>8.1f} "
+            f"{r['fused_vs_floor']:>11.2f} {r['unfused_vs_floor']:>13.2f}"
         )
     if sweep:
         print("\ntiles (kernels alone, routing excluded): us")
         for s in sweep:
-            print(f"{s['weights']:>7} T {s['tokens']:>3} block_n {s['block_n']} warps "
-                  f"{s['num_warps']}: {s['kernels_us']:.1f}")  # fmt: skip
+            print(f"{s['weights']:>7} T {s['tokens']:>3} {' '.join(s['tile'])}: "
+                  f"{s['kernels_us']:.1f}")  # fmt: skip
     print(
         json.dumps(
             {

@@ -29,6 +29,7 @@ class CompileWatch:
         self._lock = threading.Lock()
         self._triton = 0
         self._baseline = 0
+        self._ready = False
         self.sources: list[str] = ["torch.compile"]
         try:
             from triton import knobs
@@ -39,6 +40,9 @@ class CompileWatch:
         def hook(*args: Any, **kwargs: Any) -> Any:
             with self._lock:
                 self._triton += 1
+                serving = self._ready
+            if serving:  # which kernel and specialisation (another engine's load also counts)
+                logger.warning("JIT compile after ready: %s", kwargs.get("repr", "?"))
             if previous is not None:
                 return previous(*args, **kwargs)
             return None
@@ -52,6 +56,7 @@ class CompileWatch:
 
     def mark_ready(self) -> None:
         self._baseline = self.total
+        self._ready = True
         logger.info(
             "compile watch: %d JIT compilations during start-up (%s)",
             self._baseline,

@@ -31,6 +31,7 @@ from mlaserve.model.layers.mlp import DeepseekMLP
 from mlaserve.model.layers.moe import DeepseekMoE
 from mlaserve.model.layers.norm import RMSNorm
 from mlaserve.model.layers.rotary import RotaryEmbedding
+from mlaserve.ops.moe_partials import MoePartials
 
 if TYPE_CHECKING:
     from mlaserve.engine.forward_batch import ForwardBatch
@@ -68,26 +69,29 @@ class DeepseekDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]"""
         out, residual = self.forward_residual(x, None, cos, sin, batch)
-        return residual + out
+        return residual + (out.total() if isinstance(out, MoePartials) else out)
 
     def forward_residual(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | MoePartials,
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: ForwardBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | MoePartials, torch.Tensor]:
         """The layer on input `x + residual` (`x` alone when residual is None), returned as the
         pair (FFN output, residual stream before it) whose sum is the layer's output. The sum is
         left to the next norm, which fuses it (`RMSNorm.forward_with_residual`): the same
-        roundings as adding first, one kernel fewer per norm on CUDA."""
+        roundings as adding first, one kernel fewer per norm on CUDA. An MoE layer's output may
+        come uncombined (`MoePartials`, on CUDA): the next norm sums it in the same launch."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.forward_with_residual(x, residual)
         h = self.self_attn(h, cos, sin, batch)
         h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
+        if isinstance(self.mlp, DeepseekMoE):  # its combine happens in the next norm
+            return self.mlp(h, combine=False), residual
         return self.mlp(h), residual
 
 
@@ -166,9 +170,10 @@ class DeepseekForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (MLAAttention, DeepseekMoE)):
                 module.process_weights_after_loading()
-        # Compile the decode GEMVs for every token bucket they take (not only the captured
-        # batch sizes that warm-up runs), so none compiles while serving.
+        # Compile the decode GEMVs and the grouped MoE kernels for every token count they take
+        # (not only the captured batch sizes that warm-up runs), so none compiles while serving.
         for module in self.modules():
-            warm_up = getattr(module, "warm_up_gemv", None)  # linears and the MoE router
-            if warm_up is not None:
-                warm_up(self.params_dtype)
+            for hook in ("warm_up_gemv", "warm_up_kernels"):  # linears and the router; MoE
+                warm_up = getattr(module, hook, None)
+                if warm_up is not None:
+                    warm_up(self.params_dtype)

@@ -84,7 +84,8 @@ class DeepseekMTP(nn.Module):
         e = self.enorm(self.embed_tokens(input_ids))
         x = self.eh_proj(torch.cat([e, self.hnorm(hidden_states)], dim=-1))
         cos, sin = self.rotary_emb(positions)
-        return self.shared_head.norm(self.block(x, cos, sin, batch))
+        out, residual = self.block.forward_residual(x, None, cos, sin, batch)
+        return self.shared_head.norm.forward_with_residual(out, residual)[0]  # norm(out + res)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

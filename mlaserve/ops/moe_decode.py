@@ -46,7 +46,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MoeDecodeWeights", "moe_decode"]
+from mlaserve.ops.moe_partials import MoePartials
+
+__all__ = ["MoeDecodeWeights", "combine_partials", "moe_decode", "scale_args"]
 
 _SCALE_BLOCK = 128  # the FP8 block size along K (both GEMMs)
 
@@ -233,7 +235,7 @@ class MoeDecodeWeights:
         raise ValueError(f"moe_decode: {scale.shape[-2]} scale rows for {rows} weight rows")
 
 
-def _scale_args(scale: torch.Tensor | None, stand_in: torch.Tensor) -> tuple:
+def scale_args(scale: torch.Tensor | None, stand_in: torch.Tensor) -> tuple:
     """(pointer, expert stride, row stride); strides are 0 where there is no such dim."""
     if scale is None:
         return stand_in, 0, 0
@@ -251,11 +253,13 @@ def moe_decode(
     block_n: tuple[int, int] = (16, 16),
     block_k: tuple[int, int] = (128, 128),
     num_warps: int | None = None,
-) -> torch.Tensor:
+    combine: bool = True,
+) -> torch.Tensor | MoePartials:
     """x [T, H], topk_weights [T, K] fp32, topk_ids [T, K] int64 -> y [T, H] (x's dtype).
     `block_n` / `block_k`: tiles of (gate_up, down); block_k must divide 128 with FP8 weights.
     Defaults from `bench/moe_decode.py --sweep` on an H100 (V2-Lite layer, bf16 and FP8): 16-row
-    tiles, 8 warps for one token (7-10% faster there), 4 beyond."""
+    tiles, 8 warps for one token (7-10% faster there), 4 beyond. `combine=False` returns the
+    per-slot partials uncombined (`MoePartials`), for the next norm to sum."""
     num_tokens, top_k = topk_ids.shape
     hidden, inter, shared = weights.hidden, weights.inter, weights.num_shared
     if x.shape != (num_tokens, hidden) or not x.is_contiguous():
@@ -271,8 +275,8 @@ def moe_decode(
     if num_warps is None:
         num_warps = 8 if num_tokens == 1 else 4
     # a missing shared scale's stand-in must be a pointer of the routed scale's type
-    s13, s13_e, s13_r = _scale_args(weights.w13_scale, weights.w13)
-    ss13, _, ss13_r = _scale_args(weights.shared_w13_scale, s13)
+    s13, s13_e, s13_r = scale_args(weights.w13_scale, weights.w13)
+    ss13, _, ss13_r = scale_args(weights.shared_w13_scale, s13)
     _gate_up_kernel[(pairs, triton.cdiv(inter, block_n[0]))](
         x, ids, weights.w13, s13, weights.shared_w13, ss13, h,
         s13_e, s13_r, ss13_r,
@@ -280,8 +284,8 @@ def moe_decode(
         ROW_DIV=weights.row_div, SHARED_ROW_DIV=weights.shared_row_div, HAS_SCALE=has_scale,
         BLOCK_N=block_n[0], BLOCK_K=block_k[0], num_warps=num_warps,
     )  # fmt: skip
-    s2, s2_e, s2_r = _scale_args(weights.w2_scale, weights.w2)
-    ss2, _, ss2_r = _scale_args(weights.shared_w2_scale, s2)
+    s2, s2_e, s2_r = scale_args(weights.w2_scale, weights.w2)
+    ss2, _, ss2_r = scale_args(weights.shared_w2_scale, s2)
     part = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(pairs, triton.cdiv(hidden, block_n[1]))](
         h, ids, wts, weights.w2, s2, weights.shared_w2, ss2, part,
@@ -289,8 +293,16 @@ def moe_decode(
         H=hidden, INTER=inter, K=top_k, S=shared, HAS_SCALE=has_scale,
         BLOCK_N=block_n[1], BLOCK_K=block_k[1], num_warps=num_warps,
     )  # fmt: skip
-    block = min(triton.next_power_of_2(hidden), 1024)
-    _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        part, y, H=hidden, SLOTS=top_k + shared, BLOCK=block, num_warps=4
-    )
+    if not combine:
+        return MoePartials(part.view(num_tokens, top_k + shared, hidden), x.dtype)
+    combine_partials(part, y, top_k + shared)
     return y
+
+
+def combine_partials(part: torch.Tensor, y: torch.Tensor, slots: int) -> None:
+    """part [T * slots, H] fp32 -> y [T, H]: each token's partials summed in slot order."""
+    hidden = y.shape[1]
+    block = min(triton.next_power_of_2(hidden), 1024)
+    _combine_kernel[(y.shape[0], triton.cdiv(hidden, block))](
+        part, y, H=hidden, SLOTS=slots, BLOCK=block, num_warps=4
+    )

@@ -2,6 +2,8 @@
 
     rms_norm(x, w, eps)                  x [T, N] -> [T, N]
     add_rms_norm(x, residual, w, eps)    -> (normed [T, N], new residual [T, N])
+    add_partials_rms_norm(parts, residual, w, eps)   the same for x = an MoE layer's per-slot
+                                         partials [T, S, N] fp32 summed in order (its combine)
 
 with, per row, exactly the reference's roundings (`mlaserve/model/layers/norm.py`):
 
@@ -20,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["add_rms_norm", "rms_norm"]
+__all__ = ["add_partials_rms_norm", "add_rms_norm", "rms_norm"]
 
 _MAX_N = 16384
 
@@ -38,11 +40,16 @@ def _rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     ADD: tl.constexpr,
+    PARTS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
+    if PARTS > 1:  # x: PARTS fp32 partial sums per row, summed in order, rounded once
+        for p in tl.static_range(1, PARTS):
+            x += tl.load(x_ptr + row * x_stride + p * N + offs, mask=mask, other=0.0)
+        x = x.to(res_out_ptr.dtype.element_ty)
     if ADD:
         r = tl.load(res_ptr + row * res_stride + offs, mask=mask, other=0.0)
         # Rounded to the model dtype, like the unfused `x + residual`.
@@ -56,16 +63,24 @@ def _rms_norm_kernel(
 
 
 def _launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    parts: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    n = x.shape[-1]
+    """parts > 1: x is [T, parts * N] fp32 partial sums (residual required)."""
+    n = x.shape[-1] // parts
     if n > _MAX_N:
         raise ValueError(f"rms_norm: hidden size {n} above the one-block limit {_MAX_N}")
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"rms_norm: need [T, N] with a contiguous last dim, got {x.shape}")
-    out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+    like = x if residual is None else residual
+    out = torch.empty(like.shape, dtype=torch.result_type(weight, like), device=x.device)
     res_out = (
-        torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+        torch.empty_like(residual, memory_format=torch.contiguous_format)
+        if residual is not None
+        else None
     )
     if x.shape[0] == 0:
         return out, res_out
@@ -84,6 +99,7 @@ def _launch(
         N=n,
         BLOCK=block,
         ADD=residual is not None,
+        PARTS=parts,
         num_warps=min(max(block // 256, 1), 16),
     )
     return out, res_out
@@ -104,5 +120,27 @@ def add_rms_norm(
             f"x {tuple(x.shape)} {x.dtype}"
         )
     out, res_out = _launch(x, residual, weight, eps)
+    assert res_out is not None  # internal: ADD path allocates it
+    return out, res_out
+
+
+def add_partials_rms_norm(
+    parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """parts [T, S, N] fp32 (an MoE layer's per-slot outputs, `ops.moe_decode` / `moe_grouped`
+    with combine=False) -> `add_rms_norm(x, residual, ...)` for x = their sum over S in order,
+    rounded to residual's dtype: the same bits as the MoE's combine kernel followed by
+    `add_rms_norm`, one launch instead of two."""
+    num_tokens, num_parts, n = parts.shape
+    if (
+        parts.dtype != torch.float32
+        or not parts.is_contiguous()
+        or residual.shape != (num_tokens, n)
+    ):
+        raise ValueError(
+            f"add_partials_rms_norm: parts {tuple(parts.shape)} {parts.dtype} (contiguous fp32 "
+            f"[T, S, N]) vs residual {tuple(residual.shape)}"
+        )
+    out, res_out = _launch(parts.view(num_tokens, num_parts * n), residual, weight, eps, num_parts)
     assert res_out is not None  # internal: ADD path allocates it
     return out, res_out

@@ -30,14 +30,16 @@ __all__ = ["TOPK_METHODS", "fused_select_experts"]
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_stride"])  # T * E: one compiled kernel for every T
 def _routing_kernel(
     logits_ptr,
     bias_ptr,
     w_out_ptr,
     id_out_ptr,
     logits_stride,
+    split_stride,
     scaling,
+    SPLITS: tl.constexpr,
     G: tl.constexpr,
     PG: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
@@ -56,6 +58,8 @@ def _routing_kernel(
     valid = (g_idx < G) & (j_idx < PG)
     expert = g_idx * PG + j_idx  # [BLOCK_G, BLOCK_PG] expert ids
     x = tl.load(logits_ptr + t * logits_stride + expert, mask=valid, other=float("-inf"))
+    for s in tl.static_range(1, SPLITS):  # split-K partials of the logits, summed in order
+        x += tl.load(logits_ptr + s * split_stride + t * logits_stride + expert, mask=valid)
 
     if SIGMOID:
         scores = 1.0 / (1.0 + tl.exp(-x))
@@ -127,8 +131,11 @@ def fused_select_experts(
     routed_scaling_factor: float,
     correction_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] fp32 -> (weights [T, K] fp32, expert ids [T, K] int64)."""
-    num_tokens, num_experts = router_logits.shape
+    """router_logits [T, E] fp32, or split-K partials [S, T, E] fp32 whose sum (in order of S)
+    is the logits -> (weights [T, K] fp32, expert ids [T, K] int64)."""
+    if router_logits.dim() == 2:
+        router_logits = router_logits.unsqueeze(0)
+    splits, num_tokens, num_experts = router_logits.shape
     if topk_method not in TOPK_METHODS:
         raise ValueError(f"topk_method: one of {TOPK_METHODS}, got {topk_method!r}")
     if scoring_func not in ("softmax", "sigmoid"):
@@ -149,8 +156,10 @@ def fused_select_experts(
         correction_bias if has_bias else router_logits,
         weights,
         ids,
+        router_logits.stride(1),
         router_logits.stride(0),
         float(routed_scaling_factor),
+        SPLITS=splits,
         G=groups,
         PG=per_group,
         TOPK_GROUP=topk_group if groups > 1 else 1,

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from mlaserve.config import ModelConfig
 from mlaserve.model.layers.moe import DeepseekMoE
+from mlaserve.ops.moe_partials import MoePartials
 
 HIDDEN, MOE_INTER, NUM_EXPERTS, TOP_K = 32, 16, 16, 4
 GATINGS: dict[str, dict[str, Any]] = {
@@ -168,12 +169,14 @@ def test_routing_matches_transformers(gating: str) -> None:
 @pytest.mark.parametrize("num_tokens", [1, 3, 16, 17])
 def test_decode_kernels_take_small_batches(num_tokens: int, monkeypatch) -> None:
     """With fused ops on (the interpreter here), batches of up to DECODE_MAX_TOKENS tokens run
-    `ops/moe_decode.py` (routed + shared in two kernels) and agree with the unfused layer
-    (fp16, 2e-2 of max |out|); larger ones keep the grouped path."""
+    `ops/moe_decode.py` (routed + shared in three kernels), larger ones up to the grouped limit
+    `ops/moe_grouped.py` (shared experts folded in), and both agree with the unfused layer (fp16,
+    2e-2 of max |out|); past the limit the sorted grouped-GEMM path runs."""
     pytest.importorskip("triton")
     from mlaserve.model.layers import moe as moe_module
 
     monkeypatch.setenv("MLASERVE_FUSED_OPS", "1")
+    monkeypatch.setenv("MLASERVE_MOE_GROUPED_MAX_TOKENS", "16")
     layer = make_moe(make_config("sigmoid_noaux_tc"), torch.float16)
     x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(3)).half()
     want = layer(x).float()
@@ -181,16 +184,31 @@ def test_decode_kernels_take_small_batches(num_tokens: int, monkeypatch) -> None
     real = moe_module.DeepseekMoE.process_weights_after_loading
     real(layer)
     assert layer.decode_weights is not None and layer.decode_weights.num_shared == 1
-    kernel = layer._moe_decode
-    layer._moe_decode = lambda *a: calls.append(1) or kernel(*a)
+    assert layer.grouped_max_tokens == 16
+    decode, grouped = layer._moe_decode, layer._moe_grouped
+    layer._moe_decode = lambda *a, **kw: calls.append("decode") or decode(*a, **kw)
+    layer._moe_grouped = lambda *a, **kw: calls.append("grouped") or grouped(*a, **kw)
     got = layer(x).float()
-    assert len(calls) == (1 if num_tokens <= moe_module.DECODE_MAX_TOKENS else 0)
+    if num_tokens <= moe_module.DECODE_MAX_TOKENS:
+        assert calls == ["decode"]
+    else:
+        assert calls == (["grouped"] if num_tokens <= 16 else [])
     assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+    # Uncombined (the decoder layer's call): the fused paths return the per-slot partials, whose
+    # combine gives the same bits as the combined call.
+    calls.clear()
+    partial = layer(x, combine=False)
+    if calls:
+        assert isinstance(partial, MoePartials)
+        assert torch.equal(partial.total().float(), got)
+    else:
+        assert torch.equal(partial.float(), got)
 
 
 def test_decode_kernels_can_be_turned_off(monkeypatch) -> None:
     monkeypatch.setenv("MLASERVE_FUSED_OPS", "1")
     monkeypatch.setenv("MLASERVE_MOE_DECODE_MAX_TOKENS", "0")
+    monkeypatch.setenv("MLASERVE_MOE_GROUPED_MAX_TOKENS", "0")
     layer = make_moe(make_config("softmax_greedy"), torch.float16)
     layer.process_weights_after_loading()
     assert layer.decode_weights is None

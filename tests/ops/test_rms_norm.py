@@ -52,3 +52,24 @@ def test_add_rms_norm_matches_reference(num_tokens, hidden, device, monkeypatch)
     torch.testing.assert_close(new_residual, want_residual, rtol=0, atol=0)
     torch.testing.assert_close(out, want_out, **TOL)
     assert not torch.equal(residual, new_residual)  # inputs left alone, a new sum returned
+
+
+@pytest.mark.parametrize("num_tokens,hidden,device", CASES)
+def test_partials_norm_equals_combine_then_add_norm(num_tokens, hidden, device, monkeypatch):
+    """An MoE layer's uncombined output through the fused norm: the same bits as the MoE
+    combine kernel followed by the fused add + RMSNorm (what it replaces), and within the
+    tolerance of the torch reference on the combined tensor."""
+    from mlaserve.ops.moe_partials import MoePartials
+
+    fused, ref = _norms(hidden, device, monkeypatch)
+    g = torch.Generator(device=device).manual_seed(hidden + 3 * num_tokens)
+    dtype = model_dtype(device)
+    parts = MoePartials(torch.randn(num_tokens, 7, hidden, generator=g, device=device) * 0.5, dtype)
+    residual = (torch.randn(num_tokens, hidden, generator=g, device=device) * 3).to(dtype)
+    out, res = fused.forward_with_residual(parts, residual)
+    combined = parts.total()  # the combine kernel
+    want_out, want_res = fused.forward_with_residual(combined, residual)
+    assert torch.equal(res, want_res) and torch.equal(out, want_out)
+    ref_out, ref_res = ref.forward_with_residual(combined, residual)
+    torch.testing.assert_close(res, ref_res, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref_out, **TOL)

@@ -30,16 +30,22 @@ CASES = [gpu_case(t, r) for t in GPU_TOKENS for r in ("v2lite", "v2", "v3")] + [
 ]
 
 
+@pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("num_tokens,router,device", CASES)
-def test_routing_matches_reference(num_tokens, router, device):
+def test_routing_matches_reference(num_tokens, router, device, splits):
+    """splits > 1: the kernel is given split-K partials of the logits (`ops.router_logits`'
+    output), which it sums in order; the reference gets the same sum."""
     from mlaserve.ops.routing import fused_select_experts
 
     num_experts, kw = ROUTERS[router]
     g = torch.Generator(device=device).manual_seed(num_tokens + num_experts)
-    logits = torch.randn(num_tokens, num_experts, generator=g, device=device) * 2
+    partials = torch.randn(splits, num_tokens, num_experts, generator=g, device=device)
+    logits = partials[0]
+    for part in partials[1:]:  # the kernel's order
+        logits = logits + part
     if kw["topk_method"] == "noaux_tc":
         kw = dict(kw, correction_bias=torch.randn(num_experts, generator=g, device=device) * 0.1)
-    weights, ids = fused_select_experts(logits, **kw)
+    weights, ids = fused_select_experts(partials if splits > 1 else logits, **kw)
     want_weights, want_ids = select_experts(logits, **kw)
     assert ids.dtype == torch.int64 and weights.dtype == torch.float32
     ids, order = ids.sort(dim=-1)

@@ -175,6 +175,9 @@ class MLAAttention(nn.Module):
         # Absorb W_UK: [H, T, d_n] @ [H, d_n, r] -> [H, T, r]
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, r]
         o_latent = backend.forward(self.layer_id, q_latent, q_pe, kv_c, k_pe, batch)  # [T, H, r]
-        # Up-project with W_UV: [H, T, r] @ [H, r, d_v] -> [H, T, d_v]
-        o = torch.bmm(o_latent.transpose(0, 1), self.w_uv).transpose(0, 1)  # [T, H, d_v]
-        return self.o_proj(o.reshape(num_tokens, self.num_heads * self.v_head_dim))
+        # Up-project with W_UV: [H, T, r] @ [H, r, d_v] -> [H, T, d_v], written through a
+        # transposed view straight into the [T, H, d_v] rows o_proj reads (cuBLAS takes the
+        # strides; `.transpose(0, 1).reshape` would copy whenever T > 1).
+        o = o_latent.new_empty(num_tokens, self.num_heads, self.v_head_dim)
+        torch.bmm(o_latent.transpose(0, 1), self.w_uv, out=o.transpose(0, 1))
+        return self.o_proj(o.view(num_tokens, self.num_heads * self.v_head_dim))

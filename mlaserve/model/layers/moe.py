@@ -25,7 +25,11 @@ GEMM on CUDA, graph-safe; a per-expert loop on CPU).
 
 Decode-sized batches (at most `DeepseekMoE.decode_max_tokens` tokens) skip all of that on CUDA:
 `mlaserve/ops/moe_decode.py` runs routed and shared experts together in three kernels, bf16 or
-FP8 weights (`MLASERVE_MOE_DECODE_MAX_TOKENS=0` turns it off, for A/B runs).
+FP8 weights (`MLASERVE_MOE_DECODE_MAX_TOKENS=0` turns it off, for A/B runs). Batches past that,
+up to `grouped_max_tokens` (large decode batches, speculative VERIFY steps), run
+`mlaserve/ops/moe_grouped.py`: the shared experts folded in as always-selected experts, one
+alignment kernel, two tensor-core grouped GEMMs and the combine (`MLASERVE_MOE_GROUPED_MAX_TOKENS
+=0` turns it off). Prefill-sized batches keep the sorted grouped GEMM (CUTLASS, compute-bound).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from mlaserve.model.layers.linear import (
 from mlaserve.model.layers.mlp import DeepseekMLP, silu_and_mul
 from mlaserve.ops import fused_ops_enabled
 from mlaserve.ops.fp8_grouped_gemm import grouped_block_fp8_linear, grouped_layout
+from mlaserve.ops.moe_partials import MoePartials
 
 if TYPE_CHECKING:
     from mlaserve.ops.moe_decode import MoeDecodeWeights
@@ -67,6 +72,8 @@ ExpertsImpl = Literal["auto", "grouped_mm", "loop", "dense"]
 # (V3-lite decode at bs 16: 5.99 -> 9.19 ms): with concentrated routing each pair's GEMV re-reads
 # experts that the grouped GEMM reads once per tile of tokens. Up to 8, every in-model run won.
 DECODE_MAX_TOKENS = 8
+# Up to this many tokens the grouped MoE kernels run (past DECODE_MAX_TOKENS).
+GROUPED_MAX_TOKENS = 256
 
 
 def select_experts(
@@ -152,20 +159,31 @@ class TopKRouter(nn.Module):
         # small kernels fewer per layer); `select_experts` is its reference and the CPU path.
         self.select = select_experts
         # Decode-sized inputs: the logits by `ops.gemv` (bf16 activations against the fp32 gate
-        # in registers: one launch for the cast and the cuBLAS GEMM).
+        # in registers: one launch for the cast and the cuBLAS GEMM); larger ones by
+        # `ops.router_logits` (the same in one tensor-core kernel, tf32x3).
         self.gemv_max_m = 0
+        self._router_logits = None
         if fused_ops_enabled(self.weight.device):
+            from mlaserve.ops.router_logits import router_logits
             from mlaserve.ops.routing import fused_select_experts
 
             self.select = fused_select_experts
             self.gemv_max_m = narrow_gemv_max_m(config.hidden_size)
+            self._router_logits = router_logits
 
     def warm_up_gemv(self, act_dtype: torch.dtype) -> None:
-        """Compile the logits' GEMV for every token bucket it takes, before serving."""
+        """Compile the logits' and the selection's kernels for every token count they take,
+        before serving."""
         if self.gemv_max_m:
             from mlaserve.ops.gemv import gemv_warm_up
 
             gemv_warm_up(self.weight, None, self.gemv_max_m, act_dtype, torch.float32)
+        if self._router_logits is not None and act_dtype != torch.float32:
+            from mlaserve.ops.router_logits import router_logits_variants
+
+            num_experts, hidden = self.weight.shape
+            for num_tokens in [1, *router_logits_variants(num_experts, hidden)]:
+                self(torch.zeros(num_tokens, hidden, dtype=act_dtype, device=self.weight.device))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, K] fp32, ids [T, K] int64)"""
@@ -174,6 +192,8 @@ class TopKRouter(nn.Module):
             from mlaserve.ops.gemv import gemv
 
             logits = gemv(x.contiguous(), self.weight, out_dtype=torch.float32)
+        elif self._router_logits is not None and x.dtype != torch.float32:
+            logits = self._router_logits(x, self.weight)
         else:
             logits = F.linear(x.float(), self.weight)
         return self.select(
@@ -423,9 +443,12 @@ class DeepseekMoE(nn.Module):
                 quant=quant,
             )
 
-        # Set by process_weights_after_loading where the decode kernels run (CUDA + Triton).
+        # Set by process_weights_after_loading where the decode kernels run (CUDA + Triton):
+        # batches of up to decode_max_tokens tokens take moe_decode, then up to
+        # grouped_max_tokens moe_grouped.
         self.decode_weights: MoeDecodeWeights | None = None
         self.decode_max_tokens = 0
+        self.grouped_max_tokens = 0
 
     def process_weights_after_loading(self) -> None:
         """Hand the loaded weights to the decode kernels (views, no copies) where they run."""
@@ -433,11 +456,13 @@ class DeepseekMoE(nn.Module):
         if not fused_ops_enabled(weight.device) or weight.dtype == torch.float32:
             return
         limit = int(os.environ.get("MLASERVE_MOE_DECODE_MAX_TOKENS", DECODE_MAX_TOKENS))
-        if limit <= 0:
+        grouped = int(os.environ.get("MLASERVE_MOE_GROUPED_MAX_TOKENS", GROUPED_MAX_TOKENS))
+        if limit <= 0 and grouped <= 0:
             return
         from mlaserve.ops.moe_decode import MoeDecodeWeights, moe_decode
+        from mlaserve.ops.moe_grouped import moe_grouped
 
-        self._moe_decode = moe_decode
+        self._moe_decode, self._moe_grouped = moe_decode, moe_grouped
         experts, shared = self.experts, self.shared_experts
         try:
             self.decode_weights = MoeDecodeWeights(
@@ -453,14 +478,43 @@ class DeepseekMoE(nn.Module):
         except ValueError as exc:  # a layout the kernels do not take: the grouped path serves
             logger.warning("MoE decode kernels off for this layer: %s", exc)
             return
-        self.decode_max_tokens = limit
+        self.decode_max_tokens = max(limit, 0)
+        self.grouped_max_tokens = max(grouped, 0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, hidden] -> [T, hidden]"""
+    def warm_up_kernels(self, act_dtype: torch.dtype) -> None:
+        """Compile every variant of the grouped kernels the token counts they serve take, and
+        the sorted path's (SiLU-and-mul of the routed and shared experts) past them: the engine's
+        warm-up request alone no longer reaches it."""
+        if self.decode_weights is None:
+            return
+        if self.grouped_max_tokens > self.decode_max_tokens:
+            from mlaserve.ops.moe_grouped import moe_grouped_warm_up
+
+            moe_grouped_warm_up(
+                self.decode_weights,
+                self.gate.config.num_experts_per_tok,
+                self.decode_max_tokens + 1,
+                self.grouped_max_tokens,
+                act_dtype,
+            )
+        past = max(self.decode_max_tokens, self.grouped_max_tokens) + 1
+        device = self.experts.gate_up_proj.device
+        self(torch.zeros(past, self.experts.hidden_size, dtype=act_dtype, device=device))
+
+    def forward(self, x: torch.Tensor, *, combine: bool = True) -> torch.Tensor | MoePartials:
+        """[T, hidden] -> [T, hidden]. `combine=False` lets the fused kernels return their
+        per-slot partials (`MoePartials`) for the next residual-add + RMSNorm to sum in its own
+        launch (one kernel fewer per layer); without tensor parallelism only (the all-reduce
+        wants the sum), and other paths return the tensor all the same."""
         topk_weights, topk_ids = self.gate(x)
-        if x.shape[0] <= self.decode_max_tokens and self.decode_weights is not None:
-            y = self._moe_decode(x, topk_weights, topk_ids, self.decode_weights)
-            return all_reduce(y, self.tp)
+        if self.decode_weights is not None:
+            kw = {"combine": combine or self.tp.size > 1}
+            if x.shape[0] <= self.decode_max_tokens:
+                y = self._moe_decode(x, topk_weights, topk_ids, self.decode_weights, **kw)
+                return y if isinstance(y, MoePartials) else all_reduce(y, self.tp)
+            if x.shape[0] <= self.grouped_max_tokens and x.dtype != torch.float32:
+                y = self._moe_grouped(x, topk_weights, topk_ids, self.decode_weights, **kw)
+                return y if isinstance(y, MoePartials) else all_reduce(y, self.tp)
         y = self.experts(x, topk_weights, topk_ids)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from mlaserve.ops import fused_ops_enabled
+from mlaserve.ops.moe_partials import MoePartials
 
 __all__ = ["RMSNorm"]
 
@@ -28,6 +29,7 @@ class RMSNorm(nn.Module):
             from mlaserve.ops import rms_norm
 
             self._rms_norm, self._add_rms_norm = rms_norm.rms_norm, rms_norm.add_rms_norm
+            self._add_partials_rms_norm = rms_norm.add_partials_rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., N] -> [..., N]"""
@@ -38,10 +40,15 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def forward_with_residual(
-        self, x: torch.Tensor, residual: torch.Tensor
+        self, x: torch.Tensor | MoePartials, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x, residual [T, N] -> (norm(x + residual), x + residual); the sum rounded to x's
-        dtype first, as the unfused `residual + x` is."""
+        dtype first, as the unfused `residual + x` is. x may be an MoE layer's uncombined
+        output (`MoePartials`): combined here, in the same launch on CUDA."""
+        if isinstance(x, MoePartials):
+            if self.fused:
+                return self._add_partials_rms_norm(x.parts, residual, self.weight, self.eps)
+            x = x.total()
         if self.fused:
             return self._add_rms_norm(x, residual, self.weight, self.eps)
         s = residual + x

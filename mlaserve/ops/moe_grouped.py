@@ -1,0 +1,329 @@
+"""A batched MoE layer (routed + shared experts of tens to hundreds of tokens) in four kernels.
+
+Same contract as `moe_decode` (shapes, dtypes, FP8 scale layout, rounding), for batches past
+the few tokens where one GEMV per (token, expert) pair wins: large decode batches and the
+k+1-token VERIFY / DRAFT_EXTEND steps of speculative decoding.
+
+    x        [T, H]      bf16 / fp16, contiguous
+    weights  [T, K]      fp32 routing weights (`routed_scaling_factor` applied)
+    ids      [T, K]      int64 routed expert ids
+    y        [T, H]      x's dtype
+
+Every (token, slot) pair is one expert of width I: K routed slots, then the S slices of the
+shared MLP as always-selected experts E..E+S-1 with weight 1 (shared experts folded into the
+grouped GEMM, the way TensorRT-LLM and SGLang's shared-experts fusion do it).
+
+    _align_kernel     one program: each pair's expert and its rank among the expert's pairs (an
+                      atomic counter per expert, which also gives the counts), every expert's
+                      rows padded to a multiple of BLOCK_M and laid out back to back
+                      -> slot_pairs [num_blocks * BLOCK_M] int32 (slot -> pair),
+                         padded_end [E_PAD] int32 (cumulative padded rows), counts [E_PAD]
+                      (the order of pairs inside an expert varies between runs; no result
+                      depends on it: each output row is its own row's dot products over the
+                      same K order)
+    _gate_up_kernel   grid (num_blocks, cdiv(I, BLOCK_N)): BLOCK_M pairs of one expert gathered
+                      from x, gate and up tiles on tensor cores, SiLU-and-mul -> h [pairs, I]
+    _down_kernel      grid (num_blocks, cdiv(H, BLOCK_N)): h rows @ the expert's down tile,
+                      weighted -> fp32 partials [T, K + S, H]
+    combine           `moe_decode`'s: each token's K + S partials in a fixed order -> y
+
+A GEMM block finds its expert from `padded_end` (the experts whose padded rows end at or before
+it), so no block -> expert map is written, and blocks past the last expert's rows exit at once.
+Each expert's weight tile is read once per BLOCK_M of its rows (the pairs of `moe_decode` read it
+once per pair). Weights in FP8 are widened in registers and rescaled per 128-wide K block
+(W8A16: the activations are never quantised).
+
+Why not `torch._grouped_mm` plus glue (the path past `max_tokens`): at these sizes the layer is
+bound by reading the touched experts' weights, and the sort, gather, SiLU, unsort, weighted sum
+and the shared MLP around two grouped GEMMs cost ~20 launches and more time than the bytes.
+Launches read no device value on the host, and every constexpr depends on the model and on
+`num_pairs_bucket` alone: CUDA-graph safe, and `moe_grouped_warm_up` compiles every variant at
+load.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mlaserve.ops.moe_decode import MoeDecodeWeights, combine_partials, scale_args
+from mlaserve.ops.moe_partials import MoePartials
+
+__all__ = ["moe_grouped", "moe_grouped_block_m", "moe_grouped_warm_up"]
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr, slot_pairs_ptr, padded_end_ptr, counts_ptr, rank_ptr, num_pairs,
+    K: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr, E_TOTAL: tl.constexpr,
+    E_PAD: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    p = tl.arange(0, NP)
+    valid = p < num_pairs
+    slot = p % SLOTS
+    routed = slot < K
+    e = tl.load(ids_ptr + (p // SLOTS) * K + slot, mask=valid & routed, other=0).to(tl.int32)
+    e = tl.where(routed, e, E + slot - K)
+    bins = tl.arange(0, E_PAD)
+    tl.store(rank_ptr + bins, tl.zeros([E_PAD], dtype=tl.int32))
+    tl.debug_barrier()  # one program: the stores above are visible to all its threads below
+    rank = tl.atomic_add(rank_ptr + e, 1, mask=valid)  # the pair's rank within its expert
+    tl.debug_barrier()
+    counts = tl.where(bins < E_TOTAL, tl.load(rank_ptr + bins), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    tl.store(padded_end_ptr + bins, padded_end)
+    tl.store(counts_ptr + bins, counts)
+    tl.store(rank_ptr + E_PAD + bins, padded_end - padded)  # each expert's first slot
+    tl.debug_barrier()
+    start = tl.load(rank_ptr + E_PAD + e, mask=valid, other=0)
+    tl.store(slot_pairs_ptr + start + rank, p, mask=valid)
+
+
+@triton.jit
+def _block_rows(
+    slot_pairs_ptr, padded_end_ptr, counts_ptr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr
+):
+    """-> (expert, pairs [BLOCK_M], ok [BLOCK_M], live) of this program's block of slots."""
+    start = tl.program_id(0) * BLOCK_M
+    bins = tl.arange(0, E_PAD)
+    padded_end = tl.load(padded_end_ptr + bins)
+    e = tl.sum((padded_end <= start).to(tl.int32))  # the expert whose padded rows hold `start`
+    live = start < tl.max(padded_end)
+    first = tl.max(tl.where(bins < e, padded_end, 0))  # its first slot
+    n_e = tl.sum(tl.where(bins == e, tl.load(counts_ptr + bins), 0))
+    ok = (start - first + tl.arange(0, BLOCK_M) < n_e) & live
+    pairs = tl.load(slot_pairs_ptr + start + tl.arange(0, BLOCK_M), mask=ok, other=0)
+    return e, pairs, ok, live
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, slot_pairs_ptr, padded_end_ptr, counts_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, h_ptr,
+    s_e_stride, s_r_stride, ss_r_stride,
+    H: tl.constexpr, INTER: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr,
+    S: tl.constexpr, E_PAD: tl.constexpr, ROW_DIV: tl.constexpr, SHARED_ROW_DIV: tl.constexpr,
+    HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    e32, pairs, ok, live = _block_rows(slot_pairs_ptr, padded_end_ptr, counts_ptr, E_PAD, BLOCK_M)
+    if live:
+        e = e32.to(tl.int64)
+        tok = (pairs // SLOTS).to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < INTER
+        if e < E:  # routed: rows of w13 seen as [E * 2I, H]
+            base = w_ptr
+            gate_rows = e * (2 * INTER) + offs_n
+            up_rows = gate_rows + INTER
+            sbase = s_ptr
+            sg = e * s_e_stride + (offs_n // ROW_DIV) * s_r_stride
+            su = e * s_e_stride + ((offs_n + INTER) // ROW_DIV) * s_r_stride
+        else:  # shared slice e - E: rows of the shared MLP's [gate (SI) | up (SI)]
+            base = sw_ptr
+            gate_rows = (e - E) * INTER + offs_n
+            up_rows = gate_rows + S * INTER
+            sbase = ss_ptr
+            sg = (gate_rows // SHARED_ROW_DIV) * ss_r_stride
+            su = (up_rows // SHARED_ROW_DIV) * ss_r_stride
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < H
+            a = tl.load(
+                x_ptr + tok[:, None] * H + offs_k[None, :],
+                mask=ok[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            m = mask_k[:, None] & mask_n[None, :]
+            wg = tl.load(base + gate_rows[None, :] * H + offs_k[:, None], mask=m, other=0.0)
+            wu = tl.load(base + up_rows[None, :] * H + offs_k[:, None], mask=m, other=0.0)
+            if HAS_SCALE:  # BLOCK_K divides 128: one scale column per step
+                kb = k0 // 128
+                acc_g += (
+                    tl.dot(a, wg.to(a.dtype))
+                    * tl.load(sbase + sg + kb, mask=mask_n, other=0.0)[None, :]
+                )
+                acc_u += (
+                    tl.dot(a, wu.to(a.dtype))
+                    * tl.load(sbase + su + kb, mask=mask_n, other=0.0)[None, :]
+                )
+            else:
+                acc_g += tl.dot(a, wg)
+                acc_u += tl.dot(a, wu)
+        dtype = h_ptr.dtype.element_ty
+        g = acc_g.to(dtype).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        out = act * acc_u.to(dtype).to(tl.float32)
+        h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * INTER + offs_n[None, :]
+        tl.store(h_ptrs, out.to(dtype), mask=ok[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, slot_pairs_ptr, padded_end_ptr, counts_ptr, wts_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr,
+    part_ptr, s_e_stride, s_r_stride, ss_r_stride,
+    H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr,
+    S: tl.constexpr, E_PAD: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    e32, pairs32, ok, live = _block_rows(slot_pairs_ptr, padded_end_ptr, counts_ptr, E_PAD, BLOCK_M)
+    if live:
+        e = e32.to(tl.int64)
+        pairs = pairs32.to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < H
+        routed = e < E
+        # w2 [E, H, I] (output rows n, K along I), or columns [s*I, (s+1)*I) of the shared MLP's
+        # down projection [H, S*I] for shared slice s = e - E
+        row_stride = tl.where(routed, INTER, S * INTER)
+        col0 = tl.where(routed, 0, (e - E) * INTER)
+        if routed:
+            base = w_ptr + e * H * INTER
+            srow = s_ptr + e * s_e_stride + (offs_n // 128) * s_r_stride
+        else:
+            base = sw_ptr
+            srow = ss_ptr + (offs_n // 128) * ss_r_stride + col0 // 128
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < INTER
+            a = tl.load(
+                h_ptr + pairs[:, None] * INTER + offs_k[None, :],
+                mask=ok[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                base + offs_n[None, :].to(tl.int64) * row_stride + col0 + offs_k[:, None],
+                mask=mask_k[:, None] & mask_n[None, :],
+                other=0.0,
+            )
+            if HAS_SCALE:
+                acc += (
+                    tl.dot(a, w.to(a.dtype))
+                    * tl.load(srow + k0 // 128, mask=mask_n, other=0.0)[None, :]
+                )
+            else:
+                acc = tl.dot(a, w, acc)
+        slot = pairs % SLOTS
+        tok = pairs // SLOTS
+        weight = tl.load(wts_ptr + tok * K + tl.minimum(slot, K - 1), mask=ok & routed, other=1.0)
+        dtype = h_ptr.dtype.element_ty
+        if routed:  # the unfused path rounds each routed expert's output before weighting it
+            acc = acc.to(dtype).to(tl.float32)
+        part_ptrs = part_ptr + pairs[:, None] * H + offs_n[None, :]
+        tl.store(part_ptrs, weight[:, None] * acc, mask=ok[:, None] & mask_n[None, :])
+
+
+def moe_grouped_block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per GEMM block: 16 (tl.dot's minimum) while experts get a few rows each, larger
+    where they get more, so an expert's weights are read fewer times."""
+    per_expert = num_pairs / max(num_experts, 1)
+    return 16 if per_expert <= 24 else (32 if per_expert <= 48 else 64)
+
+
+def _num_pairs_bucket(num_pairs: int) -> int:
+    return max(16, triton.next_power_of_2(num_pairs))
+
+
+def moe_grouped(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    weights: MoeDecodeWeights,
+    *,
+    block_m: int | None = None,
+    block_n: tuple[int, int] | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    combine: bool = True,
+) -> torch.Tensor | MoePartials:
+    """x [T, H], topk_weights [T, K] fp32, topk_ids [T, K] int64 -> y [T, H] (x's dtype).
+    `block_m` overrides `moe_grouped_block_m` (tests); `block_n`: tiles of (gate_up, down),
+    by default 32 up to 128 tokens, 64 beyond (`bench/moe_decode.py --sweep` on an H100, V2-Lite
+    layer: 32 was 1-8% faster up to 128 tokens in bf16 and FP8, and 2x slower in FP8 at 256).
+    `combine=False` returns the per-slot partials uncombined (`MoePartials`)."""
+    num_tokens, top_k = topk_ids.shape
+    hidden, inter, shared = weights.hidden, weights.inter, weights.num_shared
+    if x.shape != (num_tokens, hidden) or not x.is_contiguous():
+        raise ValueError(f"moe_grouped: x {list(x.shape)} vs {num_tokens} tokens x {hidden}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"moe_grouped: x must be bf16 or fp16 (tensor cores), got {x.dtype}")
+    y = torch.empty_like(x)
+    if num_tokens == 0:
+        return y
+    slots = top_k + shared
+    num_experts = weights.w13.shape[0]
+    e_total = num_experts + shared
+    e_pad = triton.next_power_of_2(e_total)
+    pairs = num_tokens * slots
+    bm = block_m or moe_grouped_block_m(pairs, e_total)
+    num_blocks = triton.cdiv(pairs + min(e_total, pairs) * (bm - 1), bm)
+    # int32 scratch: slot -> pair, padded ends, counts, the align kernel's counters and starts
+    scratch = torch.empty(num_blocks * bm + 4 * e_pad, dtype=torch.int32, device=x.device)
+    slot_pairs = scratch[: num_blocks * bm]
+    padded_end, counts = scratch[num_blocks * bm :].view(4, e_pad)[:2]
+    rank = scratch[num_blocks * bm + 2 * e_pad :]
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    wts = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
+    _align_kernel[(1,)](
+        ids, slot_pairs, padded_end, counts, rank, pairs,
+        K=top_k, SLOTS=slots, E=num_experts, E_TOTAL=e_total, E_PAD=e_pad,
+        NP=_num_pairs_bucket(pairs), BLOCK_M=bm, num_warps=4,
+    )  # fmt: skip
+    if block_n is None:
+        block_n = (32, 32) if num_tokens <= 128 else (64, 64)
+    has_scale = weights.quantized
+    block_k = 128 if has_scale else 64
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    s13, s13_e, s13_r = scale_args(weights.w13_scale, weights.w13)
+    ss13, _, ss13_r = scale_args(weights.shared_w13_scale, s13)
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n[0]))](
+        x, slot_pairs, padded_end, counts, weights.w13, s13, weights.shared_w13, ss13, h,
+        s13_e, s13_r, ss13_r,
+        H=hidden, INTER=inter, SLOTS=slots, E=num_experts, S=shared, E_PAD=e_pad,
+        ROW_DIV=weights.row_div, SHARED_ROW_DIV=weights.shared_row_div, HAS_SCALE=has_scale,
+        BLOCK_M=bm, BLOCK_N=block_n[0], BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    s2, s2_e, s2_r = scale_args(weights.w2_scale, weights.w2)
+    ss2, _, ss2_r = scale_args(weights.shared_w2_scale, s2)
+    part = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    _down_kernel[(num_blocks, triton.cdiv(hidden, block_n[1]))](
+        h, slot_pairs, padded_end, counts, wts, weights.w2, s2, weights.shared_w2, ss2, part,
+        s2_e, s2_r, ss2_r,
+        H=hidden, INTER=inter, K=top_k, SLOTS=slots, E=num_experts, S=shared, E_PAD=e_pad,
+        HAS_SCALE=has_scale, BLOCK_M=bm, BLOCK_N=block_n[1], BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if not combine:  # the next norm sums them (`ops.rms_norm.add_partials_rms_norm`)
+        return MoePartials(part.view(num_tokens, slots, hidden), x.dtype)
+    combine_partials(part, y, slots)
+    return y
+
+
+def moe_grouped_warm_up(
+    weights: MoeDecodeWeights, top_k: int, min_tokens: int, max_tokens: int, dtype: torch.dtype
+) -> None:
+    """Run one batch of every compiled variant between min_tokens and max_tokens (the pairs'
+    power-of-two bucket, the block rows and columns, Triton's divisibility specialisation), so
+    nothing compiles while serving."""
+    device = weights.w13.device
+    slots = top_k + weights.num_shared
+    e_total = weights.w13.shape[0] + weights.num_shared
+    seen = set()
+    for t in range(min_tokens, max_tokens + 1):
+        pairs = t * slots  # Triton also specialises the align kernel on pairs % 16 == 0
+        key = (
+            _num_pairs_bucket(pairs),
+            moe_grouped_block_m(pairs, e_total),
+            pairs % 16 == 0,
+            t <= 128,  # the default block_n
+        )
+        if key in seen:
+            continue
+        seen.add(key)
+        x = torch.zeros(t, weights.hidden, dtype=dtype, device=device)
+        ids = torch.arange(t * top_k, device=device).view(t, top_k) % weights.w13.shape[0]
+        moe_grouped(x, torch.zeros(t, top_k, device=device), ids, weights)

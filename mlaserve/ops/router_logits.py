@@ -1,0 +1,113 @@
+"""The MoE router's logits in one launch: model-dtype activations against the fp32 gate.
+
+    router_logits(x [T, H] bf16 / fp16 / fp32, w [E, H] fp32) -> [T, E] fp32
+
+The reference (`TopKRouter` on the CPU, and transformers) upcasts x and runs an fp32 GEMM: on
+CUDA a cast kernel, cuBLAS's SIMT sgemm and, at decode sizes, its split-K reduction, three
+launches for a [T, 64] result. Here one Triton kernel reads x in its dtype, widens it in
+registers and multiplies on tensor cores with `tf32x3` (each fp32 operand split into a TF32
+high part and a TF32 remainder, three MMAs: about fp32's precision; bf16/fp16 activations are
+exact in TF32, so only the gate's low bits round, at ~2^-22 relative). The decode-sized batches
+below `ops/gemv.py`'s limit keep the GEMV (one streaming pass, no tensor cores needed).
+
+Grid (cdiv(T, BLOCK_T), cdiv(E, BLOCK_E), S): narrow tiles along E and S splits of K, so that
+even a handful of tokens spreads the gate's bytes (512 KB for V2-Lite, 7.3 MB for V3) over about
+every SM. The S partials go out as they are: the routing kernel sums them in a fixed order
+(deterministic, no reduction launch). No host reads: CUDA-graph safe. T is a runtime mask bound;
+the split count and Triton's specialisation on T % 16 == 0 make the variants that
+`router_logits_variants` lists, for the model to compile at load.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["router_logits", "router_logits_variants"]
+
+
+@triton.jit
+def _router_logits_kernel(
+    x_ptr, w_ptr, out_ptr, T, x_stride,
+    H: tl.constexpr, E: tl.constexpr, KB_PER_SPLIT: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    split = tl.program_id(2)
+    mask_t = offs_t < T
+    mask_e = offs_e < E
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for i in range(KB_PER_SPLIT):
+        offs_k = (split * KB_PER_SPLIT + i) * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < H
+        a = tl.load(
+            x_ptr + offs_t[:, None].to(tl.int64) * x_stride + offs_k[None, :],
+            mask=mask_t[:, None] & mask_k[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        w = tl.load(
+            w_ptr + offs_e[None, :] * H + offs_k[:, None],
+            mask=mask_k[:, None] & mask_e[None, :],
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_E]
+        acc += tl.dot(a, w, input_precision="tf32x3")
+    out = out_ptr + (split * T + offs_t[:, None].to(tl.int64)) * E + offs_e[None, :]
+    tl.store(out, acc, mask=mask_t[:, None] & mask_e[None, :])
+
+
+_BLOCK_T, _BLOCK_E, _BLOCK_K = 16, 16, 128
+_PROGRAMS_TARGET = 128  # about one per SM of an H100 (132)
+
+
+def _num_splits(num_tokens: int, num_experts: int, hidden: int) -> int:
+    """K splits (a power of two dividing the K blocks' count) so that the launch has about
+    _PROGRAMS_TARGET programs: a handful of tokens would otherwise stream the whole gate through
+    a few SMs (V2-Lite at 32 tokens: 8 programs, 19 us, vs 3 kernels and 11 us for torch's)."""
+    tiles = triton.cdiv(num_tokens, _BLOCK_T) * triton.cdiv(num_experts, _BLOCK_E)
+    num_kb = triton.cdiv(hidden, _BLOCK_K)
+    splits = 1
+    while tiles * splits * 2 <= _PROGRAMS_TARGET and num_kb % (splits * 2) == 0:
+        splits *= 2
+    return splits
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, H] (unit stride along H), weight [E, H] fp32 contiguous -> split-K partials
+    [S, T, E] fp32 whose sum over S (in order) is the logits; `ops.routing.fused_select_experts`
+    takes them as they are (`.sum(0)` gives the logits elsewhere)."""
+    num_tokens, hidden = x.shape
+    num_experts = weight.shape[0]
+    if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.shape[1] != hidden:
+        raise ValueError(
+            f"router_logits: gate must be contiguous fp32 [E, {hidden}], got "
+            f"{weight.dtype} {list(weight.shape)}"
+        )
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    splits = _num_splits(num_tokens, num_experts, hidden)
+    out = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return out
+    grid = (triton.cdiv(num_tokens, _BLOCK_T), triton.cdiv(num_experts, _BLOCK_E), splits)
+    _router_logits_kernel[grid](
+        x, weight, out, num_tokens, x.stride(0),
+        H=hidden, E=num_experts, KB_PER_SPLIT=triton.cdiv(hidden, _BLOCK_K) // splits,
+        BLOCK_T=_BLOCK_T, BLOCK_E=_BLOCK_E, BLOCK_K=_BLOCK_K, num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out
+
+
+def router_logits_variants(num_experts: int, hidden: int) -> list[int]:
+    """Token counts that between them compile every variant: each split count (it only falls as
+    T grows, and stays put past _PROGRAMS_TARGET tiles), each with both of Triton's
+    specialisations of T (a multiple of 16 or not)."""
+    last = _BLOCK_T * (_PROGRAMS_TARGET // triton.cdiv(num_experts, _BLOCK_E) + 2)
+    seen, counts = set(), []
+    for num_tokens in range(1, last + 1):
+        key = (_num_splits(num_tokens, num_experts, hidden), num_tokens % 16 == 0)
+        if key not in seen:
+            seen.add(key)
+            counts.append(num_tokens)
+    return counts

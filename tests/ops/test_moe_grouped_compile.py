@@ -1,0 +1,80 @@
+"""The grouped MoE kernels and the router-logits kernel compile for SM90 (H100) and SM100 (B200)
+without either GPU.
+
+Triton's ahead-of-time path (`triton.compile` with a `GPUTarget`) lowers each kernel to a cubin,
+so what the interpreter lets through but the compiler refuses (a variable whose type changes in
+a branch, a tl.dot shape, an fp8 cast) fails on a CPU machine. Every block size the launcher
+picks, bf16 and FP8 weights, V2-Lite's shape. In a subprocess: TRITON_INTERPRET must not leak.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r"""
+import inspect, json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mlaserve.ops import moe_grouped as M
+from mlaserve.ops import router_logits as R
+
+def signature(fn, pointers, constexprs):
+    sig = {p: "i32" for p in inspect.signature(fn.fn).parameters}
+    sig.update(pointers)
+    sig.update({name: "constexpr" for name in constexprs})
+    return sig
+
+index = {"slot_pairs_ptr": "*i32", "padded_end_ptr": "*i32", "counts_ptr": "*i32"}
+sig = signature(M._align_kernel, {**index, "ids_ptr": "*i64", "rank_ptr": "*i32"},
+                ("K", "SLOTS", "E", "E_TOTAL", "E_PAD", "NP", "BLOCK_M"))
+cases = [("align", M._align_kernel, sig,
+          dict(K=6, SLOTS=8, E=64, E_TOTAL=66, E_PAD=128, NP=2048, BLOCK_M=16))]
+shape = dict(H=2048, INTER=1408, SLOTS=8, E=64, S=2, E_PAD=128)
+for wt, scaled in (("*bf16", False), ("*fp8e4nv", True)):
+    ptrs = {**index, "w_ptr": wt, "sw_ptr": wt, "s_ptr": "*fp32", "ss_ptr": "*fp32"}
+    tiles = dict(HAS_SCALE=scaled, BLOCK_N=64, BLOCK_K=128 if scaled else 64)
+    for bm in (16, 32, 64):
+        gu = dict(**shape, **tiles, ROW_DIV=128, SHARED_ROW_DIV=128, BLOCK_M=bm)
+        sig = signature(M._gate_up_kernel, {**ptrs, "x_ptr": "*bf16", "h_ptr": "*bf16"}, gu)
+        cases.append((f"gate_up_{wt[1:]}_{bm}", M._gate_up_kernel, sig, gu))
+        dn = dict(**shape, **tiles, K=6, BLOCK_M=bm)
+        sig = signature(M._down_kernel,
+                        {**ptrs, "h_ptr": "*bf16", "wts_ptr": "*fp32", "part_ptr": "*fp32"}, dn)
+        cases.append((f"down_{wt[1:]}_{bm}", M._down_kernel, sig, dn))
+rl = dict(H=2048, E=64, KB_PER_SPLIT=1, BLOCK_T=16, BLOCK_E=16, BLOCK_K=128)
+sig = signature(R._router_logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32"},
+                rl)
+cases.append(("router_logits", R._router_logits_kernel, sig, rl))
+result = {}
+for arch in (90, 100):
+    for name, fn, sig, consts in cases:
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", arch, 32),
+                           options={"num_warps": 4, "num_stages": 3})
+        result[f"sm{arch}/{name}"] = [len(k.asm["cubin"]), k.metadata.shared]
+print(json.dumps(result))
+"""
+
+
+def test_grouped_moe_kernels_compile_for_sm90_and_sm100() -> None:
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(result) == 2 * 14
+    for name, (cubin_bytes, shared) in result.items():
+        assert cubin_bytes > 0, name
+        assert shared <= 227 * 1024, f"{name}: {shared} B of shared memory"  # SM90/SM100 limit

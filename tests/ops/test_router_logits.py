@@ -1,0 +1,43 @@
+"""The router-logits kernel vs fp64 math: bf16 activations against the fp32 gate.
+
+Bound: |err| <= 1e-5 * (|x| @ |w|^T) elementwise, i.e. fp32-GEMM accuracy relative to the sum
+of the magnitudes of the products (tf32x3 rounds the gate's low bits at ~2^-22; a plain TF32
+product would miss it by ~100x). Token counts below, at and past 16-row tiles and multiples of
+16; expert counts of V2-Lite, V3 and the default model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ops.cases import cpu_case, gpu_case, model_dtype
+
+# name: (E, H)
+SHAPES = {"v2lite": (64, 2048), "v3": (256, 7168), "default": (8, 256), "tiny": (12, 160)}
+CASES = [
+    gpu_case(t, shape) for t in (9, 17, 32, 64, 257, 2048) for shape in ("v2lite", "v3", "default")
+] + [cpu_case(5, "tiny"), cpu_case(33, "default")]
+
+
+@pytest.mark.parametrize("num_tokens,shape_name,device", CASES)
+def test_router_logits_match_fp64(num_tokens, shape_name, device):
+    from mlaserve.ops.router_logits import router_logits
+
+    num_experts, hidden = SHAPES[shape_name]
+    gen = torch.Generator(device=device).manual_seed(num_tokens + num_experts)
+    x = torch.randn(num_tokens, hidden, generator=gen, device=device).to(model_dtype(device))
+    w = torch.randn(num_experts, hidden, generator=gen, device=device) / hidden**0.5
+    got = router_logits(x, w).sum(0)  # split-K partials, summed in order
+    want = x.double() @ w.double().T
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T)
+    assert got.dtype == torch.float32 and got.shape == (num_tokens, num_experts)
+    err = (got.double() - want).abs()
+    assert (err <= bound).all(), f"worst err / bound {(err / bound).max():.3g}"
+
+
+def test_router_logits_refuses_a_non_fp32_gate():
+    from mlaserve.ops.router_logits import router_logits
+
+    with pytest.raises(ValueError, match="fp32"):
+        router_logits(torch.zeros(2, 8), torch.zeros(4, 8, dtype=torch.bfloat16))
