@@ -110,8 +110,10 @@ def choose_gemm(
     """The dispatch rule itself, for a GPU of compute capability `major`.x (see module doc)."""
     blocks = n % 128 == 0 and k % 128 == 0 and scale_rows * 128 == n  # true 128x128 blocks
     # torch 2.11's blockwise scaled_mm wants the K-block count padded to a multiple of 4 in its
-    # scale layout (H100: "scale_b must have shape 12 x 16" for K = 1408, 11 blocks).
-    if major == 9 and blocks and (k // 128) % 4 == 0 and m >= TORCH_BLOCKWISE_MIN_M:
+    # scale layout (H100: "scale_b must have shape 12 x 16" for K = 1408, 11 blocks), and the
+    # activation scales' columns exactly M apart, which their 4-row alignment gives only when
+    # 4 divides M (H100, M = 257: "scale_a must have strides (1, 257)").
+    if major == 9 and blocks and (k // 128) % 4 == 0 and m >= TORCH_BLOCKWISE_MIN_M and m % 4 == 0:
         return "torch_blockwise"
     if major == 10 and has_flashinfer and blocks and k >= 256 and dtype == torch.bfloat16:
         return "flashinfer"

@@ -134,6 +134,8 @@ def test_gemm_dispatch_contract_sm90() -> None:
     assert choose_gemm(9, W8A16_MAX_M, 2816, 2048, 22) == "triton_w8a16"
     assert choose_gemm(9, W8A16_MAX_M + 1, 2816, 2048, 22) == "triton"
     assert choose_gemm(9, 2048, 4096, 2048, 32) == "torch_blockwise"
+    # torch wants the activation scales' columns exactly M apart: 4-row alignment needs 4 | M
+    assert choose_gemm(9, 257, 2816, 2048, 22) == "triton"
     assert choose_gemm(9, 2048, 576, 2048, 5) == "triton"  # partial last block (kv_a)
     assert choose_gemm(9, 2048, 256, 2048, 256) == "triton"  # per-row scales
     assert choose_gemm(9, 2048, 2048, 1408 + 64, 12) == "triton"  # K not a multiple of 128
