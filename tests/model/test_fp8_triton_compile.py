@@ -9,13 +9,9 @@ Skipped where Triton is not installed.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.aot_compile import compile_for_gpus
 
 pytest.importorskip("triton")
 
@@ -68,15 +64,4 @@ print(json.dumps(result))
 
 
 def test_kernels_compile_for_sm90_and_sm100() -> None:
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(result) == 2 * 9
-    for name, (cubin_bytes, shared) in result.items():
-        assert cubin_bytes > 0, name
-        assert shared <= 227 * 1024, f"{name}: {shared} B of shared memory"  # SM90/SM100 limit
+    compile_for_gpus(SCRIPT, expected=2 * 9)
