@@ -48,9 +48,63 @@ import triton.language as tl
 
 from mlaserve.ops.moe_partials import MoePartials
 
-__all__ = ["MoeDecodeWeights", "combine_partials", "moe_decode", "scale_args"]
+__all__ = [
+    "MoeDecodeWeights",
+    "combine_partials",
+    "expert_down_cols",
+    "expert_gate_up_rows",
+    "moe_decode",
+    "scale_args",
+]
 
 _SCALE_BLOCK = 128  # the FP8 block size along K (both GEMMs)
+
+
+@triton.jit
+def expert_gate_up_rows(
+    routed, index, offs_n, w_ptr, s_ptr, sw_ptr, ss_ptr, s_e_stride, s_r_stride, ss_r_stride,
+    INTER: tl.constexpr, S: tl.constexpr, ROW_DIV: tl.constexpr, SHARED_ROW_DIV: tl.constexpr,
+):  # fmt: skip
+    """Where the gate and up rows `offs_n` of one width-I expert live: routed expert `index`
+    (rows of w13 seen as [E * 2I, H]) or shared slice `index` (rows of the shared MLP's
+    [gate (SI) | up (SI)]). -> (weight base, gate rows, up rows, scale base, gate and up scale
+    offsets: add the K block). Shared by this file's and `moe_grouped`'s gate_up kernels."""
+    if routed:
+        base = w_ptr
+        gate_rows = index * (2 * INTER) + offs_n
+        up_rows = gate_rows + INTER
+        sbase = s_ptr
+        sg = index * s_e_stride + (offs_n // ROW_DIV) * s_r_stride
+        su = index * s_e_stride + ((offs_n + INTER) // ROW_DIV) * s_r_stride
+    else:
+        base = sw_ptr
+        gate_rows = index * INTER + offs_n
+        up_rows = gate_rows + S * INTER
+        sbase = ss_ptr
+        sg = (gate_rows // SHARED_ROW_DIV) * ss_r_stride
+        su = (up_rows // SHARED_ROW_DIV) * ss_r_stride
+    return base, gate_rows, up_rows, sbase, sg, su
+
+
+@triton.jit
+def expert_down_cols(
+    routed, index, offs_n, w_ptr, s_ptr, sw_ptr, ss_ptr, s_e_stride, s_r_stride, ss_r_stride,
+    H: tl.constexpr, INTER: tl.constexpr, S: tl.constexpr,
+):  # fmt: skip
+    """Where the down projection's output rows `offs_n` of one width-I expert live: w2[index]
+    [H, I] for a routed expert, columns [s*I, (s+1)*I) of the shared MLP's [H, S*I] for shared
+    slice s = `index`. -> (base, row stride, first column, scale pointers of the rows: add the
+    K block); element (n, k) is at base + n * row stride + first column + k. Shared by this
+    file's and `moe_grouped`'s down kernels."""
+    row_stride = tl.where(routed, INTER, S * INTER)
+    col0 = tl.where(routed, 0, index * INTER)
+    if routed:
+        base = w_ptr + index * H * INTER
+        srow = s_ptr + index * s_e_stride + (offs_n // 128) * s_r_stride
+    else:
+        base = sw_ptr
+        srow = ss_ptr + (offs_n // 128) * ss_r_stride + col0 // 128
+    return base, row_stride, col0, srow
 
 
 @triton.jit
@@ -66,22 +120,12 @@ def _gate_up_kernel(
     slot = pair % (K + S)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < INTER
-    if slot < K:  # routed: rows of w13 seen as [E * 2I, H]
-        e = tl.load(ids_ptr + t * K + slot).to(tl.int64)
-        base = w_ptr
-        gate_rows = e * (2 * INTER) + offs_n
-        up_rows = gate_rows + INTER
-        sbase = s_ptr
-        sg = e * s_e_stride + (offs_n // ROW_DIV) * s_r_stride
-        su = e * s_e_stride + ((offs_n + INTER) // ROW_DIV) * s_r_stride
-    else:  # shared slice s: rows of the shared MLP's [gate (SI) | up (SI)]
-        s = slot - K
-        base = sw_ptr
-        gate_rows = s * INTER + offs_n
-        up_rows = gate_rows + S * INTER
-        sbase = ss_ptr
-        sg = (gate_rows // SHARED_ROW_DIV) * ss_r_stride
-        su = (up_rows // SHARED_ROW_DIV) * ss_r_stride
+    routed = slot < K
+    index = tl.where(routed, tl.load(ids_ptr + t * K + tl.minimum(slot, K - 1)), slot - K)
+    base, gate_rows, up_rows, sbase, sg, su = expert_gate_up_rows(
+        routed, index, offs_n, w_ptr, s_ptr, sw_ptr, ss_ptr, s_e_stride, s_r_stride, ss_r_stride,
+        INTER, S, ROW_DIV, SHARED_ROW_DIV,
+    )  # fmt: skip
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     x_row = x_ptr + t * H
@@ -121,14 +165,12 @@ def _down_kernel(
     mask_n = offs_n < H
     routed = slot < K
     weight = tl.where(routed, tl.load(wts_ptr + t * K + tl.minimum(slot, K - 1)), 1.0)
-    if routed:  # w2 [E, H, I]
-        e = tl.load(ids_ptr + t * K + slot).to(tl.int64)
-        rows = w_ptr + (e * H + offs_n[:, None]) * INTER
-        srow = s_ptr + e * s_e_stride + (offs_n // 128) * s_r_stride
-    else:  # shared slice: columns [s*I, (s+1)*I) of shared_w2 [H, S*I]
-        col0 = (slot - K) * INTER
-        rows = sw_ptr + offs_n[:, None].to(tl.int64) * (S * INTER) + col0
-        srow = ss_ptr + (offs_n // 128) * ss_r_stride + col0 // 128
+    index = tl.where(routed, tl.load(ids_ptr + t * K + tl.minimum(slot, K - 1)), slot - K)
+    base, row_stride, col0, srow = expert_down_cols(
+        routed, index, offs_n, w_ptr, s_ptr, sw_ptr, ss_ptr, s_e_stride, s_r_stride, ss_r_stride,
+        H, INTER, S,
+    )  # fmt: skip
+    rows = base + offs_n[:, None].to(tl.int64) * row_stride + col0
     h_row = h_ptr + pair * INTER
     part = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):

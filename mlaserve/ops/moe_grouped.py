@@ -37,8 +37,8 @@ Why not `torch._grouped_mm` plus glue (the path past `max_tokens`): at these siz
 bound by reading the touched experts' weights, and the sort, gather, SiLU, unsort, weighted sum
 and the shared MLP around two grouped GEMMs cost ~20 launches and more time than the bytes.
 Launches read no device value on the host, and every constexpr depends on the model and on
-`num_pairs_bucket` alone: CUDA-graph safe, and `moe_grouped_warm_up` compiles every variant at
-load.
+the token count's bucket (pairs' power of two, block rows and columns) alone: CUDA-graph safe,
+and `moe_grouped_warm_up` compiles every variant at load.
 """
 
 from __future__ import annotations
@@ -47,7 +47,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.ops.moe_decode import MoeDecodeWeights, combine_partials, scale_args
+from mlaserve.ops.moe_decode import (
+    MoeDecodeWeights,
+    combine_partials,
+    expert_down_cols,
+    expert_gate_up_rows,
+    scale_args,
+)
 from mlaserve.ops.moe_partials import MoePartials
 
 __all__ = ["moe_grouped", "moe_grouped_block_m", "moe_grouped_warm_up"]
@@ -112,20 +118,11 @@ def _gate_up_kernel(
         tok = (pairs // SLOTS).to(tl.int64)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < INTER
-        if e < E:  # routed: rows of w13 seen as [E * 2I, H]
-            base = w_ptr
-            gate_rows = e * (2 * INTER) + offs_n
-            up_rows = gate_rows + INTER
-            sbase = s_ptr
-            sg = e * s_e_stride + (offs_n // ROW_DIV) * s_r_stride
-            su = e * s_e_stride + ((offs_n + INTER) // ROW_DIV) * s_r_stride
-        else:  # shared slice e - E: rows of the shared MLP's [gate (SI) | up (SI)]
-            base = sw_ptr
-            gate_rows = (e - E) * INTER + offs_n
-            up_rows = gate_rows + S * INTER
-            sbase = ss_ptr
-            sg = (gate_rows // SHARED_ROW_DIV) * ss_r_stride
-            su = (up_rows // SHARED_ROW_DIV) * ss_r_stride
+        routed = e < E  # else shared slice e - E
+        base, gate_rows, up_rows, sbase, sg, su = expert_gate_up_rows(
+            routed, tl.where(routed, e, e - E), offs_n, w_ptr, s_ptr, sw_ptr, ss_ptr,
+            s_e_stride, s_r_stride, ss_r_stride, INTER, S, ROW_DIV, SHARED_ROW_DIV,
+        )  # fmt: skip
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -175,16 +172,10 @@ def _down_kernel(
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < H
         routed = e < E
-        # w2 [E, H, I] (output rows n, K along I), or columns [s*I, (s+1)*I) of the shared MLP's
-        # down projection [H, S*I] for shared slice s = e - E
-        row_stride = tl.where(routed, INTER, S * INTER)
-        col0 = tl.where(routed, 0, (e - E) * INTER)
-        if routed:
-            base = w_ptr + e * H * INTER
-            srow = s_ptr + e * s_e_stride + (offs_n // 128) * s_r_stride
-        else:
-            base = sw_ptr
-            srow = ss_ptr + (offs_n // 128) * ss_r_stride + col0 // 128
+        base, row_stride, col0, srow = expert_down_cols(
+            routed, tl.where(routed, e, e - E), offs_n, w_ptr, s_ptr, sw_ptr, ss_ptr,
+            s_e_stride, s_r_stride, ss_r_stride, H, INTER, S,
+        )  # fmt: skip
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
