@@ -15,23 +15,11 @@ from tests.aot_compile import compile_for_gpus
 
 pytest.importorskip("triton")
 
-SCRIPT = r"""
-import inspect, json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+CASES = r"""
 from mlaserve.ops import fp8_triton as K
-
-def signature(fn, pointers, floats=(), constexprs=()):
-    sig = {p: "i32" for p in inspect.signature(fn.fn).parameters}
-    sig.update(pointers)
-    sig.update({name: "fp32" for name in floats})
-    sig.update({name: "constexpr" for name in constexprs})
-    return sig
 
 fp8 = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "as_ptr": "*fp32", "bs_ptr": "*fp32"}
 tiles = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
-cases = []
 w8a16 = {"a_ptr": "*bf16", "as_ptr": "*bf16"}  # bf16 activations; as_ptr unused
 for bm, bn, out, a_fp8 in ((16, 64, "*bf16", True), (16, 64, "*fp32", True),
                            (64, 128, "*bf16", True), (16, 16, "*bf16", False),
@@ -52,16 +40,8 @@ sig = signature(K._per_token_group_quant_kernel,
                 {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                 floats=("fp8_max", "eps"), constexprs=("GROUP",))
 cases.append(("quant", K._per_token_group_quant_kernel, sig, {"GROUP": 128}))
-result = {}
-for arch in (90, 100):
-    for name, fn, sig, consts in cases:
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                           target=GPUTarget("cuda", arch, 32),
-                           options={"num_warps": 4, "num_stages": 4})
-        result[f"sm{arch}/{name}"] = [len(k.asm["cubin"]), k.metadata.shared]
-print(json.dumps(result))
 """
 
 
 def test_kernels_compile_for_sm90_and_sm100() -> None:
-    compile_for_gpus(SCRIPT, expected=2 * 9)
+    compile_for_gpus(CASES, expected=2 * 9, num_stages=4)

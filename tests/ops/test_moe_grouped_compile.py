@@ -1,5 +1,5 @@
-"""The grouped MoE kernels and the router-logits kernel compile for SM90 (H100) and SM100 (B200)
-without either GPU.
+"""The MoE kernels (grouped and decode) and the router-logits kernel compile for SM90 (H100) and
+SM100 (B200) without either GPU.
 
 Triton's ahead-of-time path (`triton.compile` with a `GPUTarget`) lowers each kernel to a cubin,
 so what the interpreter lets through but the compiler refuses (a variable whose type changes in
@@ -15,51 +15,47 @@ from tests.aot_compile import compile_for_gpus
 
 pytest.importorskip("triton")
 
-SCRIPT = r"""
-import inspect, json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+CASES = r"""
+from mlaserve.ops import moe_decode as D
 from mlaserve.ops import moe_grouped as M
 from mlaserve.ops import router_logits as R
 
-def signature(fn, pointers, constexprs):
-    sig = {p: "i32" for p in inspect.signature(fn.fn).parameters}
-    sig.update(pointers)
-    sig.update({name: "constexpr" for name in constexprs})
-    return sig
-
 index = {"slot_pairs_ptr": "*i32", "padded_end_ptr": "*i32", "counts_ptr": "*i32"}
 sig = signature(M._align_kernel, {**index, "ids_ptr": "*i64", "rank_ptr": "*i32"},
-                ("K", "SLOTS", "E", "E_TOTAL", "E_PAD", "NP", "BLOCK_M"))
-cases = [("align", M._align_kernel, sig,
-          dict(K=6, SLOTS=8, E=64, E_TOTAL=66, E_PAD=128, NP=2048, BLOCK_M=16))]
+                constexprs=("K", "SLOTS", "E", "E_TOTAL", "E_PAD", "NP", "BLOCK_M"))
+cases.append(("align", M._align_kernel, sig,
+              dict(K=6, SLOTS=8, E=64, E_TOTAL=66, E_PAD=128, NP=2048, BLOCK_M=16)))
 shape = dict(H=2048, INTER=1408, SLOTS=8, E=64, S=2, E_PAD=128)
 for wt, scaled in (("*bf16", False), ("*fp8e4nv", True)):
     ptrs = {**index, "w_ptr": wt, "sw_ptr": wt, "s_ptr": "*fp32", "ss_ptr": "*fp32"}
     tiles = dict(HAS_SCALE=scaled, BLOCK_N=64, BLOCK_K=128 if scaled else 64)
     for bm in (16, 32, 64):
         gu = dict(**shape, **tiles, ROW_DIV=128, SHARED_ROW_DIV=128, BLOCK_M=bm)
-        sig = signature(M._gate_up_kernel, {**ptrs, "x_ptr": "*bf16", "h_ptr": "*bf16"}, gu)
+        sig = signature(M._gate_up_kernel, {**ptrs, "x_ptr": "*bf16", "h_ptr": "*bf16"},
+                        constexprs=gu)
         cases.append((f"gate_up_{wt[1:]}_{bm}", M._gate_up_kernel, sig, gu))
         dn = dict(**shape, **tiles, K=6, BLOCK_M=bm)
         sig = signature(M._down_kernel,
-                        {**ptrs, "h_ptr": "*bf16", "wts_ptr": "*fp32", "part_ptr": "*fp32"}, dn)
+                        {**ptrs, "h_ptr": "*bf16", "wts_ptr": "*fp32", "part_ptr": "*fp32"},
+                        constexprs=dn)
         cases.append((f"down_{wt[1:]}_{bm}", M._down_kernel, sig, dn))
+    # moe_decode's kernels share the expert row / column helpers with the grouped ones
+    ptrs = {"ids_ptr": "*i64", "w_ptr": wt, "sw_ptr": wt, "s_ptr": "*fp32", "ss_ptr": "*fp32"}
+    gu = dict(H=2048, INTER=1408, K=6, S=2, ROW_DIV=128, SHARED_ROW_DIV=128, HAS_SCALE=scaled,
+              BLOCK_N=16, BLOCK_K=128)
+    sig = signature(D._gate_up_kernel, {**ptrs, "x_ptr": "*bf16", "h_ptr": "*bf16"}, constexprs=gu)
+    cases.append((f"decode_gate_up_{wt[1:]}", D._gate_up_kernel, sig, gu))
+    dn = dict(H=2048, INTER=1408, K=6, S=2, HAS_SCALE=scaled, BLOCK_N=16, BLOCK_K=128)
+    sig = signature(D._down_kernel,
+                    {**ptrs, "h_ptr": "*bf16", "wts_ptr": "*fp32", "part_ptr": "*fp32"},
+                    constexprs=dn)
+    cases.append((f"decode_down_{wt[1:]}", D._down_kernel, sig, dn))
 rl = dict(H=2048, E=64, KB_PER_SPLIT=1, BLOCK_T=16, BLOCK_E=16, BLOCK_K=128)
 sig = signature(R._router_logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32"},
-                rl)
+                constexprs=rl)
 cases.append(("router_logits", R._router_logits_kernel, sig, rl))
-result = {}
-for arch in (90, 100):
-    for name, fn, sig, consts in cases:
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                           target=GPUTarget("cuda", arch, 32),
-                           options={"num_warps": 4, "num_stages": 3})
-        result[f"sm{arch}/{name}"] = [len(k.asm["cubin"]), k.metadata.shared]
-print(json.dumps(result))
 """
 
 
 def test_grouped_moe_kernels_compile_for_sm90_and_sm100() -> None:
-    compile_for_gpus(SCRIPT, expected=2 * 14)
+    compile_for_gpus(CASES, expected=2 * 18, num_stages=3)
