@@ -64,13 +64,6 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, params_dtype=params_dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, params_dtype=params_dtype)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
-    ) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]"""
-        out, residual = self.forward_residual(x, None, cos, sin, batch)
-        return residual + (out.total() if isinstance(out, MoePartials) else out)
-
     def forward_residual(
         self,
         x: torch.Tensor | MoePartials,
@@ -172,8 +165,13 @@ class DeepseekForCausalLM(nn.Module):
                 module.process_weights_after_loading()
         # Compile the decode GEMVs and the grouped MoE kernels for every token count they take
         # (not only the captured batch sizes that warm-up runs), so none compiles while serving.
+        # Modules of one type and parameter shapes take the same compiled variants, so each such
+        # kind is warmed once (one MoE layer of V2-Lite's 26, not all of them).
+        warmed = set()
         for module in self.modules():
-            for hook in ("warm_up_gemv", "warm_up_kernels"):  # linears and the router; MoE
-                warm_up = getattr(module, hook, None)
-                if warm_up is not None:
+            hooks = [getattr(module, h, None) for h in ("warm_up_gemv", "warm_up_kernels")]
+            kind = (type(module), *((p.shape, p.dtype) for p in module.parameters()))
+            if any(hooks) and kind not in warmed:  # linears and the router; MoE
+                warmed.add(kind)
+                for warm_up in filter(None, hooks):
                     warm_up(self.params_dtype)
