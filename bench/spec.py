@@ -15,7 +15,9 @@ were accepted least. Each (bs, k) first runs once "on" unmeasured (the policy's 
 at its prior and learns from its first verified requests; that run's TPOT is printed).
 
 Part 2, a V2-Lite-sized DeepSeek-V3-architecture checkpoint with one MTP layer (random weights,
-so accept lengths mean nothing there): per captured batch size, the device time of
+so accept lengths mean nothing there): per captured batch size, on the rows of real requests
+(random 64-token prompts, each row its own token and position, so each routes on its own;
+`step_timer.replay_step_times`), the device time of
   decode  = DECODE graph + argmax (a plain step: an engine without speculation, and a step of a
             speculative engine whose policy says no: it does no draft work),
   spec    = VERIFY graph (k+1 rows) + argmax + DRAFT_EXTEND graph + DRAFT graph (k tokens),
@@ -48,7 +50,7 @@ from decode import copy_bandwidth
 
 from mlaserve import LLM, SamplingParams
 from mlaserve.spec.spec_policy import FORCED_SPEC
-from mlaserve.spec.step_timer import step_fns, time_replays
+from mlaserve.spec.step_timer import replay_step_times
 
 BATCH_SIZES = (1, 4, 16, 32)
 TEXTS = [
@@ -260,24 +262,11 @@ def part2(path: str | None, k: int, iters: int, label: str) -> list[dict]:
         cuda_graph_batch_sizes=BATCH_SIZES,
     )
     engine = llm.engine
-    graphs, drafter = engine.graphs, engine.spec_decoder.drafter
     bandwidth = copy_bandwidth(engine.runner.device)
     rows = []
     for size in BATCH_SIZES:
-        decode, spec = step_fns(graphs, drafter, k, size)
-
-        def draft(s=size) -> None:
-            drafter.graphs[("draft", 1, s)].graph.replay()
-
-        def draft_extend(s=size) -> None:
-            drafter.graphs[("extend", k + 1, s)].graph.replay()
-
-        t = {
-            "decode": time_replays(decode, iters),
-            "spec": time_replays(spec, iters),
-            "draft": time_replays(draft, iters) / k,
-            "draft_extend": time_replays(draft_extend, iters),
-        }
+        t = replay_step_times(engine, size, iters)
+        t["draft"] /= k  # per draft token
         costs = engine.spec_costs
         floor = floors_ms(llm, size, k, bandwidth)
         rows.append(

@@ -18,7 +18,11 @@
 Whether the NEXT step speculates is decided in this one (`SpecPolicy`, from the batch size, the
 number of stale caches, the running accept length and the step costs), since its drafts are
 drafted now. Each steady-state decode step's kind (spec, plain, refresh) is kept so the engine
-can report the step's wall time back to the policy (`observe_step_time`).
+can report the step's wall time back to the policy (`observe_step_time`), which takes it only
+from a settled batch: same kind and same requests as the step before. The first steps after a
+batch changes are slower than the rest (on an H100, the default model's first speculative steps
+after a prefill took 1.5-1.8 ms against 0.86 ms settled), and a policy that counted them saw
+speculation dearer than it was.
 
 The only device->host transfer is one packed int64 copy: the emitted tokens, the accept
 lengths, the per-request finite flags and the next drafts (the host builds the next verify
@@ -38,7 +42,7 @@ from mlaserve.engine.input_buffers import HostBatch
 from mlaserve.engine.model_runner import NONFINITE_LOGITS, ModelRunner, StepResult
 from mlaserve.engine.request import Request
 from mlaserve.engine.scheduler import SchedulerOutput
-from mlaserve.graph_runner import CudaGraphRunner
+from mlaserve.graph_runner import CudaGraphRunner, TargetOutput
 from mlaserve.sampling.rejection import accept_draft
 from mlaserve.sampling.sampler import finite_rows, raw_logprobs
 from mlaserve.spec.mtp_drafter import Drafter, target_mode
@@ -70,6 +74,8 @@ class SpecDecoder:
         self._last_log = time.monotonic()
         # (kind, batch size) of the last step when it was a steady-state decode step, else None.
         self._last_step: tuple[str, int] | None = None
+        self._batch_ids: tuple[str, ...] = ()  # the last step's requests
+        self._prev_key: tuple | None = None  # (kind, requests) of the step before, if steady
 
     def reset_stats(self) -> None:
         """Forget what throwaway steps (the start-up cost measurement) taught: counters, the
@@ -90,20 +96,31 @@ class SpecDecoder:
             f"policy estimate {self.policy.accept_length_estimate:.2f}"
         )
 
-    @torch.inference_mode()
     def step(self, sched: SchedulerOutput) -> tuple[StepResult, list[int]]:
         """-> (the tokens each sampled request emits, in scheduling order; the draft tokens each
         accepted, for `Scheduler.after_step`). Drafts for the next step land in
         `request.draft_token_ids` (empty when the next step does not speculate)."""
         self.runner.admit(sched)
-        for s in sched.scheduled:
-            if s.request.num_computed_tokens == 0:  # (re)computed from its prompt
-                s.request.draft_cache_valid = True
-        num_stale = sum(not s.request.draft_cache_valid for s in sched.scheduled)
-        decision = self.policy.decide(len(sched.scheduled), num_stale)
+        requests = [s.request for s in sched.scheduled]
+        decode = sched.mode is ForwardMode.DECODE
+        verify = decode and all(len(r.draft_token_ids) == self.k for r in requests)
+        target = None
+        if decode and not verify:
+            # A DECODE forward whatever the decision (which only says what follows it): start
+            # it first, so the decision's host work runs beside it, as a plain engine's would.
+            target = self.graphs.run_with_hidden(self.runner.build_host_batch(sched))
+        num_stale = 0
+        for r in requests:
+            if r.num_computed_tokens == 0:  # (re)computed from its prompt
+                r.draft_cache_valid = True
+            num_stale += not r.draft_cache_valid
+        decision = self.policy.decide(len(requests), num_stale)
         self._last_step = None
-        if sched.mode is ForwardMode.DECODE:
-            result, accepted = self._decode(sched, decision)
+        self._batch_ids = tuple(r.request_id for r in requests)
+        if decode:
+            if target is not None and not decision.speculate and not decision.refresh:
+                return self._plain(sched, requests, target)
+            result, accepted = self._decode(sched, requests, decision, target)
         else:
             result, accepted = self._extend(sched, decision.speculate)
         if time.monotonic() - self._last_log >= LOG_INTERVAL_S and self.stats.num_drafts:
@@ -113,12 +130,17 @@ class SpecDecoder:
 
     def observe_step_time(self, seconds: float) -> None:
         """The wall time of the engine step that just ran (scheduling to outputs): reported to
-        the policy's online costs when it was a steady-state decode step."""
-        if self._last_step is not None:
+        the policy's online costs when it was a steady-state decode step of a settled batch
+        (the step before was of the same kind, over the same requests)."""
+        key = None if self._last_step is None else (self._last_step[0], self._batch_ids)
+        settled = key is not None and key == self._prev_key
+        self._prev_key = key
+        if settled:
             kind, bs = self._last_step
             self.policy.observe_step(kind, bs, seconds)
 
     # ----- EXTEND: plain target forward, then the draft over the same rows -----
+    @torch.inference_mode()
     def _extend(self, sched: SchedulerOutput, speculate: bool) -> tuple[StepResult, list[int]]:
         """The draft runs over every row (prefill keeps its cache complete); it drafts when the
         next step speculates."""
@@ -151,32 +173,25 @@ class SpecDecoder:
         return result, [0] * n
 
     # ----- DECODE: verify k drafts, or a plain step -----
-    def _decode(self, sched: SchedulerOutput, decision: Decision) -> tuple[StepResult, list[int]]:
-        """Speculating next: draft-extend + drafts. Not: the draft-extend alone (refresh), or no
-        draft work at all (the step costs what a plain engine's does) and the requests' draft
-        caches go stale."""
-        k, ps = self.k, self.runner.page_size
-        requests = [s.request for s in sched.scheduled]
-        verify = all(len(r.draft_token_ids) == k for r in requests)
-        if not verify and not decision.speculate and not decision.refresh:
-            return self._plain(sched, requests)
+    @torch.inference_mode()
+    def _decode(
+        self,
+        sched: SchedulerOutput,
+        requests: list[Request],
+        decision: Decision,
+        target: TargetOutput | None,
+    ) -> tuple[StepResult, list[int]]:
+        """target: the DECODE forward already started when no request holds drafts; None: every
+        request holds k drafts, verified here. Speculating next: draft-extend + drafts. Not:
+        the draft-extend alone (refresh), or no draft work at all (`_plain`, when there is
+        nothing to verify either) and the requests' draft caches go stale."""
+        k = self.k
         fresh = [r.draft_cache_valid for r in requests]  # before this step may change it
         bs = len(requests)
+        verify = target is None
         q = k + 1 if verify else 1
-        host = HostBatch(target_mode(q), [], [], [], [], [], [], [])
-        for r in requests:
-            start = r.num_tokens - 1
-            host.input_ids.append(r.token_at(start))
-            if verify:
-                host.input_ids.extend(r.draft_token_ids)
-            host.positions.extend(range(start, start + q))
-            host.slot_mapping.extend(
-                r.pages[p // ps] * ps + p % ps for p in range(start, start + q)
-            )
-            host.seq_lens.append(start + q)
-            host.q_lens.append(q)
-            host.block_tables.append(r.pages)
-        target = self.graphs.run_with_hidden(host)
+        if verify:
+            target = self.graphs.run_with_hidden(self._verify_batch(requests))
         logits = target.logits[: bs * q]
         slots = self.runner.sampling_slots
         row_slots = [r.slot for r in requests]
@@ -229,15 +244,34 @@ class SpecDecoder:
             self._logprobs(result, lp, lens, q)
         return result, [n - 1 for n in lens]
 
-    def _plain(self, sched: SchedulerOutput, requests: list[Request]) -> tuple[StepResult, list]:
+    def _plain(
+        self, sched: SchedulerOutput, requests: list[Request], target: TargetOutput
+    ) -> tuple[StepResult, list]:
         """No draft work at all: exactly a plain engine's step (its host batch fast path, its
-        sampling and read-back), so speculation off costs what an engine without it does. The
-        draft caches go stale."""
+        forward, sampling and read-back), so speculation off costs what an engine without it
+        does. The draft caches go stale."""
         for r in requests:
             r.draft_cache_valid = False
         self._last_step = ("plain", len(requests))
-        logits = self.graphs.run(self.runner.build_host_batch(sched))
+        logits = target.logits[: target.num_rows]
         return self.runner.sample(logits, sched), [0] * len(requests)
+
+    def _verify_batch(self, requests: list[Request]) -> HostBatch:
+        """VERIFY rows: each request's last token and its k drafts (q_len k+1, causal)."""
+        q, ps = self.k + 1, self.runner.page_size
+        host = HostBatch(target_mode(q), [], [], [], [], [], [], [])
+        for r in requests:
+            start = r.num_tokens - 1
+            host.input_ids.append(r.token_at(start))
+            host.input_ids.extend(r.draft_token_ids)
+            host.positions.extend(range(start, start + q))
+            host.slot_mapping.extend(
+                r.pages[p // ps] * ps + p % ps for p in range(start, start + q)
+            )
+            host.seq_lens.append(start + q)
+            host.q_lens.append(q)
+            host.block_tables.append(r.pages)
+        return host
 
     # ----- helpers -----
     def _set_drafts(self, requests: list[Request], values: list[int] | None) -> None:

@@ -7,18 +7,27 @@ engine steps of three kinds (`StepCosts`):
     plain    decode and sampling, no draft work at all (what an engine without speculation does)
     refresh  a plain step plus the draft's one-row cache update (draft-extend, no drafting)
 
-While serving, every steady-state speculative or plain decode step's own wall time updates the
-cost of its kind at its size (`observe_step`): the cost is the median of the last `COST_WINDOW` observed steps, the
-start-up figure counting as `STARTUP_WEIGHT` of them. So the costs follow what serving really
-costs (longer contexts, another process on the GPU), a start-up measurement thrown off by noise
-is outvoted within `STARTUP_WEIGHT + 1` steps (on the GPU an exponential average over 32 steps
-needed ~30 wrong decisions for that), and a lone outlier (a garbage-collection pause) moves
-nothing.
+While serving, every settled speculative or plain decode step's own wall time updates the
+cost of its kind at its size (`observe_step`): the cost is the lower quartile of the last
+`COST_WINDOW` observed steps, the start-up figure counting as `STARTUP_WEIGHT` of them. So the
+costs follow what serving really costs (longer contexts, another process on the GPU), a
+start-up figure thrown off by noise is outvoted within a few served steps (on the GPU an
+exponential average over 32 steps needed ~30 wrong decisions for that), and outliers move
+nothing. The lower quartile, not the median, because timing noise only ever adds time (a
+garbage-collection pause, the host scheduler) and comes in stretches: on an H100 the median of
+32 served speculative steps at bs 1 swung between 0.88 and 1.28 ms from one run to the next,
+which moved the break-even across the accept length and the decision with it.
 
 Accept length. L_hat is a running estimate: a prior of `PRIOR_WEIGHT` pseudo-steps at the accept
 length of a chain whose every position is accepted with probability `PRIOR_RATE`
-(1 + p + ... + p^k: 2.18 for p = 0.6, k = 3), plus the observed lengths with exponential
+(1 + p + ... + p^k: 2.95 for p = 0.8, k = 3), plus the observed lengths with exponential
 forgetting (weight halves every `HALF_LIFE` verified requests), so it follows a change of traffic.
+The prior is optimistic on purpose (DeepSeek-V3 reports 85-90% acceptance of its MTP token; the
+default model's measured 78% at k = 1): a prior that says speculate is corrected by its own
+observations within a few steps, one that says do not never observes anything (plain steps
+verify nothing, and where the refresh does not pay their caches go stale). With p = 0.6 the
+default model on an H100 at bs 1, k = 1 (break-even 1.62 by the start-up measurement, real
+accept length 1.78) never started speculating.
 
 Decision. A speculative step emits L tokens per request on average (bonus included), a plain one
 1. Requests whose draft cache is stale (they ran plain steps without the refresh) are verified
@@ -31,6 +40,15 @@ The margin: TPOT is per request, and requests' accept lengths differ, so the mea
 speculation is the step cost times the mean of their inverses, above the cost over the mean
 accept length. On an H100 (default model, bs 4-32, bench/spec.py) the break-even read off the
 requests' TPOT sat 6-8% above the step-cost ratio.
+
+Hysteresis. Once speculating ("pays"), a step of the same captured size that no longer clears
+the margin keeps speculating ("hold") until `OFF_AFTER` decisions in a row have said so. The two mistakes cost
+differently: speculating a few steps where it does not pay loses at most OFF_AFTER steps' worth
+of the (small, near the break-even) difference, but turning off where it does pay, when the
+refresh does not pay either, leaves every running request's draft cache stale, i.e. off for the
+rest of its life. On an H100 (default model, bs 1, k = 1 and 2, where speculation won 10%) a
+served-cost estimate that crossed the break-even for a step or two did exactly that, and the
+policy ran 12-22% slower than speculation off.
 
 When not speculating, the step refreshes the draft caches iff that costs at most
 `REFRESH_MAX_OVERHEAD` of a plain step at this size (by the start-up measurement, which times
@@ -58,7 +76,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -66,6 +83,7 @@ __all__ = [
     "FORCED_PLAIN",
     "FORCED_REFRESH",
     "FORCED_SPEC",
+    "OFF_AFTER",
     "SPEC_MARGIN",
     "STEP_KINDS",
     "Decision",
@@ -74,7 +92,7 @@ __all__ = [
     "prior_accept_length",
 ]
 
-PRIOR_RATE = 0.6  # per-position acceptance of the prior (MTP on real text: 0.6-0.9)
+PRIOR_RATE = 0.8  # per-position acceptance of the prior (MTP on real text: 0.6-0.9)
 PRIOR_WEIGHT = 8.0  # pseudo-steps behind the prior
 HALF_LIFE = 1024  # verified requests after which an observation weighs half
 PROBE_EVERY = 64  # while off by cost, probe at most once per this many decisions
@@ -82,7 +100,8 @@ PROBE_BUDGET = 0.01  # and no more often than costs this fraction of the plain s
 PROBE_STEPS = 2  # speculating decisions per probe: a draft step, then one verify with drafts
 REFRESH_MAX_OVERHEAD = 0.02  # keep draft caches fresh while off if it costs <= 2% of a step
 SPEC_MARGIN = 0.05  # speculate only where the accept length clears the break-even by this much
-COST_WINDOW = 32  # served steps an online cost is the median of
+OFF_AFTER = 8  # speculating: turn off after this many decisions in a row that it does not pay
+COST_WINDOW = 32  # served steps an online cost is the lower quartile of
 STARTUP_WEIGHT = 4  # served steps the start-up measurement counts as, until outvoted
 STEP_KINDS = ("spec", "plain", "refresh")
 
@@ -145,7 +164,7 @@ class StepCosts:
 @dataclass(frozen=True)
 class Decision:
     speculate: bool
-    reason: str  # pays | does_not_pay | probe | cap | unmeasured | too_large | forced
+    reason: str  # pays | hold | does_not_pay | probe | cap | unmeasured | too_large | forced
     # Not speculating: run the draft's cache update anyway (keeps the caches fresh).
     refresh: bool = False
 
@@ -172,6 +191,9 @@ class SpecPolicy:
         self._weight = 0.0  # decayed number of observations
         self._off_streak = 0
         self._probe_left = 0
+        self._doubts = 0  # decisions in a row, while speculating by cost, that it does not pay
+        # The captured size of the last decision when it speculated because it pays (or held).
+        self._paying: int | None = None
         self.costs = costs
 
     # ----- costs: measured at start-up, then followed online -----
@@ -209,10 +231,10 @@ class SpecPolicy:
             window = deque([table[size]] * STARTUP_WEIGHT, maxlen=COST_WINDOW)
             self._windows[(kind, size)] = window
         window.append(seconds)
-        table[size] = statistics.median(window)
+        table[size] = sorted(window)[len(window) // 4]  # the lower quartile
 
     def cost_window(self, kind: str, bs: int) -> list[float]:
-        """The seconds the current `kind` cost at bs's size is the median of: the start-up figure
+        """The seconds the current `kind` cost at bs's size is the lower quartile of: the start-up figure
         (`STARTUP_WEIGHT` times, until pushed out) and the served steps since, oldest first."""
         size = self._costs.size_for(bs) if self._costs is not None else None
         return list(self._windows.get((kind, size), ()))
@@ -229,7 +251,8 @@ class SpecPolicy:
     def reset_observations(self) -> None:
         """Back to the prior: no accept lengths observed, no probe under way."""
         self._sum = self._weight = 0.0
-        self._off_streak = self._probe_left = 0
+        self._off_streak = self._probe_left = self._doubts = 0
+        self._paying = None
 
     def observe(self, accept_lens: list[int]) -> None:
         """Accept lengths (1..k+1) of requests one speculative step verified (fresh caches)."""
@@ -245,6 +268,10 @@ class SpecPolicy:
         d = self._decide(bs, num_stale)
         self.decisions[(d.speculate, d.reason)] += 1
         self._off_streak = 0 if d.speculate else self._off_streak + 1
+        paying = d.reason in ("pays", "hold") and self._costs is not None
+        self._paying = self._costs.size_for(bs) if paying else None
+        if d.reason != "hold":
+            self._doubts = 0
         return d
 
     def _decide(self, bs: int, num_stale: int) -> Decision:
@@ -266,6 +293,10 @@ class SpecPolicy:
         effective = (fresh * self.accept_length_estimate + (bs - fresh)) / max(bs, 1)
         if effective > (1.0 + SPEC_MARGIN) * break_even:
             return Decision(True, "pays")
+        held = self._paying == self._costs.size_for(bs) and fresh
+        if held and self._doubts + 1 < OFF_AFTER:
+            self._doubts += 1
+            return Decision(True, "hold")
         if fresh and self._off_streak + 1 >= self.probe_interval(bs):
             self._probe_left = PROBE_STEPS - 1
             return Decision(True, "probe")

@@ -13,13 +13,17 @@ found yet.) On a small model the
 host work is a large share of a step, which device time alone would miss. These are the
 policy's starting point; it follows the served steps' own wall times from there.
 
-`step_fns` / `time_replays` (bench/spec.py): device time of the graphs alone. A plain step: the
-DECODE graph and an argmax over its logits (the greedy sampler). A speculative step: the VERIFY
-graph (k+1 rows per request), an argmax over its logits (greedy acceptance's one pass over
-[bs*(k+1), V]), the (k+1)-row DRAFT_EXTEND graph and the DRAFT graph (k tokens). Inputs are
-the padding rows the capture used (short contexts): both steps read the same weights, and at
-long contexts the attention share grows alike for both (k+1 query rows share one KV read per
-request).
+`replay_step_times` / `time_replays` (bench/spec.py): device time of the graphs alone, on
+the input buffers a real engine step left: `size` requests with distinct random prompts are
+prefilled and decoded through `LLMEngine.step()` with the policy forced (speculating, then
+plain), and each kind's graphs are replayed right after a real step of that kind. So every row
+is a different token at its own position, and a MoE layer routes each row on its own (padding
+rows, all token 0 at position 0, route every row alike: a plain step at bs 16 then read 6
+experts instead of ~50 and looked 2.4x cheaper than it is). A plain step: the DECODE graph and
+an argmax over its logits (the greedy sampler). A speculative step: the VERIFY graph (k+1 rows
+per request), an argmax over its logits (greedy acceptance's one pass over [bs*(k+1), V]), the
+(k+1)-row DRAFT_EXTEND graph and the DRAFT graph (k tokens). Replays are idempotent: no graph
+writes the buffers it reads (the KV rows they write are rewritten alike).
 
 Device time between CUDA events, median of `iters` back-to-back runs after one warm run.
 """
@@ -32,11 +36,10 @@ from typing import Any
 
 import torch
 
-from mlaserve.graph_runner import CudaGraphRunner
-from mlaserve.spec.mtp_drafter import MTPDrafter, target_mode
+from mlaserve.spec.mtp_drafter import target_mode
 from mlaserve.spec.spec_policy import FORCED_PLAIN, FORCED_REFRESH, FORCED_SPEC, StepCosts
 
-__all__ = ["measure_engine_step_costs", "step_fns", "time_replays"]
+__all__ = ["measure_engine_step_costs", "replay_step_times", "time_replays"]
 
 
 def time_replays(fn, iters: int) -> float:
@@ -53,26 +56,60 @@ def time_replays(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def step_fns(graphs: CudaGraphRunner, drafter: MTPDrafter, k: int, size: int):
-    """(plain step, speculative step) at a captured size, as replays of the captured graphs."""
+def replay_step_times(engine: Any, size: int, iters: int, prompt_len: int = 64) -> dict:
+    """Device seconds of a plain and a speculative step's graphs at captured size `size`, on
+    real rows (module doc). engine: an `LLMEngine` with a speculative decoder, captured graphs
+    and no requests. -> {"decode", "spec", "draft" (the DRAFT graph: all k drafts),
+    "draft_extend"}."""
+    dec = engine.spec_decoder
+    graphs, drafter, k = engine.graphs, dec.drafter, dec.k
+    if not graphs.use_graphs or size not in graphs.batch_sizes:
+        raise ValueError(f"replay_step_times: no captured graphs of batch size {size}")
+    from mlaserve.sampling_params import SamplingParams  # the request API, not the engine's
+
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(size)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    ids = [f"__replay_{size}_{i}" for i in range(size)]
+    for rid in ids:
+        prompt = torch.randint(2, vocab, (prompt_len,), generator=g).tolist()
+        engine.add_request(rid, prompt, params)
+    policy, times = dec.policy, {}
 
     def replay(q: int) -> torch.Tensor:
         entry = graphs.graphs[(target_mode(q), q, size)]
-        graphs.dummy_batch(target_mode(q), q, size)  # padding rows into the input buffers
         entry.graph.replay()
         return entry.logits
 
-    drafter.reset_accept()
+    def extend() -> None:
+        drafter.graphs[("extend", k + 1, size)].graph.replay()
 
-    def plain() -> None:
-        replay(1).argmax(dim=-1)
+    def draft() -> None:
+        drafter.graphs[("draft", 1, size)].graph.replay()
 
     def spec() -> None:
         replay(k + 1).argmax(dim=-1)
-        drafter.graphs[("extend", k + 1, size)].graph.replay()
-        drafter.graphs[("draft", 1, size)].graph.replay()
+        extend()
+        draft()
 
-    return plain, spec
+    try:
+        policy.forced = FORCED_SPEC
+        while any(engine.requests[rid].num_output_tokens == 0 for rid in ids):
+            engine.step()  # the prefill (and its drafts), maybe in chunks
+        for _ in range(2):
+            engine.step()  # verify steps: the buffers now hold a real VERIFY batch
+        times["spec"] = time_replays(spec, iters)
+        times["draft_extend"] = time_replays(extend, iters)
+        times["draft"] = time_replays(draft, iters)
+        policy.forced = FORCED_PLAIN
+        for _ in range(2):
+            engine.step()  # the first still verifies the drafts it holds; then plain
+        times["decode"] = time_replays(lambda: replay(1).argmax(dim=-1), iters)
+    finally:
+        policy.forced = None
+        for rid in ids:
+            engine.abort_request(rid)
+    return times
 
 
 def measure_engine_step_costs(engine: Any, steps: int = 10, rounds: int = 3) -> StepCosts | None:

@@ -306,3 +306,39 @@ def test_served_steps_update_the_costs(mtp_path, reference) -> None:
     llm.generate(prompts[:2], params)
     assert policy.costs.plain_s[2] < 1000.0 * (1 - 1 / 32)
     assert policy.costs.spec_s[2] == spec_after
+
+
+def test_only_settled_batches_feed_the_costs(mtp_path, reference) -> None:
+    """A decode step's wall time reaches the policy only when the step before was of the same
+    kind over the same requests: the first steps after a prefill or an arrival are slower than
+    settled ones and would make speculation look dearer than it is."""
+    _, prompts, _ = reference
+    llm = LLM(mtp_path, num_speculative_tokens=K, max_num_seqs=2, **CPU)
+    engine = llm.engine
+    policy = engine.spec_decoder.policy
+    policy.costs = StepCosts(plain_s={2: 1.0}, spec_s={2: 1.0})
+    policy.forced = FORCED_SPEC
+    seen: list[tuple[str, int]] = []
+    policy.observe_step = lambda kind, bs, seconds: seen.append((kind, bs))
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", prompts[2], params)
+    engine.step()  # a's prefill
+    engine.step()  # a's first verify: the batch changed (was a prefill)
+    assert seen == []
+    engine.step()
+    engine.step()
+    assert seen == [("spec", 1)] * 2
+    engine.add_request("b", prompts[3], params)
+    engine.step()  # b's prefill (with a's decode): not a decode step
+    engine.step()  # the first verify of {a, b}
+    assert seen == [("spec", 1)] * 2
+    engine.step()
+    assert seen == [("spec", 1)] * 2 + [("spec", 2)]
+    policy.forced = FORCED_PLAIN
+    engine.step()  # verifies the drafts both hold, drafts none: a switch, not counted
+    engine.step()  # the first plain step
+    engine.step()
+    assert seen[3:] == [("plain", 2)]
+    for rid in ("a", "b"):
+        engine.abort_request(rid)
+    assert_pages_free(llm)

@@ -205,3 +205,22 @@ def test_default_model_flashmla_lossless_without_host_syncs(kv_cache_dtype: str)
     stats = engine.get_stats()
     assert stats.num_graph_replays > 0 and stats.num_free_pages == stats.num_total_pages
     assert engine.spec_decoder.drafter.num_replays > 0
+
+
+def test_replay_step_times_on_real_rows(v3_mtp) -> None:
+    """bench/spec.py's device-time measurement (`replay_step_times`) at every captured size:
+    it admits real requests (distinct random prompts), times the graphs on the rows their steps
+    left in the buffers, and leaves the engine as it found it (no request, every page free)."""
+    from mlaserve.spec.step_timer import replay_step_times
+
+    llm = LLM(v3_mtp, num_speculative_tokens=3, **FP32)
+    engine = llm.engine
+    for size in SIZES:
+        times = replay_step_times(engine, size, iters=3, prompt_len=24)
+        assert set(times) == {"decode", "spec", "draft", "draft_extend"}
+        assert all(t > 0 for t in times.values()), times
+        assert not engine.requests and not engine.has_unfinished_requests()
+        stats = engine.get_stats()
+        assert stats.num_free_pages == stats.num_total_pages
+    with pytest.raises(ValueError, match="batch size 3"):
+        replay_step_times(engine, 3, iters=1)

@@ -13,6 +13,7 @@ from mlaserve.spec.spec_policy import (
     FORCED_REFRESH,
     FORCED_SPEC,
     HALF_LIFE,
+    OFF_AFTER,
     PROBE_BUDGET,
     PROBE_EVERY,
     PROBE_STEPS,
@@ -66,10 +67,10 @@ def test_refresh_costs_are_validated() -> None:
 
 
 def test_prior_decides_before_any_observation() -> None:
-    policy = SpecPolicy(K, COSTS)  # prior 2.18: pays below break-even 2.18
-    assert [policy.decide(bs).speculate for bs in (1, 4, 16, 32)] == [True, True, False, False]
-    assert policy.decisions[(True, "pays")] == 2
-    assert policy.decisions[(False, "does_not_pay")] == 2
+    policy = SpecPolicy(K, COSTS)  # prior 2.95: pays below break-even 2.95 / 1.05
+    assert [policy.decide(bs).speculate for bs in (1, 4, 16, 32)] == [True, True, True, False]
+    assert policy.decisions[(True, "pays")] == 3
+    assert policy.decisions[(False, "does_not_pay")] == 1
 
 
 def test_observed_accept_lengths_move_the_decision() -> None:
@@ -130,20 +131,63 @@ def test_online_costs_follow_the_served_steps() -> None:
     assert policy.costs.break_even(1) == pytest.approx(3.0, rel=0.02)
     assert policy.startup_costs.break_even(1) == pytest.approx(1.2)
     assert policy.costs.break_even(4) == pytest.approx(1.6)  # other sizes untouched
-    assert policy.decide(1).reason == "does_not_pay"
+    reasons = [policy.decide(1).reason for _ in range(OFF_AFTER)]
+    assert reasons == ["hold"] * (OFF_AFTER - 1) + ["does_not_pay"]
 
 
 def test_a_wrong_startup_cost_is_outvoted_within_a_few_steps() -> None:
-    """The start-up figure counts as STARTUP_WEIGHT steps (median of the window): STARTUP_WEIGHT
-    + 1 served steps outvote it."""
+    """The start-up figure counts as STARTUP_WEIGHT steps of the window, whose lower quartile is
+    the cost: one too low is outvoted by 3 * STARTUP_WEIGHT served steps, one too high by 2."""
     policy = SpecPolicy(K, COSTS)  # start-up: spec 6 ms, plain 5 ms at bs 1 (break-even 1.2)
     assert policy.decide(1).speculate
-    for _ in range(STARTUP_WEIGHT):
-        assert policy.costs.spec_s[1] == pytest.approx(6e-3)
+    for _ in range(3 * STARTUP_WEIGHT - 1):
         policy.observe_step("spec", 1, 25e-3)  # what serving really costs
+        assert policy.costs.spec_s[1] == pytest.approx(6e-3)
     policy.observe_step("spec", 1, 25e-3)
     assert policy.costs.spec_s[1] == pytest.approx(25e-3)
-    assert policy.decide(1).reason == "does_not_pay"
+    assert [policy.decide(1).reason for _ in range(OFF_AFTER)][-1] == "does_not_pay"
+    policy.observe_step("plain", 1, 1e-3)
+    assert policy.costs.plain_s[1] == pytest.approx(5e-3)
+    policy.observe_step("plain", 1, 1e-3)
+    assert policy.costs.plain_s[1] == pytest.approx(1e-3)
+
+
+def test_cost_is_the_lower_quartile_of_the_served_steps() -> None:
+    """Timing noise only adds time: a stretch of slow steps (a third of the window) moves the
+    cost nothing; once most of the window is slow, it does."""
+    policy = SpecPolicy(K, COSTS)
+    for _ in range(COST_WINDOW):
+        policy.observe_step("spec", 1, 6e-3)
+    for _ in range(COST_WINDOW // 3):
+        policy.observe_step("spec", 1, 9e-3)
+    assert policy.costs.spec_s[1] == pytest.approx(6e-3)
+    for _ in range(COST_WINDOW * 3 // 4 - COST_WINDOW // 3 + 1):
+        policy.observe_step("spec", 1, 9e-3)
+    assert policy.costs.spec_s[1] == pytest.approx(9e-3)
+
+
+def test_hysteresis_holds_speculation_through_a_few_doubts() -> None:
+    """Speculating by cost, a step of the same size that no longer clears the margin holds
+    ("hold") until OFF_AFTER decisions in a row say so; a paying one in between starts the
+    count again. Another size or all-stale caches do not hold."""
+    policy = SpecPolicy(K, COSTS)  # bs 1: break-even 1.2
+    policy.observe([4] * 2000)
+    assert policy.decide(1).reason == "pays"
+    policy.observe([1] * 20 * HALF_LIFE)  # the estimate falls to ~1: does not pay
+    assert [policy.decide(1).reason for _ in range(OFF_AFTER - 2)] == ["hold"] * (OFF_AFTER - 2)
+    policy.observe([4] * 20 * HALF_LIFE)
+    assert policy.decide(1).reason == "pays"  # the count starts again
+    policy.observe([1] * 20 * HALF_LIFE)
+    reasons = [policy.decide(1).reason for _ in range(OFF_AFTER + 1)]
+    assert reasons == ["hold"] * (OFF_AFTER - 1) + ["does_not_pay"] * 2
+    policy.observe([4] * 20 * HALF_LIFE)
+    assert policy.decide(1).reason == "pays"
+    policy.observe([1] * 20 * HALF_LIFE)
+    assert policy.decide(4).reason == "does_not_pay"  # another captured size
+    policy.observe([4] * 20 * HALF_LIFE)
+    assert policy.decide(4).reason == "pays"
+    policy.observe([1] * 20 * HALF_LIFE)
+    assert policy.decide(4, num_stale=4).reason == "does_not_pay"  # nothing fresh to hold
 
 
 def test_one_outlier_step_moves_no_cost() -> None:
