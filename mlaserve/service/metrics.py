@@ -189,7 +189,7 @@ class Metrics:
         self.spec_decode_policy_steps = Counter(
             PREFIX + "spec_decode_policy_steps",
             "Steps by the speculation policy's decision (on/off) and its reason "
-            "(pays, does_not_pay, probe, cap, unmeasured, too_large, forced).",
+            "(pays, hold, does_not_pay, probe, cap, unmeasured, too_large, forced).",
             [*labels, "decision", "reason"],
             registry=r,
         )
