@@ -72,9 +72,10 @@ class SpecDecoder:
         self.policy = policy or SpecPolicy(k)
         self.stats = SpecStats(k)
         self._last_log = time.monotonic()
-        # (kind, batch size) of the last step when it was a steady-state decode step, else None.
-        self._last_step: tuple[str, int] | None = None
-        self._batch_ids: tuple[str, ...] = ()  # the last step's requests
+        # The last step's kind (spec, plain, refresh) when it was a steady-state decode step,
+        # else None, and its requests.
+        self._last_kind: str | None = None
+        self._batch_ids: tuple[str, ...] = ()
         self._prev_key: tuple | None = None  # (kind, requests) of the step before, if steady
 
     def reset_stats(self) -> None:
@@ -115,7 +116,7 @@ class SpecDecoder:
                 r.draft_cache_valid = True
             num_stale += not r.draft_cache_valid
         decision = self.policy.decide(len(requests), num_stale)
-        self._last_step = None
+        self._last_kind = None
         self._batch_ids = tuple(r.request_id for r in requests)
         if decode:
             if target is not None and not decision.speculate and not decision.refresh:
@@ -132,12 +133,11 @@ class SpecDecoder:
         """The wall time of the engine step that just ran (scheduling to outputs): reported to
         the policy's online costs when it was a steady-state decode step of a settled batch
         (the step before was of the same kind, over the same requests)."""
-        key = None if self._last_step is None else (self._last_step[0], self._batch_ids)
+        key = None if self._last_kind is None else (self._last_kind, self._batch_ids)
         settled = key is not None and key == self._prev_key
         self._prev_key = key
         if settled:
-            kind, bs = self._last_step
-            self.policy.observe_step(kind, bs, seconds)
+            self.policy.observe_step(self._last_kind, len(self._batch_ids), seconds)
 
     # ----- EXTEND: plain target forward, then the draft over the same rows -----
     @torch.inference_mode()
@@ -221,8 +221,7 @@ class SpecDecoder:
             for r in requests:
                 r.draft_cache_valid = False
         if verify == decision.speculate:  # steady state: not a switch between the two
-            kind = "spec" if verify else "refresh" if decision.refresh else "plain"
-            self._last_step = (kind, bs)
+            self._last_kind = "spec" if verify else "refresh" if decision.refresh else "plain"
         parts = [out_tokens.reshape(-1), accept_len, finite.to(torch.int64)]
         if drafts is not None:
             parts.append(drafts.reshape(-1))
@@ -252,7 +251,7 @@ class SpecDecoder:
         does. The draft caches go stale."""
         for r in requests:
             r.draft_cache_valid = False
-        self._last_step = ("plain", len(requests))
+        self._last_kind = "plain"
         logits = target.logits[: target.num_rows]
         return self.runner.sample(logits, sched), [0] * len(requests)
 

@@ -42,13 +42,13 @@ accept length. On an H100 (default model, bs 4-32, bench/spec.py) the break-even
 requests' TPOT sat 6-8% above the step-cost ratio.
 
 Hysteresis. Once speculating ("pays"), a step of the same captured size that no longer clears
-the margin keeps speculating ("hold") until `OFF_AFTER` decisions in a row have said so. The two mistakes cost
-differently: speculating a few steps where it does not pay loses at most OFF_AFTER steps' worth
-of the (small, near the break-even) difference, but turning off where it does pay, when the
-refresh does not pay either, leaves every running request's draft cache stale, i.e. off for the
-rest of its life. On an H100 (default model, bs 1, k = 1 and 2, where speculation won 10%) a
-served-cost estimate that crossed the break-even for a step or two did exactly that, and the
-policy ran 12-22% slower than speculation off.
+the margin keeps speculating ("hold") until `OFF_AFTER` decisions in a row have said so. The two
+mistakes cost differently: speculating a few steps where it does not pay loses at most
+OFF_AFTER steps' worth of the (small, near the break-even) difference, but turning off where it
+does pay, when the refresh does not pay either, leaves every running request's draft cache
+stale, i.e. off for the rest of its life. On an H100 (default model, bs 1, k = 1 and 2, where
+speculation won 10%) a served-cost estimate that crossed the break-even for a step or two did
+exactly that, and the policy ran 12-22% slower than speculation off.
 
 When not speculating, the step refreshes the draft caches iff that costs at most
 `REFRESH_MAX_OVERHEAD` of a plain step at this size (by the start-up measurement, which times
@@ -234,8 +234,9 @@ class SpecPolicy:
         table[size] = sorted(window)[len(window) // 4]  # the lower quartile
 
     def cost_window(self, kind: str, bs: int) -> list[float]:
-        """The seconds the current `kind` cost at bs's size is the lower quartile of: the start-up figure
-        (`STARTUP_WEIGHT` times, until pushed out) and the served steps since, oldest first."""
+        """The seconds the current `kind` cost at bs's size is the lower quartile of: the
+        start-up figure (`STARTUP_WEIGHT` times, until pushed out) and the served steps since,
+        oldest first."""
         size = self._costs.size_for(bs) if self._costs is not None else None
         return list(self._windows.get((kind, size), ()))
 
@@ -268,8 +269,8 @@ class SpecPolicy:
         d = self._decide(bs, num_stale)
         self.decisions[(d.speculate, d.reason)] += 1
         self._off_streak = 0 if d.speculate else self._off_streak + 1
-        paying = d.reason in ("pays", "hold") and self._costs is not None
-        self._paying = self._costs.size_for(bs) if paying else None
+        # (pays and hold need measured costs)
+        self._paying = self._costs.size_for(bs) if d.reason in ("pays", "hold") else None
         if d.reason != "hold":
             self._doubts = 0
         return d

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -70,10 +71,7 @@ def replay_step_times(engine: Any, size: int, iters: int, prompt_len: int = 64) 
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(size)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    ids = [f"__replay_{size}_{i}" for i in range(size)]
-    for rid in ids:
-        prompt = torch.randint(2, vocab, (prompt_len,), generator=g).tolist()
-        engine.add_request(rid, prompt, params)
+    prompts = [torch.randint(2, vocab, (prompt_len,), generator=g).tolist() for _ in range(size)]
     policy, times = dec.policy, {}
 
     def replay(q: int) -> torch.Tensor:
@@ -92,10 +90,9 @@ def replay_step_times(engine: Any, size: int, iters: int, prompt_len: int = 64) 
         extend()
         draft()
 
-    try:
+    with _throwaway_requests(engine, f"replay_{size}", prompts, params) as ids:
         policy.forced = FORCED_SPEC
-        while any(engine.requests[rid].num_output_tokens == 0 for rid in ids):
-            engine.step()  # the prefill (and its drafts), maybe in chunks
+        _prefill(engine, ids)
         for _ in range(2):
             engine.step()  # verify steps: the buffers now hold a real VERIFY batch
         times["spec"] = time_replays(spec, iters)
@@ -105,11 +102,29 @@ def replay_step_times(engine: Any, size: int, iters: int, prompt_len: int = 64) 
         for _ in range(2):
             engine.step()  # the first still verifies the drafts it holds; then plain
         times["decode"] = time_replays(lambda: replay(1).argmax(dim=-1), iters)
+    return times
+
+
+@contextmanager
+def _throwaway_requests(engine: Any, tag: str, prompts: list[list[int]], params: Any):
+    """Admit one request per prompt (ids `__{tag}_{i}`); on leaving, abort them all and let the
+    policy decide again (`forced` back to None), whatever happened inside."""
+    ids = [f"__{tag}_{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, params)
+    try:
+        yield ids
     finally:
-        policy.forced = None
+        engine.spec_decoder.policy.forced = None
         for rid in ids:
             engine.abort_request(rid)
-    return times
+
+
+def _prefill(engine: Any, ids: list[str]) -> None:
+    """Step until every request in `ids` has its first token (its prompt done, in chunks or
+    not, and with it the draft's pass over the prompt)."""
+    while any(engine.requests[rid].num_output_tokens == 0 for rid in ids):
+        engine.step()
 
 
 def measure_engine_step_costs(engine: Any, steps: int = 10, rounds: int = 3) -> StepCosts | None:
@@ -132,27 +147,19 @@ def measure_engine_step_costs(engine: Any, steps: int = 10, rounds: int = 3) -> 
     # stale, and the next round's prefill-free spec steps need them whole, so each round
     # starts from fresh requests.
     kinds = ((FORCED_SPEC, "spec"), (FORCED_REFRESH, "refresh"), (FORCED_PLAIN, "plain"))
-    try:
-        for size in sizes:
-            for r in range(rounds):
-                ids = [f"__spec_cost_{size}_{r}_{i}" for i in range(size)]
-                for i, rid in enumerate(ids):
-                    prompt = [(31 * i + 7 * j + 3 * r) % vocab for j in range(8)]
-                    engine.add_request(rid, prompt, params)
+    for size in sizes:
+        for r in range(rounds):
+            prompts = [[(31 * i + 7 * j + 3 * r) % vocab for j in range(8)] for i in range(size)]
+            with _throwaway_requests(engine, f"spec_cost_{size}_{r}", prompts, params) as ids:
                 for forced, kind in kinds:
                     policy.forced = forced
-                    while engine.scheduler.num_waiting:
-                        engine.step()  # the prefill
+                    _prefill(engine, ids)  # (the first kind's steps only)
                     for _ in range(2):
                         engine.step()
                     for _ in range(steps):
                         t0 = time.perf_counter()
                         engine.step()
                         times[kind].setdefault(size, []).append(time.perf_counter() - t0)
-                for rid in ids:
-                    engine.abort_request(rid)
-    finally:
-        policy.forced = None
     plain_s, spec_s, refresh_s = (
         {b: statistics.median(t) for b, t in times[kind].items()}
         for kind in ("plain", "spec", "refresh")
