@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.ops.fp8_quant import dequantize_weight_block
+from mlaserve.ops.pdl import pdl_launch, wait_for_previous_kernel
 
 __all__ = [
     "GEMV_MAX_M",
@@ -71,7 +72,7 @@ def _gemv_kernel(
     N: tl.constexpr, K: tl.constexpr,
     HAS_SCALE: tl.constexpr, ROW_DIV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SUB_K: tl.constexpr, VEC: tl.constexpr,
+    SUB_K: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # A K step is a [T, R, BLOCK_N, VEC] tile: R sub-steps of SUB_K (<= 128 with FP8: one scale
     # column each), T vectors of VEC contiguous elements per row of a sub-step. The sum over VEC
@@ -97,6 +98,7 @@ def _gemv_kernel(
     x_rows = x_ptr + tl.zeros([1, 1, BLOCK_N, 1], dtype=tl.int32)
     s_rows = s_ptr + (offs_n // ROW_DIV)[None, :] * s_stride  # [1, BLOCK_N]
     acc = tl.zeros([T, R, BLOCK_N, BLOCK_M], dtype=tl.float32)
+    wait_for_previous_kernel(PDL)  # x is the previous kernel's output
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + step
         mask_k = offs_k < K
@@ -213,12 +215,13 @@ def gemv(
         if not lo <= v <= hi or v & (v - 1):
             raise ValueError(f"gemv: {name} = {v} must be a power of two in [{lo}, {hi}]")
     has_scale = w_scale is not None
+    pdl = pdl_launch(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, w_scale if has_scale else x, y, w_scale.stride(0) if has_scale else 0, m,
         N=n, K=k, HAS_SCALE=has_scale, ROW_DIV=row_div,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         SUB_K=min(block_k, _SCALE_BLOCK) if has_scale else block_k,
-        VEC=16 // x.element_size(), num_warps=warps,
+        VEC=16 // x.element_size(), PDL=pdl, num_warps=warps, launch_pdl=pdl,
     )  # fmt: skip
     return y
 

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.ops.pdl import pdl_launch, wait_for_previous_kernel
+
 __all__ = ["write_kv"]
 
 
@@ -40,8 +42,10 @@ def _write_kv_kernel(
     BLOCK_DR: tl.constexpr,
     FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     t = tl.program_id(0)
+    wait_for_previous_kernel(PDL)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     row = out_ptr + slot * (R + DR)
 
@@ -92,5 +96,7 @@ def write_kv(
         BLOCK_DR=triton.next_power_of_2(dr),
         FP8=fp8,
         FP8_MAX=torch.finfo(torch.float8_e4m3fn).max,
+        PDL=pdl_launch(kv_c.device),
         num_warps=4,
+        launch_pdl=pdl_launch(kv_c.device),
     )

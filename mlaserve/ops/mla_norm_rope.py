@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.ops.pdl import pdl_launch, wait_for_previous_kernel
+
 __all__ = ["mla_norm_rope"]
 
 
@@ -83,8 +85,10 @@ def _mla_norm_rope_kernel(
     WRITE: tl.constexpr,
     FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    wait_for_previous_kernel(PDL)
     if WRITE:
         cache_row = cache_ptr + tl.load(slot_ptr + t).to(tl.int64) * (R + 2 * HALF)
 
@@ -204,6 +208,8 @@ def mla_norm_rope(
         WRITE=write,
         FP8=write and kv_cache.dtype == torch.float8_e4m3fn,
         FP8_MAX=torch.finfo(torch.float8_e4m3fn).max,
+        PDL=pdl_launch(kv_c.device),
         num_warps=4,
+        launch_pdl=pdl_launch(kv_c.device),
     )
     return (None, None, q_pe_out) if write else (kv_c_out, k_pe_out, q_pe_out)

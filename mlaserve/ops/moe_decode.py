@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.ops.moe_partials import MoePartials
+from mlaserve.ops.pdl import pdl_launch, wait_for_previous_kernel
 
 __all__ = [
     "MoeDecodeWeights",
@@ -113,9 +114,10 @@ def _gate_up_kernel(
     s_e_stride, s_r_stride, ss_r_stride,
     H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, S: tl.constexpr,
     ROW_DIV: tl.constexpr, SHARED_ROW_DIV: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0).to(tl.int64)
+    wait_for_previous_kernel(PDL)
     t = pair // (K + S)
     slot = pair % (K + S)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -156,9 +158,10 @@ def _down_kernel(
     h_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, part_ptr,
     s_e_stride, s_r_stride, ss_r_stride,
     H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, S: tl.constexpr,
-    HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0).to(tl.int64)
+    wait_for_previous_kernel(PDL)
     t = pair // (K + S)
     slot = pair % (K + S)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -188,8 +191,11 @@ def _down_kernel(
 
 
 @triton.jit
-def _combine_kernel(part_ptr, y_ptr, H: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(
+    part_ptr, y_ptr, H: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     t = tl.program_id(0).to(tl.int64)
+    wait_for_previous_kernel(PDL)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -314,6 +320,7 @@ def moe_decode(
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     wts = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     has_scale = weights.quantized
+    pdl = pdl_launch(x.device)
     if num_warps is None:
         num_warps = 8 if num_tokens == 1 else 4
     # a missing shared scale's stand-in must be a pointer of the routed scale's type
@@ -324,7 +331,7 @@ def moe_decode(
         s13_e, s13_r, ss13_r,
         H=hidden, INTER=inter, K=top_k, S=shared,
         ROW_DIV=weights.row_div, SHARED_ROW_DIV=weights.shared_row_div, HAS_SCALE=has_scale,
-        BLOCK_N=block_n[0], BLOCK_K=block_k[0], num_warps=num_warps,
+        BLOCK_N=block_n[0], BLOCK_K=block_k[0], PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     s2, s2_e, s2_r = scale_args(weights.w2_scale, weights.w2)
     ss2, _, ss2_r = scale_args(weights.shared_w2_scale, s2)
@@ -333,7 +340,7 @@ def moe_decode(
         h, ids, wts, weights.w2, s2, weights.shared_w2, ss2, part,
         s2_e, s2_r, ss2_r,
         H=hidden, INTER=inter, K=top_k, S=shared, HAS_SCALE=has_scale,
-        BLOCK_N=block_n[1], BLOCK_K=block_k[1], num_warps=num_warps,
+        BLOCK_N=block_n[1], BLOCK_K=block_k[1], PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     if not combine:
         return MoePartials(part.view(num_tokens, top_k + shared, hidden), x.dtype)
@@ -346,5 +353,12 @@ def combine_partials(part: torch.Tensor, y: torch.Tensor, slots: int) -> None:
     hidden = y.shape[1]
     block = min(triton.next_power_of_2(hidden), 1024)
     _combine_kernel[(y.shape[0], triton.cdiv(hidden, block))](
-        part, y, H=hidden, SLOTS=slots, BLOCK=block, num_warps=4
+        part,
+        y,
+        H=hidden,
+        SLOTS=slots,
+        BLOCK=block,
+        PDL=pdl_launch(y.device),
+        num_warps=4,
+        launch_pdl=pdl_launch(y.device),
     )

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.ops.pdl import pdl_launch, wait_for_previous_kernel
+
 __all__ = ["prepare_q"]
 
 
@@ -37,8 +39,10 @@ def _prepare_q_kernel(
     BLOCK_DR: tl.constexpr,
     FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    wait_for_previous_kernel(PDL)
     t = pid // H
     h = pid % H
     out_row = out_ptr + pid.to(tl.int64) * (R + DR)
@@ -82,6 +86,8 @@ def prepare_q(q_nope: torch.Tensor, q_pe: torch.Tensor, out_dtype: torch.dtype) 
         BLOCK_DR=triton.next_power_of_2(dr),
         FP8=out_dtype == torch.float8_e4m3fn,
         FP8_MAX=torch.finfo(torch.float8_e4m3fn).max,
+        PDL=pdl_launch(q_nope.device),
         num_warps=4,
+        launch_pdl=pdl_launch(q_nope.device),
     )
     return out

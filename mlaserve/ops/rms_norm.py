@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.ops.pdl import pdl_launch, wait_for_previous_kernel
+
 __all__ = ["add_partials_rms_norm", "add_rms_norm", "rms_norm"]
 
 _MAX_N = 16384
@@ -41,10 +43,13 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     ADD: tl.constexpr,
     PARTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
+    wait_for_previous_kernel(PDL)
     x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
     if PARTS > 1:  # x: PARTS fp32 partial sums per row, summed in order, rounded once
         for p in tl.static_range(1, PARTS):
@@ -58,7 +63,6 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
     y = (xf * rstd).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * N + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -100,7 +104,9 @@ def _launch(
         BLOCK=block,
         ADD=residual is not None,
         PARTS=parts,
+        PDL=pdl_launch(x.device),
         num_warps=min(max(block // 256, 1), 16),
+        launch_pdl=pdl_launch(x.device),
     )
     return out, res_out
 

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.ops.pdl import pdl_launch, wait_for_previous_kernel
+
 __all__ = ["router_logits", "router_logits_variants"]
 
 
@@ -31,7 +33,7 @@ __all__ = ["router_logits", "router_logits_variants"]
 def _router_logits_kernel(
     x_ptr, w_ptr, out_ptr, T, x_stride,
     H: tl.constexpr, E: tl.constexpr, KB_PER_SPLIT: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -39,6 +41,7 @@ def _router_logits_kernel(
     mask_t = offs_t < T
     mask_e = offs_e < E
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    wait_for_previous_kernel(PDL)
     for i in range(KB_PER_SPLIT):
         offs_k = (split * KB_PER_SPLIT + i) * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < H
@@ -94,7 +97,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _router_logits_kernel[grid](
         x, weight, out, num_tokens, x.stride(0),
         H=hidden, E=num_experts, KB_PER_SPLIT=triton.cdiv(hidden, _BLOCK_K) // splits,
-        BLOCK_T=_BLOCK_T, BLOCK_E=_BLOCK_E, BLOCK_K=_BLOCK_K, num_warps=4, num_stages=3,
+        BLOCK_T=_BLOCK_T, BLOCK_E=_BLOCK_E, BLOCK_K=_BLOCK_K, PDL=pdl_launch(x.device),
+        num_warps=4, num_stages=3, launch_pdl=pdl_launch(x.device),
     )  # fmt: skip
     return out
 

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.ops.pdl import pdl_launch, wait_for_previous_kernel
+
 __all__ = ["TOPK_METHODS", "fused_select_experts"]
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -51,8 +53,10 @@ def _routing_kernel(
     SIGMOID: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    wait_for_previous_kernel(PDL)
     g_idx = tl.arange(0, BLOCK_G)[:, None]
     j_idx = tl.arange(0, BLOCK_PG)[None, :]
     valid = (g_idx < G) & (j_idx < PG)
@@ -171,6 +175,8 @@ def fused_select_experts(
         SIGMOID=scoring_func == "sigmoid",
         HAS_BIAS=has_bias,
         NORM=norm_topk_prob,
+        PDL=pdl_launch(router_logits.device),
         num_warps=4 if num_experts <= 512 else 8,
+        launch_pdl=pdl_launch(router_logits.device),
     )
     return weights, ids

@@ -13,12 +13,17 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.ops.pdl import pdl_launch, wait_for_previous_kernel
+
 __all__ = ["silu_and_mul"]
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, INTER: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, x_stride, INTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
+    wait_for_previous_kernel(PDL)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
     gate = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
@@ -38,6 +43,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(triton.next_power_of_2(inter), 1024)
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-        x, out, x.stride(0), INTER=inter, BLOCK=block, num_warps=4
+        x,
+        out,
+        x.stride(0),
+        INTER=inter,
+        BLOCK=block,
+        PDL=pdl_launch(x.device),
+        num_warps=4,
+        launch_pdl=pdl_launch(x.device),
     )
     return out

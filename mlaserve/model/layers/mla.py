@@ -107,10 +107,22 @@ class MLAAttention(nn.Module):
         # write run as one Triton kernel (`mlaserve/ops/mla_norm_rope.py`); the torch code in
         # `forward` is its reference.
         self._norm_rope = None
+        # At decode sizes (<= HEAD_GEMV_MAX_M tokens) the absorbed W_UK / W_UV products run as
+        # one Triton GEMV each (`mlaserve/ops/head_gemv.py`) instead of cuBLAS's bmm.
+        self._head_gemv = None
+        self._head_gemv_max_m = 0
         if fused_ops_enabled(self.kv_a_layernorm.weight.device):
+            from mlaserve.ops.head_gemv import HEAD_GEMV_MAX_M, head_gemv
             from mlaserve.ops.mla_norm_rope import mla_norm_rope
 
             self._norm_rope = mla_norm_rope
+            self._head_gemv, self._head_gemv_max_m = head_gemv, HEAD_GEMV_MAX_M
+        # q's row stride in the projection output q_nope is a view of (head_gemv's warm-up)
+        self._q_row_stride = (
+            q_out + latent
+            if self.q_lora_rank is None and self.fused_qkv_a_proj_with_mqa is not None
+            else self.num_heads * config.qk_head_dim
+        )
 
     def process_weights_after_loading(self) -> None:
         """Split kv_b_proj into the absorbed projections. Views, no copies: each head's matrix
@@ -172,12 +184,33 @@ class MLAAttention(nn.Module):
             )  # [T, H, d_v]
             return self.o_proj(o.reshape(num_tokens, self.num_heads * self.v_head_dim))
 
+        head_gemv = self._head_gemv if 0 < num_tokens <= self._head_gemv_max_m else None
         # Absorb W_UK: [H, T, d_n] @ [H, d_n, r] -> [H, T, r]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, r]
+        if head_gemv is not None:
+            q_latent = head_gemv(q_nope, self.w_uk)  # [T, H, r]
+        else:
+            q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, r]
         o_latent = backend.forward(self.layer_id, q_latent, q_pe, kv_c, k_pe, batch)  # [T, H, r]
-        # Up-project with W_UV: [H, T, r] @ [H, r, d_v] -> [H, T, d_v], written through a
-        # transposed view straight into the [T, H, d_v] rows o_proj reads (cuBLAS takes the
+        # Up-project with W_UV: [H, T, r] @ [H, r, d_v] -> [H, T, d_v], written straight into
+        # the [T, H, d_v] rows o_proj reads (bmm through a transposed view: cuBLAS takes the
         # strides; `.transpose(0, 1).reshape` would copy whenever T > 1).
         o = o_latent.new_empty(num_tokens, self.num_heads, self.v_head_dim)
-        torch.bmm(o_latent.transpose(0, 1), self.w_uv, out=o.transpose(0, 1))
+        if head_gemv is not None:
+            head_gemv(o_latent, self.w_uv, out=o)
+        else:
+            torch.bmm(o_latent.transpose(0, 1), self.w_uv, out=o.transpose(0, 1))
         return self.o_proj(o.view(num_tokens, self.num_heads * self.v_head_dim))
+
+    def warm_up_kernels(self, act_dtype: torch.dtype) -> None:
+        """Compile the absorbed projections' GEMVs for every token bucket they take (q_nope as a
+        view of the q projection's rows, the latent output contiguous), before serving."""
+        if self._head_gemv is None or self.w_uk is None or self.w_uk.dtype != act_dtype:
+            return
+        from mlaserve.ops.head_gemv import head_gemv_warm_up
+
+        head_gemv_warm_up(
+            (self._q_row_stride, self.qk_nope_head_dim + self.qk_rope_head_dim),
+            self.num_heads, self.w_uk, self._head_gemv_max_m,
+        )  # fmt: skip
+        r = self.kv_lora_rank
+        head_gemv_warm_up((self.num_heads * r, r), self.num_heads, self.w_uv, self._head_gemv_max_m)

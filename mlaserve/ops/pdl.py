@@ -1,0 +1,66 @@
+"""Programmatic dependent launch (PDL, SM90+) for the Triton kernels of the decode step.
+
+Why: at decode batch sizes a step is ~400 kernels of 2-50 us, and between two of them the GPU
+drains the first kernel's last programs, then launches and ramps up the next one. With PDL the
+next kernel is launched while the previous one still runs: its programs become resident, do the
+work that reads nothing the previous kernel writes (index math, weight loads a kernel issues
+first), and block in `griddepcontrol.wait` until the previous grid has finished and its writes
+are visible. Measured on an H100 (bench/RESULTS.md): V2-Lite's bf16 decode replay at bs 1 took
+2.87 ms without it and 2.67 ms with it; bs 8-64 within 1%.
+
+The contract every kernel launched with `launch_pdl=pdl_launch(device)` keeps (`PDL` constexpr
+true):
+
+- it calls `wait_for_previous_kernel(PDL)` in every program, before its first load of anything
+  a previous kernel may write (activations, metadata, counters) and before its first store.
+  Stores before the wait could overwrite a buffer the previous kernel still reads (the caching
+  allocator reuses freed activations), and a program that skipped the wait could let the grid
+  end before its predecessor: the next kernel's wait would then not cover the predecessor.
+  Weights and other load-time constants may be read before it;
+- right after its own wait it lets the next kernel launch (`launch_dependents`). Our kernels are
+  one wave at decode sizes, so the next one's programs only take resident slots that are free
+  anyway. (Waiting without this early trigger, the next kernel launches as the previous one's
+  programs exit: bs 1 then gained nothing, bench/RESULTS.md.)
+
+Kernels from libraries (cuBLAS, FlashMLA) launch without the attribute; a PDL kernel after one
+of them starts when it completes, as before, and a library kernel after a PDL kernel waits for
+it in full (plain stream order). CUDA graphs keep the programmatic edges (CUDA >= 12.3). A
+kernel's profiled duration then includes its wait: per-kernel profiles under PDL overstate the
+small kernels (compare replay times, not kernel tables).
+
+`MLASERVE_PDL=0` turns it off (an A/B switch for benchmarks; read once per device: benchmarks
+that switch in one process call `pdl_launch.cache_clear()` and capture again). The interpreter
+(`TRITON_INTERPRET=1`, CPU tests) never uses it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+__all__ = ["pdl_launch", "wait_for_previous_kernel"]
+
+
+@functools.cache
+def pdl_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL: CUDA, compute capability >= 9.0, not the
+    interpreter, `MLASERVE_PDL` not "0"."""
+    if os.environ.get("MLASERVE_PDL", "") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def wait_for_previous_kernel(PDL: tl.constexpr):
+    """With PDL: block until the previous kernel in the stream has finished and its writes are
+    visible, then let the next kernel launch. Without: nothing (plain stream order)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

@@ -1,0 +1,160 @@
+"""Programmatic dependent launch (`mlaserve/ops/pdl.py`): when it is used, and that a chain of
+every PDL kernel, captured in a CUDA graph and replayed on fresh inputs, gives the same bits as
+the same chain run eagerly without PDL.
+
+A kernel that read its predecessor's output before `griddepcontrol.wait`, or wrote before it,
+would race: the replay would then differ from the eager run on some replays. The chain below is
+one decode layer's kernels back to back (norm, GEMV, latent norm + rope + FP8 KV write, q prep,
+router logits, routing, the MoE decode or grouped kernels, the partials' norm), two layers deep,
+at V2-Lite's MoE shape, so each consumer starts while its producer's last programs run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.ops.cases import HAS_CUDA, HAS_TRITON, gpu
+from tests.ops.moe_cases import SHAPES, make_weights
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+
+
+@pytest.fixture
+def pdl_env():
+    """Set MLASERVE_PDL for one test; the launch decision is cached per device, so clear it."""
+    from mlaserve.ops.pdl import pdl_launch
+
+    old = os.environ.get("MLASERVE_PDL")
+
+    def set_flag(value: str | None) -> None:
+        if value is None:
+            os.environ.pop("MLASERVE_PDL", None)
+        else:
+            os.environ["MLASERVE_PDL"] = value
+        pdl_launch.cache_clear()
+
+    yield set_flag
+    set_flag(old)
+
+
+def test_pdl_only_on_cuda_sm90_and_not_when_switched_off(pdl_env):
+    from mlaserve.ops.pdl import pdl_launch
+
+    pdl_env(None)
+    assert pdl_launch(torch.device("cpu")) is False
+    if HAS_CUDA:
+        sm90 = torch.cuda.get_device_capability()[0] >= 9
+        assert pdl_launch(torch.device("cuda")) is sm90
+    pdl_env("0")
+    assert pdl_launch(torch.device("cpu")) is False
+    if HAS_CUDA:
+        assert pdl_launch(torch.device("cuda")) is False
+
+
+class _Layer:
+    """Random weights of one decode layer's kernels: hidden 2048, 16 heads, latent 512 + 64,
+    V2-Lite's MoE (64 experts, top-6, 2 shared slices of 1408)."""
+
+    def __init__(self, fp8: bool, gen: torch.Generator) -> None:
+        from mlaserve.ops.moe_decode import MoeDecodeWeights
+
+        dev, bf16 = "cuda", torch.bfloat16
+        self.hidden, self.heads = 2048, 16
+        self.norm1 = (1 + 0.1 * torch.randn(2048, generator=gen, device=dev)).to(bf16)
+        self.norm2 = (1 + 0.1 * torch.randn(2048, generator=gen, device=dev)).to(bf16)
+        self.latent_norm = (1 + 0.1 * torch.randn(512, generator=gen, device=dev)).to(bf16)
+        # q (16 x 64 rope dims) | kv_c (512) | k_pe (64)
+        self.w_a = (torch.randn(16 * 64 + 576, 2048, generator=gen, device=dev) / 45).to(bf16)
+        self.gate = torch.randn(64, 2048, generator=gen, device=dev) / 45
+        kernel, _, scales = make_weights(SHAPES["v2lite"], fp8, bf16, dev, gen)
+        self.moe = MoeDecodeWeights(**kernel, **scales)
+
+
+def _layer_chain(x, res, layer, cache, slots, cos, sin, grouped):
+    """One layer's PDL kernels back to back; returns (x, residual) for the next layer."""
+    from mlaserve.ops.gemv import gemv
+    from mlaserve.ops.mla_norm_rope import mla_norm_rope
+    from mlaserve.ops.moe_decode import moe_decode
+    from mlaserve.ops.moe_grouped import moe_grouped
+    from mlaserve.ops.q_prep import prepare_q
+    from mlaserve.ops.rms_norm import add_partials_rms_norm, add_rms_norm
+    from mlaserve.ops.router_logits import router_logits
+    from mlaserve.ops.routing import fused_select_experts
+
+    t = x.shape[0]
+    h, res = add_rms_norm(x, res, layer.norm1, 1e-6)
+    a = gemv(h, layer.w_a) if t <= 2 else h @ layer.w_a.T
+    q_pe = a[:, : 16 * 64].view(t, 16, 64)
+    kv_c, k_pe = a[:, 16 * 64 : 16 * 64 + 512], a[:, 16 * 64 + 512 :]
+    _, _, q_pe = mla_norm_rope(
+        kv_c, k_pe, q_pe, layer.latent_norm, 1e-6, cos, sin, False,
+        kv_cache=cache, slot_mapping=slots,
+    )  # fmt: skip
+    q_nope = q_pe.repeat(1, 1, 8)  # a stand-in for the absorbed query [T, 16, 512]
+    q = prepare_q(q_nope, q_pe, torch.bfloat16)  # [T, 16, 576]
+    h = h + q.view(t, -1)[:, : layer.hidden]  # the next norm reads both producers
+    h, res = add_rms_norm(h, res, layer.norm2, 1e-6)
+    wts, ids = fused_select_experts(
+        router_logits(h, layer.gate), top_k=6, scoring_func="softmax",
+        topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+    )  # fmt: skip
+    moe = moe_grouped if grouped else moe_decode
+    parts = moe(h, wts, ids, layer.moe, combine=False)
+    return add_partials_rms_norm(parts.parts, res, layer.norm1, 1e-6)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("tokens", [1, 2, 8, 32])
+@gpu[0]
+@gpu[1]
+def test_graph_with_pdl_matches_eager_without(pdl_env, tokens, fp8):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs an SM90+ GPU")
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    layers = [_Layer(fp8, gen) for _ in range(2)]
+    grouped = tokens > 8  # the decode kernels take 1-8 tokens, the grouped ones 9-256
+    num_slots = 4096
+    x = torch.empty(tokens, 2048, dtype=torch.bfloat16, device="cuda")
+    res = torch.empty_like(x)
+    slots = torch.empty(tokens, dtype=torch.int64, device="cuda")
+    angles = torch.empty(tokens, 32, device="cuda")
+
+    def run(cache):
+        cos, sin = angles.cos(), angles.sin()
+        y, r = x, res
+        for i, layer in enumerate(layers):
+            y, r = _layer_chain(y, r, layer, cache[i], slots, cos, sin, grouped)
+        return y, r
+
+    def fill(step):
+        g = torch.Generator(device="cuda").manual_seed(1000 + step)
+        x.copy_(torch.randn(tokens, 2048, generator=g, device="cuda"))
+        res.copy_(torch.randn(tokens, 2048, generator=g, device="cuda"))
+        slots.copy_(torch.randperm(num_slots, generator=g, device="cuda")[:tokens])
+        angles.copy_(torch.rand(tokens, 32, generator=g, device="cuda") * 6)
+
+    def new_cache():
+        return torch.full((2, num_slots, 576), float("nan"), device="cuda").to(torch.float8_e4m3fn)
+
+    pdl_env("1")
+    fill(0)
+    cache_graph = new_cache()
+    run(cache_graph)  # compile the PDL variants outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(cache_graph)
+    pdl_env("0")
+    cache_eager = new_cache()
+    for step in range(12):
+        fill(step)
+        graph.replay()
+        want = run(cache_eager)
+        torch.cuda.synchronize()
+        for got, ref in zip(out, want):
+            assert torch.equal(got, ref), f"step {step}: PDL graph replay differs from eager"
+        assert torch.equal(cache_graph.view(torch.uint8), cache_eager.view(torch.uint8))
