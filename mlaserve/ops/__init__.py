@@ -1,6 +1,7 @@
 """Compute kernels with no knowledge of the model: fused GPU kernels (Triton) for the decode
-step's glue (KV write, q preparation, RMSNorm + residual add, RoPE, MoE routing, SiLU-and-mul),
-and FP8 block quantisation with block-scaled GEMMs (`fp8_*.py`).
+step's glue (KV write, q preparation, RMSNorm + residual add, RoPE, MoE routing, SiLU-and-mul,
+MLA's per-head absorbed projections), launched with programmatic dependent launch where the GPU
+has it (`pdl.py`), and FP8 block quantisation with block-scaled GEMMs (`fp8_*.py`).
 
 Each op has one file with its kernel, its launcher and the shapes/dtypes/layouts it takes. The
 torch code in `mlaserve/model` and `mlaserve/kv_cache` is the reference every kernel is tested
