@@ -27,26 +27,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from decode import copy_bandwidth
+
 from mlaserve.ops.gemv import gemv
 from mlaserve.ops.pdl import pdl_launch
 from mlaserve.ops.rms_norm import add_rms_norm
 
 HIDDEN, QKV = 2048, 3648
-
-
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return 2 * nbytes / statistics.median(times)
 
 
 def make_layers(n: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
