@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.ops.fp8_quant import dequantize_weight_block
-from mlaserve.ops.pdl import pdl_launch, wait_for_previous_kernel
+from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
 __all__ = [
     "GEMV_MAX_M",
@@ -215,13 +215,13 @@ def gemv(
         if not lo <= v <= hi or v & (v - 1):
             raise ValueError(f"gemv: {name} = {v} must be a power of two in [{lo}, {hi}]")
     has_scale = w_scale is not None
-    pdl = pdl_launch(x.device)
+    pdl = pdl_args(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, w_scale if has_scale else x, y, w_scale.stride(0) if has_scale else 0, m,
         N=n, K=k, HAS_SCALE=has_scale, ROW_DIV=row_div,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         SUB_K=min(block_k, _SCALE_BLOCK) if has_scale else block_k,
-        VEC=16 // x.element_size(), PDL=pdl, num_warps=warps, launch_pdl=pdl,
+        VEC=16 // x.element_size(), num_warps=warps, **pdl,
     )  # fmt: skip
     return y
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.ops.pdl import pdl_launch, wait_for_previous_kernel
+from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
 __all__ = ["HEAD_GEMV_MAX_M", "head_gemv", "head_gemv_warm_up"]
 
@@ -89,13 +89,13 @@ def head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None)
     while block_n < 64 and triton.cdiv(n, block_n * 2) * heads >= _PROGRAMS:
         block_n *= 2
     block_k = min(triton.next_power_of_2(k), _TILE // block_n)
-    pdl = pdl_launch(x.device)
+    pdl = pdl_args(x.device)
     _head_gemv_kernel[(triton.cdiv(n, block_n), heads)](
         x, w, out, m,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         out.stride(0), out.stride(1),
         K=k, N=n, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        PDL=pdl, num_warps=4, launch_pdl=pdl,
+        num_warps=4, **pdl,
     )  # fmt: skip
     return out
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.ops.pdl import pdl_launch, wait_for_previous_kernel
+from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
 __all__ = ["write_kv"]
 
@@ -96,7 +96,6 @@ def write_kv(
         BLOCK_DR=triton.next_power_of_2(dr),
         FP8=fp8,
         FP8_MAX=torch.finfo(torch.float8_e4m3fn).max,
-        PDL=pdl_launch(kv_c.device),
         num_warps=4,
-        launch_pdl=pdl_launch(kv_c.device),
+        **pdl_args(kv_c.device),
     )

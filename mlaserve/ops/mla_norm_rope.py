@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.ops.pdl import pdl_launch, wait_for_previous_kernel
+from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
 __all__ = ["mla_norm_rope"]
 
@@ -208,8 +208,7 @@ def mla_norm_rope(
         WRITE=write,
         FP8=write and kv_cache.dtype == torch.float8_e4m3fn,
         FP8_MAX=torch.finfo(torch.float8_e4m3fn).max,
-        PDL=pdl_launch(kv_c.device),
         num_warps=4,
-        launch_pdl=pdl_launch(kv_c.device),
+        **pdl_args(kv_c.device),
     )
     return (None, None, q_pe_out) if write else (kv_c_out, k_pe_out, q_pe_out)

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.ops.moe_partials import MoePartials
-from mlaserve.ops.pdl import pdl_launch, wait_for_previous_kernel
+from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
 __all__ = [
     "MoeDecodeWeights",
@@ -320,7 +320,7 @@ def moe_decode(
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     wts = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     has_scale = weights.quantized
-    pdl = pdl_launch(x.device)
+    pdl = pdl_args(x.device)
     if num_warps is None:
         num_warps = 8 if num_tokens == 1 else 4
     # a missing shared scale's stand-in must be a pointer of the routed scale's type
@@ -331,7 +331,7 @@ def moe_decode(
         s13_e, s13_r, ss13_r,
         H=hidden, INTER=inter, K=top_k, S=shared,
         ROW_DIV=weights.row_div, SHARED_ROW_DIV=weights.shared_row_div, HAS_SCALE=has_scale,
-        BLOCK_N=block_n[0], BLOCK_K=block_k[0], PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+        BLOCK_N=block_n[0], BLOCK_K=block_k[0], num_warps=num_warps, **pdl,
     )  # fmt: skip
     s2, s2_e, s2_r = scale_args(weights.w2_scale, weights.w2)
     ss2, _, ss2_r = scale_args(weights.shared_w2_scale, s2)
@@ -340,7 +340,7 @@ def moe_decode(
         h, ids, wts, weights.w2, s2, weights.shared_w2, ss2, part,
         s2_e, s2_r, ss2_r,
         H=hidden, INTER=inter, K=top_k, S=shared, HAS_SCALE=has_scale,
-        BLOCK_N=block_n[1], BLOCK_K=block_k[1], PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+        BLOCK_N=block_n[1], BLOCK_K=block_k[1], num_warps=num_warps, **pdl,
     )  # fmt: skip
     if not combine:
         return MoePartials(part.view(num_tokens, top_k + shared, hidden), x.dtype)
@@ -358,7 +358,6 @@ def combine_partials(part: torch.Tensor, y: torch.Tensor, slots: int) -> None:
         H=hidden,
         SLOTS=slots,
         BLOCK=block,
-        PDL=pdl_launch(y.device),
         num_warps=4,
-        launch_pdl=pdl_launch(y.device),
+        **pdl_args(y.device),
     )

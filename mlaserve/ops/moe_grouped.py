@@ -55,7 +55,7 @@ from mlaserve.ops.moe_decode import (
     scale_args,
 )
 from mlaserve.ops.moe_partials import MoePartials
-from mlaserve.ops.pdl import pdl_launch, wait_for_previous_kernel
+from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
 __all__ = ["moe_grouped", "moe_grouped_block_m", "moe_grouped_warm_up"]
 
@@ -263,11 +263,11 @@ def moe_grouped(
     rank = scratch[num_blocks * bm + 2 * e_pad :]
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     wts = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
-    pdl = pdl_launch(x.device)
+    pdl = pdl_args(x.device)
     _align_kernel[(1,)](
         ids, slot_pairs, padded_end, counts, rank, pairs,
         K=top_k, SLOTS=slots, E=num_experts, E_TOTAL=e_total, E_PAD=e_pad,
-        NP=_num_pairs_bucket(pairs), BLOCK_M=bm, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        NP=_num_pairs_bucket(pairs), BLOCK_M=bm, num_warps=4, **pdl,
     )  # fmt: skip
     if block_n is None:
         block_n = (32, 32) if num_tokens <= 128 else (64, 64)
@@ -282,7 +282,7 @@ def moe_grouped(
         H=hidden, INTER=inter, SLOTS=slots, E=num_experts, S=shared, E_PAD=e_pad,
         ROW_DIV=weights.row_div, SHARED_ROW_DIV=weights.shared_row_div, HAS_SCALE=has_scale,
         BLOCK_M=bm, BLOCK_N=block_n[0], BLOCK_K=block_k,
-        PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        num_warps=num_warps, num_stages=num_stages, **pdl,
     )  # fmt: skip
     s2, s2_e, s2_r = scale_args(weights.w2_scale, weights.w2)
     ss2, _, ss2_r = scale_args(weights.shared_w2_scale, s2)
@@ -292,7 +292,7 @@ def moe_grouped(
         s2_e, s2_r, ss2_r,
         H=hidden, INTER=inter, K=top_k, SLOTS=slots, E=num_experts, S=shared, E_PAD=e_pad,
         HAS_SCALE=has_scale, BLOCK_M=bm, BLOCK_N=block_n[1], BLOCK_K=block_k,
-        PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        num_warps=num_warps, num_stages=num_stages, **pdl,
     )  # fmt: skip
     if not combine:  # the next norm sums them (`ops.rms_norm.add_partials_rms_norm`)
         return MoePartials(part.view(num_tokens, slots, hidden), x.dtype)

@@ -8,8 +8,9 @@ first), and block in `griddepcontrol.wait` until the previous grid has finished 
 are visible. Measured on an H100 (bench/RESULTS.md): V2-Lite's bf16 decode replay at bs 1 took
 2.87 ms without it and 2.67 ms with it; bs 8-64 within 1%.
 
-The contract every kernel launched with `launch_pdl=pdl_launch(device)` keeps (`PDL` constexpr
-true):
+Launchers pass `**pdl_args(device)`: the kernel's `PDL` constexpr and Triton's `launch_pdl`
+option, always equal (a PDL launch of a kernel compiled without its wait would race). The
+contract every kernel launched with PDL keeps:
 
 - it calls `wait_for_previous_kernel(PDL)` in every program, before its first load of anything
   a previous kernel may write (activations, metadata, counters) and before its first store.
@@ -43,7 +44,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["pdl_launch", "wait_for_previous_kernel"]
+__all__ = ["pdl_args", "pdl_launch", "wait_for_previous_kernel"]
 
 
 @functools.cache
@@ -55,6 +56,13 @@ def pdl_launch(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_args(device: torch.device) -> dict[str, bool]:
+    """Launch keywords: the kernel's `PDL` constexpr and Triton's `launch_pdl`, both
+    `pdl_launch(device)`."""
+    pdl = pdl_launch(device)
+    return {"PDL": pdl, "launch_pdl": pdl}
 
 
 @triton.jit

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.ops.pdl import pdl_launch, wait_for_previous_kernel
+from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
 __all__ = ["prepare_q"]
 
@@ -86,8 +86,7 @@ def prepare_q(q_nope: torch.Tensor, q_pe: torch.Tensor, out_dtype: torch.dtype) 
         BLOCK_DR=triton.next_power_of_2(dr),
         FP8=out_dtype == torch.float8_e4m3fn,
         FP8_MAX=torch.finfo(torch.float8_e4m3fn).max,
-        PDL=pdl_launch(q_nope.device),
         num_warps=4,
-        launch_pdl=pdl_launch(q_nope.device),
+        **pdl_args(q_nope.device),
     )
     return out

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.ops.pdl import pdl_launch, wait_for_previous_kernel
+from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
 __all__ = ["add_partials_rms_norm", "add_rms_norm", "rms_norm"]
 
@@ -104,9 +104,8 @@ def _launch(
         BLOCK=block,
         ADD=residual is not None,
         PARTS=parts,
-        PDL=pdl_launch(x.device),
         num_warps=min(max(block // 256, 1), 16),
-        launch_pdl=pdl_launch(x.device),
+        **pdl_args(x.device),
     )
     return out, res_out
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.ops.pdl import pdl_launch, wait_for_previous_kernel
+from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
 __all__ = ["router_logits", "router_logits_variants"]
 
@@ -97,8 +97,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _router_logits_kernel[grid](
         x, weight, out, num_tokens, x.stride(0),
         H=hidden, E=num_experts, KB_PER_SPLIT=triton.cdiv(hidden, _BLOCK_K) // splits,
-        BLOCK_T=_BLOCK_T, BLOCK_E=_BLOCK_E, BLOCK_K=_BLOCK_K, PDL=pdl_launch(x.device),
-        num_warps=4, num_stages=3, launch_pdl=pdl_launch(x.device),
+        BLOCK_T=_BLOCK_T, BLOCK_E=_BLOCK_E, BLOCK_K=_BLOCK_K, num_warps=4,
+        num_stages=3, **pdl_args(x.device),
     )  # fmt: skip
     return out
 

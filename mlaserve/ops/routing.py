@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.ops.pdl import pdl_launch, wait_for_previous_kernel
+from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
 __all__ = ["TOPK_METHODS", "fused_select_experts"]
 
@@ -175,8 +175,7 @@ def fused_select_experts(
         SIGMOID=scoring_func == "sigmoid",
         HAS_BIAS=has_bias,
         NORM=norm_topk_prob,
-        PDL=pdl_launch(router_logits.device),
         num_warps=4 if num_experts <= 512 else 8,
-        launch_pdl=pdl_launch(router_logits.device),
+        **pdl_args(router_logits.device),
     )
     return weights, ids

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.ops.pdl import pdl_launch, wait_for_previous_kernel
+from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
 __all__ = ["silu_and_mul"]
 
@@ -48,8 +48,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x.stride(0),
         INTER=inter,
         BLOCK=block,
-        PDL=pdl_launch(x.device),
         num_warps=4,
-        launch_pdl=pdl_launch(x.device),
+        **pdl_args(x.device),
     )
     return out

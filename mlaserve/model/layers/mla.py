@@ -204,7 +204,7 @@ class MLAAttention(nn.Module):
     def warm_up_kernels(self, act_dtype: torch.dtype) -> None:
         """Compile the absorbed projections' GEMVs for every token bucket they take (q_nope as a
         view of the q projection's rows, the latent output contiguous), before serving."""
-        if self._head_gemv is None or self.w_uk is None or self.w_uk.dtype != act_dtype:
+        if self._head_gemv is None or self.w_uk is None:  # x takes the weights' dtype
             return
         from mlaserve.ops.head_gemv import head_gemv_warm_up
 
