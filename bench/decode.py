@@ -12,6 +12,10 @@ graph runner switched off), interleaved, `--rounds` times; medians are reported.
 
 Columns:
 - eager / graph: wall time per engine step (host batch build + forward + sampling + postprocess);
+  with overlap scheduling (on with CUDA) the host's part of a step runs while the GPU computes
+  the next one, so a graphed step costs about max(host, replay);
+- sync: graphed steps with overlap scheduling off (each step's tokens read back before the next
+  step is built), interleaved with the others: what the overlap saves;
 - replay: the graph replay alone (CUDA events), i.e. the GPU time of a graphed forward;
 - kern/layer: GPU kernels in one replay of the decode graph (torch.profiler), over the layer
   count (the LM head, embedding and sampling-free glue are spread over the layers);
@@ -202,6 +206,7 @@ def attention_overhead(llm: LLM, bs: int, ctx: int) -> dict:
 
     from mlaserve.ops.q_prep import prepare_q
 
+    engine.drain()  # the last step's tokens on the host (overlap scheduling)
     host = runner.build_host_batch(engine.scheduler.schedule())
     batch = runner.make_batch(host, max_seq_len=runner.max_model_len)
     h, r, dr = mc.num_attention_heads, mc.kv_lora_rank, mc.qk_rope_head_dim
@@ -260,7 +265,8 @@ def bench_model(model: str | None, args: argparse.Namespace, bandwidth: float) -
     """Every (context, batch size) cell for one checkpoint; prints its table; returns its report."""
     mc = ModelConfig.from_pretrained(model) if model else None
     limit = mc.max_position_embeddings if mc else None
-    max_len = max(args.contexts) + args.steps * (args.rounds * 2 + 2) + 16
+    new_tokens = (args.steps + 2) * (args.rounds * 3 + 1) + 8  # 3 timings a round, + replays
+    max_len = max(args.contexts) + new_tokens + 16
     if limit is not None and max_len > limit:
         raise SystemExit(f"--contexts: {max_len} tokens exceed the model's limit {limit}")
     t0 = time.perf_counter()
@@ -275,19 +281,25 @@ def bench_model(model: str | None, args: argparse.Namespace, bandwidth: float) -
     )
     load_s = time.perf_counter() - t0
     engine = llm.engine
+    overlap = engine.overlap
     pool = engine.runner.kv_pool
     for buf in pool.kv_buffers:  # random KV: never time on zeros
         buf.view(torch.uint8).copy_(torch.randint_like(buf.view(torch.uint8), 0, 120))
     rows = []
     for ctx in args.contexts:
         for bs in args.batch_sizes:
-            fake_prefill(llm, bs, ctx, new_tokens=args.steps * (args.rounds * 2 + 2) + 8)
-            eager, graph = [], []
+            fake_prefill(llm, bs, ctx, new_tokens=new_tokens)
+            eager, graph, sync = [], [], []
             for _ in range(args.rounds):
                 engine.graphs.enabled = False
                 eager.append(time_steps(llm, args.steps))
                 engine.graphs.enabled = True
                 graph.append(time_steps(llm, args.steps))
+                if overlap:  # the same graphed steps, each read back before the next
+                    engine.drain()
+                    engine.overlap = False
+                    sync.append(time_steps(llm, args.steps))
+                    engine.overlap = True
             replay = time_replay(llm, bs)
             profile = replay_kernels(decode_graph(llm, bs))
             kernels = len(profile)
@@ -302,6 +314,9 @@ def bench_model(model: str | None, args: argparse.Namespace, bandwidth: float) -
                 "eager_ms": statistics.median(eager),
                 "graph_ms": statistics.median(graph),
                 "graph_ms_range": [min(graph), max(graph)],
+                "overlap": overlap,
+                # graphed steps without overlap scheduling (= graph_ms when it is off)
+                "sync_ms": statistics.median(sync) if sync else statistics.median(graph),
                 "replay_ms": replay,
                 "kernels_per_step": kernels,
                 "kernels_per_layer": kernels / engine.model_config.num_hidden_layers,
@@ -327,7 +342,8 @@ def bench_model(model: str | None, args: argparse.Namespace, bandwidth: float) -
         f"{stats.num_compiles_while_serving}"
     )
     print(
-        f"{'ctx':>5} {'bs':>3} {'eager ms':>9} {'graph ms':>9} {'speedup':>7} {'replay ms':>9} "
+        f"{'ctx':>5} {'bs':>3} {'eager ms':>9} {'graph ms':>9} {'sync ms':>8} {'speedup':>7} "
+        f"{'replay ms':>9} "
         f"{'floor ms':>8} {'g/floor':>7} {'floor_ub':>8} {'g/f_ub':>6} {'kern/layer':>10} "
         f"{'attn adapter/direct/kernel ms (overhead, glue)':>46}"
     )
@@ -340,7 +356,7 @@ def bench_model(model: str | None, args: argparse.Namespace, bandwidth: float) -
         )
         print(
             f"{r['ctx']:>5} {r['bs']:>3} {r['eager_ms']:>9.2f} {r['graph_ms']:>9.3f} "
-            f"{r['speedup']:>7.2f} {r['replay_ms']:>9.3f} {r['floor_ms']:>8.3f} "
+            f"{r['sync_ms']:>8.3f} {r['speedup']:>7.2f} {r['replay_ms']:>9.3f} {r['floor_ms']:>8.3f} "
             f"{r['graph_vs_floor']:>7.2f} {r['floor_ub_ms']:>8.3f} {r['graph_vs_floor_ub']:>6.2f} "
             f"{r['kernels_per_layer']:>10.1f} {attn:>46}"
         )

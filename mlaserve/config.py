@@ -445,6 +445,12 @@ class EngineConfig:
     cuda_graph: bool | None = None
     # Captured batch sizes; None = 1 2 4 8 12 16 24 32, then steps of 16 up to max_num_seqs.
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    # Overlap scheduling (SGLang's overlap scheduler, vLLM's async scheduling): the next step is
+    # scheduled and launched before the previous one's tokens are read back, so the host's
+    # per-step work runs while the GPU computes. None = on when the device is CUDA. Steps that
+    # need the previous tokens on the host first (speculation, structured output, logprobs)
+    # run synchronously either way.
+    overlap_schedule: bool | None = None
     seed: int = 0
     served_model_name: str | None = None
     # Speculative decoding, vLLM's shape: {"method": "mtp", "num_speculative_tokens": k}.
@@ -563,6 +569,15 @@ class EngineConfig:
         if self.cuda_graph and device.type != "cuda":
             raise ConfigError(f"cuda_graph: CUDA graphs need a CUDA device, got {device}")
         return device.type == "cuda" if self.cuda_graph is None else self.cuda_graph
+
+    def resolved_overlap_schedule(self) -> bool:
+        """Overlap scheduling: as asked, else on with CUDA; never with speculation (its verify
+        step reads the accepted tokens back before it can schedule the next one)."""
+        if self.speculative is not None:
+            return False
+        if self.overlap_schedule is None:
+            return self.resolved_device().type == "cuda"
+        return self.overlap_schedule
 
     def resolved_cuda_graph_batch_sizes(self) -> tuple[int, ...]:
         """Batch sizes to capture, ascending (capture itself goes largest first)."""

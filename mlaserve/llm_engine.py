@@ -2,6 +2,11 @@
 
     step():  schedule -> run (forward + sample) -> postprocess (append, detokenize, stop)
 
+With overlap scheduling (on with CUDA) `step()` launches its forward and sampling, then reads
+back and postprocesses the *previous* step's tokens while the GPU works; the next forward takes
+those tokens straight from the device. A request that stops is then computed one step past its
+end, and that row's token is dropped.
+
 Not thread-safe: one thread owns an engine (the HTTP service runs it in its own thread).
 """
 
@@ -18,7 +23,7 @@ from typing import Any
 from mlaserve.config import EngineConfig, ModelConfig
 from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.engine.grammar import GrammarBackend, GrammarError
-from mlaserve.engine.model_runner import ModelRunner, StepResult
+from mlaserve.engine.model_runner import ModelRunner, PendingSample, StepResult
 from mlaserve.engine.prompt_logprobs import PromptLogprobs
 from mlaserve.engine.request import FinishReason, Request
 from mlaserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -86,6 +91,15 @@ class EngineStats:
         return 1.0 - self.num_free_pages / max(self.num_total_pages, 1)
 
 
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens are still on the device."""
+
+    scheduled: SchedulerOutput
+    sample: PendingSample
+    sampled: list[Request]  # the requests it samples for, in row order
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -136,6 +150,8 @@ class LLMEngine:
         self.num_steps = 0  # forwards run
         self.recent_step_num_tokens: deque[int] = deque(maxlen=STEP_HISTORY)
         self._seed_rng = random.Random(config.seed)
+        self.overlap = config.resolved_overlap_schedule()
+        self._inflight: _InFlight | None = None  # the launched step not yet read back
 
     # ----- requests -----
     def add_request(
@@ -256,7 +272,11 @@ class LLMEngine:
             self.scheduler.finish(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        if self.scheduler.has_unfinished():
+            return True
+        # A step in flight whose requests all ended (aborted) is resolved by the next step.
+        step = self._inflight
+        return step is not None and any(not r.is_finished for r in step.sampled)
 
     def get_stats(self) -> EngineStats:
         spec = self.spec_decoder.stats if self.spec_decoder is not None else None
@@ -291,31 +311,76 @@ class LLMEngine:
 
     # ----- the loop -----
     def step(self) -> list[RequestOutput]:
+        """schedule -> (draft) run (verify, accept) -> postprocess. With overlap scheduling the
+        step is launched, then the previous step's tokens are read back and postprocessed while
+        the GPU runs it: the outputs returned are the previous step's."""
         t0 = time.perf_counter()
+        prev, self._inflight = self._inflight, None
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            return []
+            return self._resolve(prev) if prev is not None else []
         now = time.time()
         for r in scheduled.admitted:  # queue time ends here, before the forward
             if r.metrics.first_scheduled_time is None:
                 r.metrics.first_scheduled_time = now
         self.num_steps += 1
         self.recent_step_num_tokens.append(scheduled.num_tokens)
-        if self.spec_decoder is not None:
+        if self.spec_decoder is not None:  # never overlapped (config.resolved_overlap_schedule)
             result, num_accepted = self.spec_decoder.step(scheduled)
             self.scheduler.after_step(scheduled, num_accepted)
             outputs = self._postprocess(scheduled, result)
             # the step's wall time feeds the policy's online costs
             self.spec_decoder.observe_step_time(time.perf_counter() - t0)
             return outputs
-        host = self.runner.build_host_batch(scheduled)
+        overlap = self.overlap and not self._needs_host_tokens(scheduled)
+        outputs = []
+        if prev is not None and not overlap:
+            outputs, prev = self._resolve(prev), None
+        launched = self._launch(scheduled, prev)
+        if prev is not None:
+            outputs = self._resolve(prev)  # the host's work, while the GPU runs `launched`
+        if overlap:
+            self._inflight = launched
+            return outputs
+        return outputs + self._resolve(launched)
+
+    @staticmethod
+    def _needs_host_tokens(scheduled: SchedulerOutput) -> bool:
+        """Whether a step must not overlap its neighbours: a grammar masks with the matcher
+        that accepted the previous token; logprobs read extra device rows back."""
+        return any(
+            r.grammar is not None
+            or r.params.logprobs is not None
+            or r.params.prompt_logprobs is not None
+            for r in (s.request for s in scheduled.scheduled)
+        )
+
+    def _launch(self, scheduled: SchedulerOutput, prev: _InFlight | None) -> _InFlight:
+        """Forward and sample on the device; the sampled tokens stay pending there."""
+        host = self.runner.build_host_batch(scheduled, prev.sample.feed if prev else None)
         logits = self.graphs.run(host)
         if host.prompt_spans:
             for scored in self.runner.prompt_logprobs(logits, host):
                 self._record_prompt_logprobs(scored)
-        result = self.runner.sample(logits, scheduled, self.grammar)
+        sample = self.runner.sample_async(logits, scheduled, self.grammar)
         self.scheduler.after_step(scheduled)
-        return self._postprocess(scheduled, result)
+        sampled = [s.request for s in scheduled.scheduled if s.samples]
+        for row, r in enumerate(sampled):
+            r.num_pending_tokens += 1
+            r.pending_row = row
+        return _InFlight(scheduled, sample, sampled)
+
+    def _resolve(self, step: _InFlight) -> list[RequestOutput]:
+        """Read a launched step's tokens back (its one host sync) and postprocess them."""
+        result = step.sample.result()
+        for r in step.sampled:
+            r.num_pending_tokens -= 1
+        return self._postprocess(step.scheduled, result)
+
+    def drain(self) -> list[RequestOutput]:
+        """Resolve the step still in flight (overlap scheduling), if any."""
+        prev, self._inflight = self._inflight, None
+        return self._resolve(prev) if prev is not None else []
 
     def _record_prompt_logprobs(self, scored: PromptLogprobs) -> None:
         piece = self.tokenizer.id_to_piece
@@ -338,6 +403,7 @@ class LLMEngine:
         self.add_request("__warmup__", prompt, SamplingParams(max_tokens=2, temperature=0.0))
         while self.requests.get("__warmup__") is not None:
             self.step()
+        self.drain()
         t1 = time.perf_counter()
         if self.spec_decoder is not None:
             self.spec_decoder.reset_stats()  # the throwaway request is not served traffic
@@ -392,6 +458,10 @@ class LLMEngine:
         sampling = [s.request for s in scheduled.scheduled if s.samples]
         errors = result.errors
         for i, request in enumerate(sampling):
+            if request.is_finished:
+                # Overlap scheduling ran it one step past its end (or it was aborted while the
+                # step ran): the token is not its own.
+                continue
             error = errors[i] if errors is not None else None
             if error is not None:
                 # A wrong token is worse than none: end the request, say why, append nothing.

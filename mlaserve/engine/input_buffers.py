@@ -66,6 +66,12 @@ class HostBatch:
     # must only grow while it is the same list object (a new list after pages were freed); then
     # a step uploads only the pages appended since. None: rows 0.. are rewritten whole.
     table_rows: list[int] | None = None
+    # Overlap scheduling: the tokens the previous step sampled, still on the device ([n] int64,
+    # >= 0). A row whose input id is -(j + 1) reads future_ids[j] instead; `fill` resolves them
+    # on the device after the upload. `future_identity` = m > 0 says the pending rows are
+    # exactly rows 0..m-1 reading future_ids[0..m-1] (a steady decode batch): one copy then.
+    future_ids: torch.Tensor | None = None
+    future_identity: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -187,6 +193,8 @@ class InputBuffers:
 
         views = self._views(num_tokens, n_logits, bs)
         self._upload(views, n_writes)
+        if host.future_ids is not None:
+            _resolve_future_ids(views.input_ids[:real_tokens], host)
         self._turn ^= 1
         return ForwardBatch(
             mode=mode,
@@ -290,6 +298,16 @@ class InputBuffers:
             writes = self._sources[turn][2][smax : smax + 2 * n_writes].view(2, n_writes)
             self._page_rows.view(-1).index_copy_(0, writes[0], writes[1].to(torch.int32))
         torch.index_select(self._page_rows, 0, views.src_rows[turn], out=views.block_tables)
+
+
+def _resolve_future_ids(input_ids: torch.Tensor, host: HostBatch) -> None:
+    """Rows staged as -(j + 1) take the previous step's sampled token j, on the device."""
+    future, m = host.future_ids, host.future_identity
+    if m:
+        input_ids[:m].copy_(future[:m])
+        return
+    index = (-1 - input_ids).clamp_(min=0)  # rows with real ids read future[0], then drop it
+    torch.where(input_ids < 0, future[index], input_ids, out=input_ids)
 
 
 def _round_up(n: int, multiple: int) -> int:

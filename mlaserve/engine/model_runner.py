@@ -28,7 +28,7 @@ from mlaserve.kv_cache import MLAKVPool
 from mlaserve.model import load_kv_scales, load_model
 from mlaserve.sampling import Sampler, SamplingSlots
 
-__all__ = ["ModelRunner", "StepResult"]
+__all__ = ["ModelRunner", "PendingSample", "ReadBack", "StepResult"]
 
 logger = logging.getLogger(__name__)
 
@@ -142,9 +142,12 @@ class ModelRunner:
             config.max_num_seqs, model_config.vocab_size, self.device, eos_token_ids
         )
         # The step's one device->host transfer: sampled ids into pinned memory, then one wait.
+        # Two pinned rows and events, used in turn (`start_read_back`).
         rows = config.max_num_seqs * 32  # room for several values per row (ids, flags, k+1)
-        self._ids_host = torch.empty(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        self._ids_ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        pin = self.device.type == "cuda"
+        self._ids_host = [torch.empty(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._ids_ready = [torch.cuda.Event() if pin else None for _ in range(2)]
+        self._ids_turn = 0
         self.num_host_waits = 0  # how often a step waited on the device (tests count it)
         logger.info(
             "KV cache: %d pages x %d tokens, %s, backend=%s",
@@ -188,8 +191,12 @@ class ModelRunner:
         return int(min(free, share - held) * cfg.kv_cache_memory_fraction)
 
     # ----- one step -----
-    def build_host_batch(self, sched: SchedulerOutput) -> HostBatch:
-        """The scheduler's decision as host lists; the forward mode is the scheduler's."""
+    def build_host_batch(
+        self, sched: SchedulerOutput, future_ids: torch.Tensor | None = None
+    ) -> HostBatch:
+        """The scheduler's decision as host lists; the forward mode is the scheduler's.
+        `future_ids`: the previous step's sampled tokens on the device (`PendingSample.feed`),
+        read by the rows of requests whose last token is still pending there."""
         ps = self.page_size
         ids: list[int] = []
         positions: list[int] = []
@@ -199,10 +206,17 @@ class ModelRunner:
         tables: list[list[int]] = []
         rows: list[int] = []
         logits_indices: list[int] = []
+        future: list[tuple[int, int]] = []  # (row, its token's row in the previous step)
         for s in sched.scheduled:
             r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             end = start + n
-            if n == 1:  # a decode: one token, no ranges to build
+            if n == 1 and r.num_pending_tokens and start == r.num_tokens - 1:
+                # Overlap scheduling: the token is still on the device; `fill` reads it there.
+                future.append((len(ids), r.pending_row))
+                ids.append(-1 - r.pending_row)
+                positions.append(start)
+                slot_mapping.append(r.pages[start // ps] * ps + start % ps)
+            elif n == 1:  # a decode: one token, no ranges to build
                 ids.append(r.token_at(start))
                 positions.append(start)
                 slot_mapping.append(r.pages[start // ps] * ps + start % ps)
@@ -220,6 +234,12 @@ class ModelRunner:
             sched.mode, ids, positions, slot_mapping, seq_lens, q_lens, tables, logits_indices,
             table_rows=rows,
         )  # fmt: skip
+        if future:
+            if future_ids is None:
+                raise ValueError("a scheduled token is pending on the device, but no future_ids")
+            host.future_ids = future_ids
+            steady = all(row == j == i for i, (row, j) in enumerate(future))
+            host.future_identity = len(future) if steady else 0
         if not sched.mode.is_uniform and any(
             s.request.prompt_logprobs is not None for s in sched.scheduled
         ):
@@ -278,16 +298,23 @@ class ModelRunner:
         """One pinned non-blocking copy and one wait on its event: the accounted sync.
         values: int64 [n] or [r, n] (several per-row results read back together; a
         speculative step packs its tokens, accept lengths, flags and next drafts in it)."""
-        if values.numel() > self._ids_host.numel():
+        return self.start_read_back(values).wait()
+
+    def start_read_back(self, values: torch.Tensor) -> ReadBack:
+        """Start the copy of `values` into pinned memory; `.wait()` later returns them as
+        lists. Two pinned rows are used in turn, so one read back may still be pending while
+        the next step starts its own (overlap scheduling)."""
+        turn = self._ids_turn
+        self._ids_turn ^= 1
+        if values.numel() > self._ids_host[turn].numel():
             pin = self.device.type == "cuda"
-            self._ids_host = torch.empty(values.numel(), dtype=torch.int64, pin_memory=pin)
-        host = self._ids_host[: values.numel()].view(values.shape)
+            self._ids_host[turn] = torch.empty(values.numel(), dtype=torch.int64, pin_memory=pin)
+        host = self._ids_host[turn][: values.numel()].view(values.shape)
         host.copy_(values, non_blocking=True)
-        if self._ids_ready is not None:
-            self._ids_ready.record()
-            self._ids_ready.synchronize()
-        self.num_host_waits += 1
-        return host.tolist()
+        event = self._ids_ready[turn]
+        if event is not None:
+            event.record()
+        return ReadBack(self, host, event)
 
     def admit(self, sched: SchedulerOutput) -> None:
         """Write the per-slot sampling state of the requests admitted this step."""
@@ -296,18 +323,26 @@ class ModelRunner:
                 r.slot, r.params, r.seed, r.prompt_token_ids, r.output_token_ids
             )
 
-    @torch.inference_mode()
     def sample(
         self, logits: torch.Tensor, sched: SchedulerOutput, grammar: GrammarBackend | None = None
     ) -> StepResult:
+        """`sample_async`, then its result (the step's one host sync)."""
+        return self.sample_async(logits, sched, grammar).result()
+
+    @torch.inference_mode()
+    def sample_async(
+        self, logits: torch.Tensor, sched: SchedulerOutput, grammar: GrammarBackend | None = None
+    ) -> PendingSample:
         """One token per request that reached its last known token (rows of `logits`, in
         scheduling order). Per-request sampling state lives in device slots, written once when
-        the scheduler admits a request; a step uploads only slot indices and steps."""
+        the scheduler admits a request; a step uploads only slot indices and steps. Returns
+        before the tokens reach the host: `.result()` waits for them, and `.feed` is what a
+        next forward may read on the device meanwhile (overlap scheduling)."""
         slots = self.sampling_slots
         self.admit(sched)
         sampling = [s.request for s in sched.scheduled if s.samples]
         if not sampling:
-            return StepResult(token_ids=[])
+            return PendingSample(None, None, None, None)
         sb = slots.batch([r.slot for r in sampling], [r.num_output_tokens for r in sampling])
         mask = None
         if grammar is not None and any(r.grammar is not None for r in sampling):
@@ -318,13 +353,47 @@ class ModelRunner:
 
         out = self.sampler(logits[: len(sampling)], sb, mask)  # prompt-logprob rows come after
         slots.record(sb.slots, out.token_ids)
-        # The step's one host sync: the sampled ids, -1 on rows whose logits were not finite
-        # (one device op and one [n] copy carry both).
-        ids = self.read_back(torch.where(out.finite, out.token_ids, -1))
+        # The sampled ids, -1 on rows whose logits were not finite (one device op and one [n]
+        # copy carry both). A next forward reads the sampler's ids themselves: argmaxes, so in
+        # the vocabulary even on a non-finite row (whose request then ends with its error).
+        ids = torch.where(out.finite, out.token_ids, -1)
+        return PendingSample(self.start_read_back(ids), out.token_ids, out, sb.need_logprobs)
+
+
+@dataclass
+class ReadBack:
+    """A device->host copy in flight (`ModelRunner.start_read_back`)."""
+
+    runner: ModelRunner
+    host: torch.Tensor  # pinned, being written by the copy
+    event: torch.cuda.Event | None  # recorded after the copy (None on CPU: already done)
+
+    def wait(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        self.runner.num_host_waits += 1
+        return self.host.tolist()
+
+
+@dataclass
+class PendingSample:
+    """A step's sampled tokens on their way to the host (`ModelRunner.sample_async`)."""
+
+    read_back: ReadBack | None  # None: the step sampled nothing
+    feed: torch.Tensor | None  # [n] int64 on the device, >= 0: the next forward's input ids
+    out: object  # the sampler's output (logprob tensors, read after the wait)
+    need_logprobs: bool | None
+
+    def result(self) -> StepResult:
+        """Wait for the tokens (the step's one host sync) and return them."""
+        if self.read_back is None:
+            return StepResult(token_ids=[])
+        ids = self.read_back.wait()
         result = StepResult(token_ids=[[t] for t in ids])
         if min(ids) < 0:
             result.errors = [None if t >= 0 else NONFINITE_LOGITS for t in ids]
-        if sb.need_logprobs:  # some row asked for logprobs
+        out = self.out
+        if self.need_logprobs:  # some row asked for logprobs
             result.logprobs = [[x] for x in out.logprobs.tolist()]
             result.ranks = [[x] for x in out.ranks.tolist()]
             if out.top_ids is not None:

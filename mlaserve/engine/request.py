@@ -39,6 +39,12 @@ class Request:
     max_tokens: int  # resolved: params.max_tokens, clipped to the context left
     arrival_time: float = field(default_factory=time.time)
     output_token_ids: list[int] = field(default_factory=list)
+    # Overlap scheduling: tokens sampled by a step still on the device (0 or 1). They count in
+    # `num_tokens` (the scheduler plans the next decode around them) but are not in
+    # `output_token_ids` until the engine reads them back; the next forward takes such a token
+    # straight from the device (`HostBatch.future_ids`).
+    num_pending_tokens: int = 0
+    pending_row: int = 0  # with a pending token: its row among that step's sampled tokens
     status: RequestStatus = RequestStatus.WAITING
     # Tokens whose KV is in the cache. A token is "computed" once a forward wrote its KV.
     num_computed_tokens: int = 0
@@ -77,11 +83,12 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        """Tokens generated so far, pending ones included (the sampler's step count)."""
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + self.num_output_tokens
 
     @property
     def is_finished(self) -> bool:

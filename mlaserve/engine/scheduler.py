@@ -145,6 +145,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_pending_tokens and request.num_output_tokens >= request.max_tokens:
+                i += 1  # its token still on the device is its last (overlap scheduling)
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self._reserve(request, num_new):
                 victim = self.running.pop()

@@ -127,6 +127,9 @@ _HELP = {
     "--enforce-eager = --no-cuda-graph)",
     "cuda_graph_batch_sizes": "batch sizes to capture, e.g. '1,2,4,8' (default: 1 2 4 8 12 16 "
     "24 32, then steps of 16 up to max_num_seqs)",
+    "overlap_schedule": "schedule and launch each step before the previous step's tokens "
+    "reach the host, hiding the host's per-step work (default: on with CUDA; off with "
+    "speculation)",
     "seed": "engine seed for requests that give none",
     "served_model_name": "model name in the API; default: derived from the model folder",
     "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "mtp", '

@@ -59,6 +59,7 @@ def test_decode_forward_never_syncs_with_host(checkpoint, backend: str) -> None:
     for i, p in enumerate(prompts_for(engine.model_config.vocab_size)[:4]):
         engine.add_request(str(i), p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     engine.step()  # prefill
+    engine.drain()  # its tokens on the host (overlap scheduling keeps them on the device)
     scheduled = engine.scheduler.schedule()
     assert all(s.num_new_tokens == 1 for s in scheduled.scheduled)
     runner = engine.runner
@@ -99,3 +100,47 @@ def test_flashmla_engine_agrees_with_reference() -> None:
     print(f"flashmla vs reference greedy agreement: {rate:.3f}; margins where they part: {ties}")
     assert all(t < NEAR_TIE for t in ties), ties
     assert rate >= 0.5
+
+
+def test_overlap_schedule_changes_no_token_and_never_syncs_while_launching() -> None:
+    """Overlap scheduling on the GPU defaults (FlashMLA where available, bf16, fp8 KV, CUDA
+    graphs): the same greedy tokens as with it off, bit for bit, when both runs step the same
+    batches: every request is admitted in the first step and ends by max_tokens. (A request
+    stopped by EOS is computed one step past its end with overlap, and one that ends frees its
+    slot a step later, so batches, and bf16 roundings, may differ otherwise.) Launching a step
+    (host batch, input upload, the previous tokens fed on the device, replay, sampling) never
+    waits for the device; no page leaks."""
+    prompts = [[(11 * i + 5 * j) % 900 + 3 for j in range(4 + 37 * i % 300)] for i in range(12)]
+    params = [
+        SamplingParams(max_tokens=6 + 7 * i % 29, temperature=0, ignore_eos=True) for i in range(12)
+    ]
+    runs = {}
+    for overlap in (False, True):
+        llm = LLM(device="cuda", max_num_seqs=16, overlap_schedule=overlap)
+        assert llm.engine.overlap is overlap and llm.engine.graphs.batch_sizes
+        runs[overlap] = token_ids(llm.generate(prompts, params, use_tqdm=False))
+        stats = llm.engine.get_stats()
+        assert stats.num_free_pages == stats.num_total_pages
+        assert stats.num_graph_replays > 0
+    assert runs[True] == runs[False]
+    engine = llm.engine
+    for i in range(5):
+        engine.add_request(f"s{i}", prompts[i], SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    prev, engine._inflight = engine._inflight, None
+    assert prev is not None
+    scheduled = engine.scheduler.schedule()
+    waits = engine.runner.num_host_waits
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        launched = engine._launch(scheduled, prev)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert engine.runner.num_host_waits == waits
+    assert len(engine._resolve(prev)) == 5
+    engine._inflight = launched
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.get_stats()
+    assert stats.num_free_pages == stats.num_total_pages

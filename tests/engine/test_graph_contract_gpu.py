@@ -39,6 +39,7 @@ def start(model: str | None, kv_cache_dtype: str, backend: str):
     for i, p in enumerate(prompts_for(engine.model_config.vocab_size)[:BS]):
         engine.add_request(str(i), p, params)
     engine.step()  # prefill (eager, ragged)
+    engine.drain()  # its tokens on the host (overlap scheduling keeps them on the device)
     return engine
 
 

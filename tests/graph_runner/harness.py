@@ -74,6 +74,7 @@ def compare_replays(engine: LLMEngine, steps: int, rel_tol: float) -> ReplayRepo
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
     ):
         engine.step()
+    engine.drain()  # the prefill's tokens on the host (overlap scheduling)
     runner, graphs = engine.runner, engine.graphs
     for _ in range(steps):
         sched = engine.scheduler.schedule()
