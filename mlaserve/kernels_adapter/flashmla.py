@@ -14,7 +14,9 @@ forward with `get_mla_decoding_metadata` — a kernel on the current stream, whi
 captures and re-runs on replay. One schedule per forward, shared by all layers.
 
 Only uniform batches (DECODE / VERIFY / DRAFT_EXTEND, q_len <= 8) use the kernel: the batch's
-stated mode decides, never its shapes. EXTEND batches (prefill chunks) run in the MHA form of
+stated mode decides, never its shapes. Those of at most `small_batch_max_rows()` query rows
+(bs * q_len, a host int fixed per captured graph; 0 unless `MLASERVE_MLA_DECODE_ROWS` says
+otherwise) go to the Triton split-KV kernel of `ops/mla_decode.py` instead. EXTEND batches (prefill chunks) run in the MHA form of
 `mha_extend.py` (`forward_extend_mha`): each sequence's cached latent context is dequantised and
 up-projected to per-head bf16 K [S, H, 192] / V [S, H, 128], then one causal varlen
 FlashAttention-2 launch per layer (`flash_varlen.py`, torch's own kernels) attends the whole
@@ -26,6 +28,7 @@ where its top-left causal mask is the right one.
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -45,6 +48,12 @@ if TYPE_CHECKING:
 __all__ = ["FlashMLABackend", "flashmla_available"]
 
 PAGE_SIZE = 64
+# FlashMLA's fixed cost per layer (its split kernel and combine, ~12 us at bs 1 on an H100)
+# dwarfs the KV bytes of a few sequences; see `small_batch_max_rows`. Off by default: the Triton
+# kernel wins alone (bs 1-2: 7-10 us against 11.5-12.3 us per layer, bench/mla_decode.py) but
+# not inside the model's graph (V2-Lite bs 1 replay 2.619 ms with it, 2.591 ms without, the
+# same machine; bench/RESULTS.md), for a reason not yet found.
+SMALL_BATCH_MAX_ROWS = 0
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
@@ -76,6 +85,17 @@ def _import_flash_mla():
 @dataclass
 class _Metadata:
     sched: object  # flash_mla.FlashMLASchedMeta with the schedule filled in
+
+
+class _SmallBatch:
+    """Metadata of a forward that `ops/mla_decode.py` attends (nothing to precompute)."""
+
+
+def small_batch_max_rows() -> int:
+    """Uniform forwards of at most this many query rows (bs * q_len) take the Triton kernel of
+    `ops/mla_decode.py` instead of FlashMLA (bench/mla_decode.py measures the crossover).
+    `MLASERVE_MLA_DECODE_ROWS` overrides it for A/B runs (0: FlashMLA always)."""
+    return int(os.environ.get("MLASERVE_MLA_DECODE_ROWS", SMALL_BATCH_MAX_ROWS))
 
 
 class FlashMLABackend(AttentionBackend):
@@ -130,14 +150,31 @@ class FlashMLABackend(AttentionBackend):
         self._prefill_fresh = CudnnFreshAttention(self.device)
         # cat + clamp + cast of the query in one Triton kernel (`mlaserve/ops/q_prep.py`).
         self._prepare_q = None
+        # Small uniform batches: the split-KV Triton kernel (`ops/mla_decode.py`), which reads
+        # q_nope and q_pe as they are (no q preparation) and needs no schedule.
+        self._small_rows = 0
         if fused_ops_enabled(self.device):
+            from mlaserve.ops.mla_decode import MlaDecodeWorkspace, mla_decode
             from mlaserve.ops.q_prep import prepare_q
 
             self._prepare_q = prepare_q
+            self._small_rows = small_batch_max_rows()
+            if self._small_rows > 0:
+                self._mla_decode = mla_decode
+                self._workspace = MlaDecodeWorkspace(  # sized once for every small batch
+                    self._small_rows,
+                    self.max_q_len,
+                    self.num_heads,
+                    self.kv_lora_rank,
+                    self.device,
+                )
 
     def prepare(self, batch: ForwardBatch) -> None:
         if not batch.mode.is_uniform:
             batch.attn_metadata = extend_layout(batch)  # host lengths; shared by all layers
+            return
+        if batch.bs * batch.q_len <= self._small_rows:
+            batch.attn_metadata = _SmallBatch()
             return
         fm = self._flash_mla
         sched, _ = fm.get_mla_metadata()  # a fresh schedule object for every forward
@@ -166,6 +203,18 @@ class FlashMLABackend(AttentionBackend):
         pool = batch.kv_pool
         if kv_c is not None:  # else the layer has written it (`accepts_written_kv`)
             pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)
+        if isinstance(batch.attn_metadata, _SmallBatch):
+            return self._mla_decode(
+                q_nope,
+                q_pe,
+                pool.kv_buffers[layer_id],
+                pool.k_scale_tensors[layer_id],
+                batch.block_tables,
+                batch.seq_lens,
+                batch.q_len,
+                self.softmax_scale,
+                workspace=self._workspace,
+            )
         num_tokens, num_heads, rank = q_nope.shape
         k_cache = pool.kv_buffers[layer_id].unsqueeze(2)  # [pages, 64, 1, 576]
         extra = {}
