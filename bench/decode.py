@@ -356,8 +356,8 @@ def bench_model(model: str | None, args: argparse.Namespace, bandwidth: float) -
         )
         print(
             f"{r['ctx']:>5} {r['bs']:>3} {r['eager_ms']:>9.2f} {r['graph_ms']:>9.3f} "
-            f"{r['sync_ms']:>8.3f} {r['speedup']:>7.2f} {r['replay_ms']:>9.3f} {r['floor_ms']:>8.3f} "
-            f"{r['graph_vs_floor']:>7.2f} {r['floor_ub_ms']:>8.3f} {r['graph_vs_floor_ub']:>6.2f} "
+            f"{r['sync_ms']:>8.3f} {r['speedup']:>7.2f} {r['replay_ms']:>9.3f} "
+            f"{r['floor_ms']:>8.3f} {r['graph_vs_floor']:>7.2f} {r['floor_ub_ms']:>8.3f} {r['graph_vs_floor_ub']:>6.2f} "
             f"{r['kernels_per_layer']:>10.1f} {attn:>46}"
         )
     result = {

@@ -97,7 +97,6 @@ class _InFlight:
 
     scheduled: SchedulerOutput
     sample: PendingSample
-    sampled: list[Request]  # the requests it samples for, in row order
 
 
 class LLMEngine:
@@ -276,7 +275,7 @@ class LLMEngine:
             return True
         # A step in flight whose requests all ended (aborted) is resolved by the next step.
         step = self._inflight
-        return step is not None and any(not r.is_finished for r in step.sampled)
+        return step is not None and any(not r.is_finished for r in step.scheduled.sampled_requests)
 
     def get_stats(self) -> EngineStats:
         spec = self.spec_decoder.stats if self.spec_decoder is not None else None
@@ -364,16 +363,15 @@ class LLMEngine:
                 self._record_prompt_logprobs(scored)
         sample = self.runner.sample_async(logits, scheduled, self.grammar)
         self.scheduler.after_step(scheduled)
-        sampled = [s.request for s in scheduled.scheduled if s.samples]
-        for row, r in enumerate(sampled):
+        for row, r in enumerate(scheduled.sampled_requests):
             r.num_pending_tokens += 1
             r.pending_row = row
-        return _InFlight(scheduled, sample, sampled)
+        return _InFlight(scheduled, sample)
 
     def _resolve(self, step: _InFlight) -> list[RequestOutput]:
         """Read a launched step's tokens back (its one host sync) and postprocess them."""
         result = step.sample.result()
-        for r in step.sampled:
+        for r in step.scheduled.sampled_requests:
             r.num_pending_tokens -= 1
         return self._postprocess(step.scheduled, result)
 
@@ -455,7 +453,7 @@ class LLMEngine:
     def _postprocess(self, scheduled: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         now = time.time()
         outputs = []
-        sampling = [s.request for s in scheduled.scheduled if s.samples]
+        sampling = scheduled.sampled_requests
         errors = result.errors
         for i, request in enumerate(sampling):
             if request.is_finished:

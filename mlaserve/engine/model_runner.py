@@ -26,7 +26,7 @@ from mlaserve.engine.scheduler import SchedulerOutput
 from mlaserve.kernels_adapter import get_backend_class, resolve_backend_name
 from mlaserve.kv_cache import MLAKVPool
 from mlaserve.model import load_kv_scales, load_model
-from mlaserve.sampling import Sampler, SamplingSlots
+from mlaserve.sampling import Sampler, SamplerOutput, SamplingSlots
 
 __all__ = ["ModelRunner", "PendingSample", "ReadBack", "StepResult"]
 
@@ -210,14 +210,13 @@ class ModelRunner:
         for s in sched.scheduled:
             r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             end = start + n
-            if n == 1 and r.num_pending_tokens and start == r.num_tokens - 1:
-                # Overlap scheduling: the token is still on the device; `fill` reads it there.
-                future.append((len(ids), r.pending_row))
-                ids.append(-1 - r.pending_row)
-                positions.append(start)
-                slot_mapping.append(r.pages[start // ps] * ps + start % ps)
-            elif n == 1:  # a decode: one token, no ranges to build
-                ids.append(r.token_at(start))
+            if n == 1:  # a decode: one token, no ranges to build
+                if r.num_pending_tokens and start == r.num_tokens - 1:
+                    # Overlap scheduling: the token is still on the device; `fill` reads it there.
+                    future.append((len(ids), r.pending_row))
+                    ids.append(-1 - r.pending_row)
+                else:
+                    ids.append(r.token_at(start))
                 positions.append(start)
                 slot_mapping.append(r.pages[start // ps] * ps + start % ps)
             else:
@@ -340,9 +339,9 @@ class ModelRunner:
         next forward may read on the device meanwhile (overlap scheduling)."""
         slots = self.sampling_slots
         self.admit(sched)
-        sampling = [s.request for s in sched.scheduled if s.samples]
+        sampling = sched.sampled_requests
         if not sampling:
-            return PendingSample(None, None, None, None)
+            return PendingSample(None, None)
         sb = slots.batch([r.slot for r in sampling], [r.num_output_tokens for r in sampling])
         mask = None
         if grammar is not None and any(r.grammar is not None for r in sampling):
@@ -357,7 +356,7 @@ class ModelRunner:
         # copy carry both). A next forward reads the sampler's ids themselves: argmaxes, so in
         # the vocabulary even on a non-finite row (whose request then ends with its error).
         ids = torch.where(out.finite, out.token_ids, -1)
-        return PendingSample(self.start_read_back(ids), out.token_ids, out, sb.need_logprobs)
+        return PendingSample(self.start_read_back(ids), out)
 
 
 @dataclass
@@ -380,9 +379,12 @@ class PendingSample:
     """A step's sampled tokens on their way to the host (`ModelRunner.sample_async`)."""
 
     read_back: ReadBack | None  # None: the step sampled nothing
-    feed: torch.Tensor | None  # [n] int64 on the device, >= 0: the next forward's input ids
-    out: object  # the sampler's output (logprob tensors, read after the wait)
-    need_logprobs: bool | None
+    out: SamplerOutput | None  # the sampler's output (logprob tensors, read after the wait)
+
+    @property
+    def feed(self) -> torch.Tensor | None:
+        """[n] int64 on the device, >= 0: the next forward's input ids."""
+        return self.out.token_ids if self.out is not None else None
 
     def result(self) -> StepResult:
         """Wait for the tokens (the step's one host sync) and return them."""
@@ -393,7 +395,7 @@ class PendingSample:
         if min(ids) < 0:
             result.errors = [None if t >= 0 else NONFINITE_LOGITS for t in ids]
         out = self.out
-        if self.need_logprobs:  # some row asked for logprobs
+        if out.logprobs is not None:  # some row asked for logprobs
             result.logprobs = [[x] for x in out.logprobs.tolist()]
             result.ranks = [[x] for x in out.ranks.tolist()]
             if out.top_ids is not None:

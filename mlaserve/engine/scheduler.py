@@ -59,6 +59,12 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
+    def sampled_requests(self) -> list[Request]:
+        """The requests this step samples a token for, in scheduling order (the order of the
+        sampler's rows)."""
+        return [s.request for s in self.scheduled if s.samples]
+
+    @property
     def mode(self) -> ForwardMode:
         """DECODE when every scheduled request decodes one token; EXTEND when any carries prompt
         (or recomputed) tokens. The attention backend's decode kernel sees only the former."""

@@ -16,13 +16,13 @@ captures and re-runs on replay. One schedule per forward, shared by all layers.
 Only uniform batches (DECODE / VERIFY / DRAFT_EXTEND, q_len <= 8) use the kernel: the batch's
 stated mode decides, never its shapes. Those of at most `small_batch_max_rows()` query rows
 (bs * q_len, a host int fixed per captured graph; 0 unless `MLASERVE_MLA_DECODE_ROWS` says
-otherwise) go to the Triton split-KV kernel of `ops/mla_decode.py` instead. EXTEND batches (prefill chunks) run in the MHA form of
-`mha_extend.py` (`forward_extend_mha`): each sequence's cached latent context is dequantised and
-up-projected to per-head bf16 K [S, H, 192] / V [S, H, 128], then one causal varlen
-FlashAttention-2 launch per layer (`flash_varlen.py`, torch's own kernels) attends the whole
-ragged batch, bottom-right aligned, so chunks over a cached prefix stay exact. Batches of a few
-fresh prompts (no cached prefix) go to cuDNN's SDPA instead (`cudnn_fresh.py`), which is faster
-where its top-left causal mask is the right one.
+otherwise) go to the Triton split-KV kernel of `ops/mla_decode.py` instead. EXTEND batches
+(prefill chunks) run in the MHA form of `mha_extend.py` (`forward_extend_mha`): each
+sequence's cached latent context is dequantised and up-projected to per-head bf16 K [S, H, 192]
+/ V [S, H, 128], then one causal varlen FlashAttention-2 launch per layer (`flash_varlen.py`,
+torch's own kernels) attends the whole ragged batch, bottom-right aligned, so chunks over a
+cached prefix stay exact. Batches of a few fresh prompts (no cached prefix) go to cuDNN's SDPA
+instead (`cudnn_fresh.py`), which is faster where its top-left causal mask is the right one.
 """
 
 from __future__ import annotations

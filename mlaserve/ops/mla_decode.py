@@ -303,8 +303,8 @@ def _mla_split_kernel(
     qn_st, qn_sh, qp_st, qp_sh, kv_sp, kv_sr, bt_sb, o_st, o_sh,
     H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DR: tl.constexpr, MIN_CHUNK: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
-    WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_DR: tl.constexpr, MIN_CHUNK: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
+    DOT_PREC: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     s = tl.program_id(1)

@@ -145,7 +145,7 @@ class SpecDecoder:
         """The draft runs over every row (prefill keeps its cache complete); it drafts when the
         next step speculates."""
         target = self.graphs.run_with_hidden(self.runner.build_host_batch(sched))
-        requests = [s.request for s in sched.scheduled if s.samples]
+        requests = sched.sampled_requests
         n = len(requests)
         dev = target.hidden.device
         sampled = torch.empty(0, dtype=torch.int64, device=dev)

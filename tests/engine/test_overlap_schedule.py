@@ -153,7 +153,10 @@ def test_a_steady_decode_step_launches_before_it_reads_back(checkpoint) -> None:
     assert runner.num_host_waits == waits + 1  # the previous step's tokens, nothing else
     assert len(outputs) == 3 and all(o.num_new_tokens == 1 for o in outputs)
     inflight = engine._inflight
-    assert inflight is not None and [r.num_pending_tokens for r in inflight.sampled] == [1] * 3
+    assert (
+        inflight is not None
+        and [r.num_pending_tokens for r in inflight.scheduled.sampled_requests] == [1] * 3
+    )
     assert dict(counted.ops) == {
         "copy_": 4,  # token rows, length rows, the previous tokens as input ids, the read-back
         "index_select": 1,
