@@ -66,12 +66,12 @@ REPS = 5
 
 
 def sweep_configs(k: int) -> list[GemvConfig]:
-    """block_n 1..32 x 4 or 8 warps x 1, 2 or 4 vectors of 8 weight elements per thread per
+    """block_n 1..32 x 4 or 8 warps x 1, 2, 4, 8 or 16 vectors of 8 weight elements per thread per
     step (block_k follows, clamped as `gemv_config` does)."""
     configs = []
     for block_n in (1, 2, 4, 8, 16, 32):
         for warps in (4, 8):
-            for vectors in (1, 2, 4):
+            for vectors in (1, 2, 4, 8, 16):
                 block_k = vectors * 8 * 32 * warps // block_n
                 block_k = max(16, min(block_k, triton.next_power_of_2(k)))
                 if GemvConfig(block_n, block_k, warps) not in configs:

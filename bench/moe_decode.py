@@ -51,7 +51,24 @@ V2LITE = {
     "topk_method": "greedy",
 }
 REPS = 5  # timed replays of each captured graph (median)
-TILES = [((8, 8), 4), ((16, 16), 4), ((32, 16), 4), ((16, 8), 8), ((16, 16), 8), ((32, 32), 8)]
+# decode kernels: (block_n, num_warps, block_k) of (gate_up, down); FP8 takes a block_k over
+# 128 only with block_n dividing 128 (moe_decode's uniform scales)
+TILES = [
+    ((16, 16), 8, (128, 128)),
+    ((16, 16), 4, (128, 128)),
+    ((8, 8), 4, (512, 512)),
+    ((16, 16), 4, (256, 256)),
+    ((4, 4), 4, (2048, 2048)),
+    ((2, 2), 4, (2048, 2048)),
+    ((4, 4), 8, (2048, 2048)),
+    ((8, 8), 4, (2048, 2048)),
+    ((4, 4), 2, (2048, 2048)),
+    ((2, 2), 2, (2048, 2048)),
+    ((4, 8), 4, (2048, 1024)),
+    ((4, 4), 4, (2048, 1024)),
+    ((4, 16), 4, (2048, 256)),
+    ((1, 1), 4, (2048, 2048)),
+]
 # grouped kernels: (block_n, num_warps, num_stages, block_m or None for the default)
 GROUPED_TILES = [
     (None, 4, 3, None),  # the launcher's defaults
@@ -138,17 +155,19 @@ def bench_weights(
         if not args.sweep:
             continue
         routed = [layer.gate(x) for layer, x in zip(layers, xs, strict=True)]
-        tiles = [("decode", *t) for t in TILES] if tokens <= DECODE_TIMED_MAX else []
+        tiles = [("decode", *t) for t in TILES]
+        tiles = tiles if tokens <= DECODE_TIMED_MAX else []
         tiles += [("grouped", *t) for t in GROUPED_TILES] if tokens > 1 else []
         for tile in tiles:
 
             def run(j, tile=tile, xs=xs, routed=routed):
                 w, ids = routed[j]
                 if tile[0] == "decode":
-                    _, block_n, warps = tile
+                    _, block_n, warps, block_k = tile
                     return moe_decode(
-                        xs[j], w, ids, layers[j].decode_weights, block_n=block_n, num_warps=warps
-                    )
+                        xs[j], w, ids, layers[j].decode_weights, block_n=block_n,
+                        block_k=block_k, num_warps=warps,
+                    )  # fmt: skip
                 _, block_n, warps, stages, block_m = tile
                 return moe_grouped(
                     xs[j], w, ids, layers[j].decode_weights, block_n=block_n,

@@ -97,17 +97,27 @@ def _gemv_kernel(
     # own and be converted through shared memory, with a barrier, every step and row.
     x_rows = x_ptr + tl.zeros([1, 1, BLOCK_N, 1], dtype=tl.int32)
     s_rows = s_ptr + (offs_n // ROW_DIV)[None, :] * s_stride  # [1, BLOCK_N]
+    mask_w = mask_n[None, None, :, None]
+    # Weights are constants, so the first step's tile (and its scales) is loaded before the
+    # wait: under PDL its DRAM latency overlaps the previous kernel's tail instead of following
+    # it. Each later tile is loaded one step ahead (a register double buffer), so a program
+    # always has a tile in flight while it multiplies the current one.
+    w_next = tl.load(w_rows + step, mask=mask_w & (step < K), other=0.0)
+    if HAS_SCALE:
+        mask_s = mask_n[None, :] & (offs_r < (K + 127) // 128)[:, None]
+        s_next = tl.load(s_rows + offs_r[:, None], mask=mask_s, other=0.0)  # [R, BLOCK_N]
     acc = tl.zeros([T, R, BLOCK_N, BLOCK_M], dtype=tl.float32)
     wait_for_previous_kernel(PDL)  # x is the previous kernel's output
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + step
         mask_k = offs_k < K
-        w = tl.load(w_rows + offs_k, mask=mask_n[None, None, :, None] & mask_k, other=0.0)
-        w = w.to(tl.float32)
+        w = w_next.to(tl.float32)
+        w_next = tl.load(w_rows + offs_k + BLOCK_K, mask=mask_w & (offs_k + BLOCK_K < K), other=0.0)
         if HAS_SCALE:
-            col = k0 // 128 + offs_r  # R = 1 when BLOCK_K <= 128
+            scale = s_next[None]  # [1, R, BLOCK_N]; R = 1 when BLOCK_K <= 128
+            col = (k0 + BLOCK_K) // 128 + offs_r
             mask_s = mask_n[None, :] & (col < (K + 127) // 128)[:, None]
-            scale = tl.load(s_rows + col[:, None], mask=mask_s, other=0.0)[None]  # [1, R, BN]
+            s_next = tl.load(s_rows + col[:, None], mask=mask_s, other=0.0)
         for m in tl.static_range(BLOCK_M):  # the weight tile is read once for all rows
             # rows past M (padding to the bucket) load zeros and are not stored
             xm = tl.load(x_rows + m * K + offs_k, mask=mask_k & (m < M), other=0.0)
@@ -131,9 +141,20 @@ def _num_sms(device: torch.device) -> int:
 
 def gemv_config(m: int, n: int, k: int, fp8: bool, num_sms: int = 132) -> GemvConfig:
     """Tiles by shape (no autotuning: a tuning run inside graph capture would break it), for
-    16-bit activations. Starting points, to be refined by `bench/gemv.py --sweep-configs` on
-    the GPU:
+    16-bit activations, from `bench/gemv.py --sweep-configs` on an H100.
 
+    bf16 at M <= 2, and FP8 at M = 1 with K <= 2048 and W of <= 8M elements (decode at batch
+    1-2, where small weights are latency-bound): rows of W read in long runs, few rows per
+    program, many programs. block_k is the whole K up to 1024 elements (bf16) or 2048 (FP8), at
+    most 8192 elements a tile (two tiles are in flight in registers); block_n the largest power
+    of two <= 16 that still gives >= 6 programs per SM; 4 warps where a tile has >= 4096
+    elements, else 8. V2-Lite's q|kv_a (3648 x 2048) took 6.4 us bf16 / 4.5 us FP8 this way,
+    against 7.2 / 6.5 us with the rule below, and o_proj (2048 x 2048) 3.7 / 3.3 against 4.4 /
+    3.8 us; V3's bf16 q_b and kv_a 26.3 / 4.3 against 28.4 / 4.8 us. FP8 at M = 2 and V3's FP8
+    weights lost this way (V2-Lite's q|kv_a at M = 2: 10.3 against 7.9 us; V3's q_b 21.9 against
+    18.1 us, kv_a 4.9 against 3.9 us at M = 1) and keep the rule below.
+
+    Otherwise:
     - block_n: the largest power of two <= 16 that still gives >= 3 programs per SM. Rows per
       program are the only parallelism (no K split), and at ~1.5 programs per SM the SMs
       holding two finish last; at >= 3 the imbalance is a third at worst. N = 576 gets one row
@@ -143,6 +164,13 @@ def gemv_config(m: int, n: int, k: int, fp8: bool, num_sms: int = 132) -> GemvCo
     - block_k: 16 bytes of weight per thread per step (one 8-element vector of bf16, two of
       FP8: x's vectors are 8 elements), one vector at M > 8 where the per-thread accumulators
       (vectors x M) would crowd the registers. Capped at K's next power of two."""
+    if (m <= 2 and not fp8) or (m == 1 and k <= 2048 and n * k <= 1 << 23):
+        block_k = min(2048 if fp8 else 1024, triton.next_power_of_2(k))
+        block_n = 16
+        while block_n > 1 and triton.cdiv(n, block_n) < 6 * num_sms:
+            block_n //= 2
+        block_k = max(16, min(block_k, 8192 // block_n))  # <= 8192 elements per tile
+        return GemvConfig(block_n, block_k, 4 if block_n * block_k >= 4096 else 8)
     warps = 8 if m <= 2 else 4
     block_n = 16
     while block_n > 1 and triton.cdiv(n, block_n) < 3 * num_sms:

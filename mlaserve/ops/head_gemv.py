@@ -52,12 +52,20 @@ def _head_gemv_kernel(
     w_cols = w_ptr + h * w_sh + offs_n[None, :] * w_sn  # [1, BLOCK_N]
     x_row = x_ptr + h * x_sh
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # The weights are constants: the first tile is loaded before the wait (under PDL its DRAM
+    # latency overlaps the previous kernel; at V2-Lite's shapes it is the program's whole
+    # share), each later one a step ahead (a register double buffer).
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_w = (offs_k < K)[:, None] & mask_n[None, :]
+    w_next = tl.load(w_cols + offs_k[:, None] * w_sk, mask=mask_w, other=0.0)
     wait_for_previous_kernel(PDL)  # x is the previous kernel's output
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        w = tl.load(w_cols + offs_k[:, None] * w_sk, mask=mask_k[:, None] & mask_n[None, :])
-        w = w.to(tl.float32)  # [BLOCK_K, BLOCK_N]
+        w = w_next.to(tl.float32)  # [BLOCK_K, BLOCK_N]
+        nk = offs_k + BLOCK_K
+        mask_w = (nk < K)[:, None] & mask_n[None, :]
+        w_next = tl.load(w_cols + nk[:, None] * w_sk, mask=mask_w, other=0.0)
         for m in tl.static_range(BLOCK_M):  # the weight tile is read once for all rows
             xm = tl.load(x_row + m * x_st + offs_k, mask=mask_k & (m < M), other=0.0)
             part = tl.sum(w * xm.to(tl.float32)[:, None], axis=0)  # [BLOCK_N]

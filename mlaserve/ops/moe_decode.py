@@ -42,6 +42,8 @@ sum is fp32, rounded once. Launches read no device value on the host: CUDA-graph
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -50,8 +52,10 @@ from mlaserve.ops.moe_partials import MoePartials
 from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
 __all__ = [
+    "DecodeTiles",
     "MoeDecodeWeights",
     "combine_partials",
+    "decode_tiles",
     "expert_down_cols",
     "expert_gate_up_rows",
     "moe_decode",
@@ -114,7 +118,8 @@ def _gate_up_kernel(
     s_e_stride, s_r_stride, ss_r_stride,
     H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, S: tl.constexpr,
     ROW_DIV: tl.constexpr, SHARED_ROW_DIV: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    UNIFORM_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0).to(tl.int64)
     wait_for_previous_kernel(PDL)
@@ -128,24 +133,52 @@ def _gate_up_kernel(
         routed, index, offs_n, w_ptr, s_ptr, sw_ptr, ss_ptr, s_e_stride, s_r_stride, ss_r_stride,
         INTER, S, ROW_DIV, SHARED_ROW_DIV,
     )  # fmt: skip
+    # Each step's weight tiles, x slice and scales are loaded one step ahead (a register double
+    # buffer), so a program always has loads in flight.
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = base + gate_rows[:, None] * H + offs_k[None, :]
+    u_ptrs = base + up_rows[:, None] * H + offs_k[None, :]
+    m = mask_n[:, None] & (offs_k < H)[None, :]
+    wg_next = tl.load(g_ptrs, mask=m, other=0.0)
+    wu_next = tl.load(u_ptrs, mask=m, other=0.0)
+    x_row = x_ptr + t * H
+    x_next = tl.load(x_row + offs_k, mask=offs_k < H, other=0.0)
+    if UNIFORM_SCALE:
+        # Every row of this program lies in one 128-row scale block (BLOCK_N divides 128, the
+        # gate and up halves start on block edges): its scales are one per K column block,
+        # applied to the x slice instead of to every weight; any BLOCK_K then works (wide
+        # steps read each weight row in long runs, which FP8's one-byte rows need).
+        n0 = tl.program_id(1) * BLOCK_N
+        _, _, _, _, sg0, su0 = expert_gate_up_rows(
+            routed, index, n0, w_ptr, s_ptr, sw_ptr, ss_ptr, s_e_stride, s_r_stride,
+            ss_r_stride, INTER, S, ROW_DIV, SHARED_ROW_DIV,
+        )  # fmt: skip
+        kb = offs_k // 128
+        sg_next = tl.load(sbase + sg0 + kb, mask=offs_k < H, other=0.0)
+        su_next = tl.load(sbase + su0 + kb, mask=offs_k < H, other=0.0)
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-    x_row = x_ptr + t * H
     for k0 in range(0, H, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < H
-        xk = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        m = mask_n[:, None] & mask_k[None, :]
-        wg = tl.load(base + gate_rows[:, None] * H + offs_k[None, :], mask=m, other=0.0)
-        wu = tl.load(base + up_rows[:, None] * H + offs_k[None, :], mask=m, other=0.0)
-        pg = tl.sum(wg.to(tl.float32) * xk[None, :], axis=1)
-        pu = tl.sum(wu.to(tl.float32) * xk[None, :], axis=1)
-        if HAS_SCALE:  # BLOCK_K divides 128: one scale column per step
+        wg = wg_next.to(tl.float32)
+        wu = wu_next.to(tl.float32)
+        xg = x_next.to(tl.float32)
+        xu = xg
+        nk = k0 + BLOCK_K + offs_k
+        m = mask_n[:, None] & (nk < H)[None, :]
+        wg_next = tl.load(g_ptrs + k0 + BLOCK_K, mask=m, other=0.0)
+        wu_next = tl.load(u_ptrs + k0 + BLOCK_K, mask=m, other=0.0)
+        x_next = tl.load(x_row + nk, mask=nk < H, other=0.0)
+        if UNIFORM_SCALE:
+            xg = xg * sg_next
+            xu = xu * su_next
+            sg_next = tl.load(sbase + sg0 + nk // 128, mask=nk < H, other=0.0)
+            su_next = tl.load(sbase + su0 + nk // 128, mask=nk < H, other=0.0)
+        elif HAS_SCALE:  # BLOCK_K divides 128: one scale column per step
             kb = k0 // 128
-            pg *= tl.load(sbase + sg + kb, mask=mask_n, other=0.0)
-            pu *= tl.load(sbase + su + kb, mask=mask_n, other=0.0)
-        acc_g += pg
-        acc_u += pu
+            wg *= tl.load(sbase + sg + kb, mask=mask_n, other=0.0)[:, None]
+            wu *= tl.load(sbase + su + kb, mask=mask_n, other=0.0)[:, None]
+        acc_g += tl.sum(wg * xg[None, :], axis=1)
+        acc_u += tl.sum(wu * xu[None, :], axis=1)
     dtype = h_ptr.dtype.element_ty
     g = acc_g.to(dtype).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
@@ -158,7 +191,8 @@ def _down_kernel(
     h_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, part_ptr,
     s_e_stride, s_r_stride, ss_r_stride,
     H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, S: tl.constexpr,
-    HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    HAS_SCALE: tl.constexpr, UNIFORM_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0).to(tl.int64)
     wait_for_previous_kernel(PDL)
@@ -173,18 +207,34 @@ def _down_kernel(
         routed, index, offs_n, w_ptr, s_ptr, sw_ptr, ss_ptr, s_e_stride, s_r_stride, ss_r_stride,
         H, INTER, S,
     )  # fmt: skip
-    rows = base + offs_n[:, None].to(tl.int64) * row_stride + col0
+    # As in the gate_up kernel: operands loaded one step ahead, uniform scales on h's slice.
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = base + offs_n[:, None].to(tl.int64) * row_stride + col0 + offs_k[None, :]
+    w_next = tl.load(rows, mask=mask_n[:, None] & (offs_k < INTER)[None, :], other=0.0)
     h_row = h_ptr + pair * INTER
-    part = tl.zeros([BLOCK_N], dtype=tl.float32)
+    h_next = tl.load(h_row + offs_k, mask=offs_k < INTER, other=0.0)
+    if UNIFORM_SCALE:  # BLOCK_N divides 128: the program's rows share their scale row
+        _, _, _, s0 = expert_down_cols(
+            routed, index, tl.program_id(1) * BLOCK_N, w_ptr, s_ptr, sw_ptr, ss_ptr, s_e_stride,
+            s_r_stride, ss_r_stride, H, INTER, S,
+        )  # fmt: skip
+        s_next = tl.load(s0 + offs_k // 128, mask=offs_k < INTER, other=0.0)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < INTER
-        hk = tl.load(h_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        w = tl.load(rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        p = tl.sum(w.to(tl.float32) * hk[None, :], axis=1)
-        if HAS_SCALE:
-            p *= tl.load(srow + k0 // 128, mask=mask_n, other=0.0)
-        part += p
+        w = w_next.to(tl.float32)
+        hk = h_next.to(tl.float32)
+        nk = k0 + BLOCK_K + offs_k
+        w_next = tl.load(
+            rows + k0 + BLOCK_K, mask=mask_n[:, None] & (nk < INTER)[None, :], other=0.0
+        )
+        h_next = tl.load(h_row + nk, mask=nk < INTER, other=0.0)
+        if UNIFORM_SCALE:
+            hk = hk * s_next
+            s_next = tl.load(s0 + nk // 128, mask=nk < INTER, other=0.0)
+        elif HAS_SCALE:
+            w *= tl.load(srow + k0 // 128, mask=mask_n, other=0.0)[:, None]
+        acc += tl.sum(w * hk[None, :], axis=1)
+    part = acc
     dtype = h_ptr.dtype.element_ty
     part = tl.where(routed, part.to(dtype).to(tl.float32), part)  # the unfused expert output
     tl.store(part_ptr + pair * H + offs_n, weight * part, mask=mask_n)
@@ -269,6 +319,13 @@ class MoeDecodeWeights:
         self.shared_w2_scale = shared_w2_scale
         self.row_div = self._row_div(w13_scale, two_i)
         self.shared_row_div = self._row_div(shared_w13_scale, 2 * inter * self.num_shared)
+        # Gate and up rows of every expert (and shared slice) start on 128-row scale blocks:
+        # a tile of up to 128 rows then has one scale per K block (moe_decode's x scaling).
+        self.block_scaled = (
+            self.row_div == _SCALE_BLOCK
+            and (self.num_shared == 0 or self.shared_row_div == _SCALE_BLOCK)
+            and inter % _SCALE_BLOCK == 0
+        )
         for scale in (w2_scale, shared_w2_scale):
             if scale is not None and scale.shape[-2] != triton.cdiv(hidden, _SCALE_BLOCK):
                 raise ValueError("moe_decode: down-projection scales must be 128-row blocks")
@@ -292,21 +349,46 @@ def scale_args(scale: torch.Tensor | None, stand_in: torch.Tensor) -> tuple:
     return scale, 0, scale.stride(0)
 
 
+class DecodeTiles(NamedTuple):
+    """Tiles of (gate_up, down) and warps per program."""
+
+    block_n: tuple[int, int]
+    block_k: tuple[int, int]
+    num_warps: int
+
+
+def decode_tiles(weights: MoeDecodeWeights, num_tokens: int) -> DecodeTiles:
+    """The tiles `bench/moe_decode.py --sweep` chose on an H100 (V2-Lite layer, kernels alone):
+
+    - bf16: 16-row tiles of 128 columns, 8 warps at one token, 4 beyond (52 us at one token,
+      1.11x the floor; the tiles within 2% of it, from 8 x 512 to 4 x 2048, gain nothing).
+    - FP8 with 128-row block scales: 8 rows of whole 2048-column runs, 4 warps: 30.7 / 46.6 /
+      81.1 / 139.5 us at 1 / 2 / 4 / 8 tokens, against 44.3 / 70.9 / 128.9 / 243.8 with the bf16
+      tiles. A one-byte row read 128 columns per step is one 128-byte line per row per step:
+      short runs, and per-step reductions over half the bytes of a bf16 step."""
+    if weights.quantized and weights.block_scaled:
+        wide = (min(2048, triton.next_power_of_2(weights.hidden)),
+                min(2048, triton.next_power_of_2(weights.inter)))  # fmt: skip
+        return DecodeTiles((8, 8), wide, 4)
+    return DecodeTiles((16, 16), (128, 128), 8 if num_tokens == 1 else 4)
+
+
 def moe_decode(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     weights: MoeDecodeWeights,
     *,
-    block_n: tuple[int, int] = (16, 16),
-    block_k: tuple[int, int] = (128, 128),
+    block_n: tuple[int, int] | None = None,
+    block_k: tuple[int, int] | None = None,
     num_warps: int | None = None,
     combine: bool = True,
 ) -> torch.Tensor | MoePartials:
     """x [T, H], topk_weights [T, K] fp32, topk_ids [T, K] int64 -> y [T, H] (x's dtype).
-    `block_n` / `block_k`: tiles of (gate_up, down); block_k must divide 128 with FP8 weights.
-    Defaults from `bench/moe_decode.py --sweep` on an H100 (V2-Lite layer, bf16 and FP8): 16-row
-    tiles, 8 warps for one token (7-10% faster there), 4 beyond. `combine=False` returns the
+    `block_n` / `block_k`: tiles of (gate_up, down), powers of two. With FP8 weights a block_n
+    dividing 128 takes the per-column-block scales onto x's slice, and then any block_k works;
+    otherwise (per-row scales, or wider tiles) block_k must divide 128. Defaults (`decode_tiles`)
+    from `bench/moe_decode.py --sweep` on an H100, V2-Lite layer. `combine=False` returns the
     per-slot partials uncombined (`MoePartials`), for the next norm to sum."""
     num_tokens, top_k = topk_ids.shape
     hidden, inter, shared = weights.hidden, weights.inter, weights.num_shared
@@ -320,9 +402,18 @@ def moe_decode(
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     wts = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     has_scale = weights.quantized
+    tiles = decode_tiles(weights, num_tokens)
+    block_n = block_n or tiles.block_n
+    block_k = block_k or tiles.block_k
+    num_warps = num_warps or tiles.num_warps
+    uniform = (
+        has_scale and weights.block_scaled and 128 % block_n[0] == 0,
+        has_scale and 128 % block_n[1] == 0,
+    )
+    for i in (0, 1):
+        if has_scale and not uniform[i] and 128 % block_k[i]:
+            raise ValueError(f"moe_decode: block_k {block_k} must divide 128 for these scales")
     pdl = pdl_args(x.device)
-    if num_warps is None:
-        num_warps = 8 if num_tokens == 1 else 4
     # a missing shared scale's stand-in must be a pointer of the routed scale's type
     s13, s13_e, s13_r = scale_args(weights.w13_scale, weights.w13)
     ss13, _, ss13_r = scale_args(weights.shared_w13_scale, s13)
@@ -331,6 +422,7 @@ def moe_decode(
         s13_e, s13_r, ss13_r,
         H=hidden, INTER=inter, K=top_k, S=shared,
         ROW_DIV=weights.row_div, SHARED_ROW_DIV=weights.shared_row_div, HAS_SCALE=has_scale,
+        UNIFORM_SCALE=uniform[0],
         BLOCK_N=block_n[0], BLOCK_K=block_k[0], num_warps=num_warps, **pdl,
     )  # fmt: skip
     s2, s2_e, s2_r = scale_args(weights.w2_scale, weights.w2)
@@ -340,6 +432,7 @@ def moe_decode(
         h, ids, wts, weights.w2, s2, weights.shared_w2, ss2, part,
         s2_e, s2_r, ss2_r,
         H=hidden, INTER=inter, K=top_k, S=shared, HAS_SCALE=has_scale,
+        UNIFORM_SCALE=uniform[1],
         BLOCK_N=block_n[1], BLOCK_K=block_k[1], num_warps=num_warps, **pdl,
     )  # fmt: skip
     if not combine:

@@ -41,6 +41,14 @@ def _router_logits_kernel(
     mask_t = offs_t < T
     mask_e = offs_e < E
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    # The gate is a constant: its first tile is loaded before the wait (under PDL its latency
+    # overlaps the previous kernel; at decode sizes a split is one tile), each later one a step
+    # ahead.
+    offs_k = split * KB_PER_SPLIT * BLOCK_K + tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + offs_e[None, :] * H
+    w_next = tl.load(
+        w_rows + offs_k[:, None], mask=(offs_k < H)[:, None] & mask_e[None, :], other=0.0
+    )  # [BLOCK_K, BLOCK_E]
     wait_for_previous_kernel(PDL)
     for i in range(KB_PER_SPLIT):
         offs_k = (split * KB_PER_SPLIT + i) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -50,11 +58,11 @@ def _router_logits_kernel(
             mask=mask_t[:, None] & mask_k[None, :],
             other=0.0,
         ).to(tl.float32)
-        w = tl.load(
-            w_ptr + offs_e[None, :] * H + offs_k[:, None],
-            mask=mask_k[:, None] & mask_e[None, :],
-            other=0.0,
-        )  # [BLOCK_K, BLOCK_E]
+        w = w_next
+        nk = offs_k + BLOCK_K
+        # the split's last step reads nothing (the next split's columns are masked off)
+        mask_w = (nk < H) & (i + 1 < KB_PER_SPLIT)
+        w_next = tl.load(w_rows + nk[:, None], mask=mask_w[:, None] & mask_e[None, :], other=0.0)
         acc += tl.dot(a, w, input_precision="tf32x3")
     out = out_ptr + (split * T + offs_t[:, None].to(tl.int64)) * E + offs_e[None, :]
     tl.store(out, acc, mask=mask_t[:, None] & mask_e[None, :])

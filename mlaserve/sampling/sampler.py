@@ -8,7 +8,8 @@ Pipeline, per row (each stage runs only if some row in the batch needs it):
                                                      -> argmax(logits + gumbel(seed, step, id))
 
 An all-greedy batch in which nobody asks for logprobs and no row is below min_tokens costs
-exactly one kernel: the argmax (no upcast of float32 logits, no log-softmax, no ranks).
+one argmax (no upcast of float32 logits, no log-softmax, no ranks): on CUDA the two kernels of
+`argmax_kernel.py`, which also give the finite check; elsewhere torch's argmax.
 
 Reported log-probs are vLLM's default "raw logprobs": the model's own distribution, before
 penalties, temperature and filtering, so they do not depend on the sampling settings. The
@@ -23,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from mlaserve.sampling.argmax_kernel import argmax_available, fused_argmax
 from mlaserve.sampling.penalties import apply_min_tokens, apply_penalties
 from mlaserve.sampling.random import gumbel_argmax
 from mlaserve.sampling.sampling_batch import SamplingBatch
@@ -78,13 +80,17 @@ class Sampler:
             if x is logits:
                 x = x.clone()
             token_mask(x)
-        if batch.all_greedy:
-            token_ids = x.argmax(dim=-1)
+        if batch.all_greedy and x is logits and argmax_available(x.device):
+            # unadjusted logits: the kernel's finite flag is finite_rows' answer
+            token_ids, finite = fused_argmax(x)
         else:
-            token_ids = sample(x, batch)
-            if batch.any_greedy:
-                token_ids = torch.where(batch.is_greedy, x.argmax(dim=-1), token_ids)
-        finite = finite_rows(logits, token_ids, batch.all_greedy)
+            if batch.all_greedy:
+                token_ids = x.argmax(dim=-1)
+            else:
+                token_ids = sample(x, batch)
+                if batch.any_greedy:
+                    token_ids = torch.where(batch.is_greedy, x.argmax(dim=-1), token_ids)
+            finite = finite_rows(logits, token_ids, batch.all_greedy)
         if not batch.need_logprobs:
             return SamplerOutput(token_ids, None, None, None, None, finite)
         return raw_logprobs(logits, token_ids, batch.max_num_logprobs)._replace(finite=finite)
