@@ -21,21 +21,36 @@ from tests.ops.moe_cases import (
     reference,
 )
 
-CASES = [
-    gpu_case(t, shape, fp8)
-    for t in (1, 2, 4, 8, 16)
-    for shape in ("v2lite", "v3_slice", "default")
-    for fp8 in (False, True)
-] + [
-    cpu_case(2, "tiny", False),
-    cpu_case(3, "tiny_noshared", False),
-    cpu_case(2, "tiny_noshared", True),
-    cpu_case(1, "default", True),
+# (tokens, shape, fp8, (block_n, block_k, warps)): the FP8 scales' two paths (one scale per K block
+# applied to x's slice when block_n divides 128, per row on the weights otherwise) and wide steps
+TILE_CASES = [
+    cpu_case(2, "default", True, ((8, 8), (256, 128), 4)),
+    cpu_case(1, "default", True, ((256, 256), (64, 64), 4)),
+    cpu_case(2, "tiny", False, ((4, 4), (256, 128), 4)),
+    gpu_case(1, "v2lite", True, ((16, 16), (128, 128), 8)),
+    gpu_case(4, "v2lite", True, ((256, 256), (128, 64), 4)),
+    gpu_case(3, "v3_slice", True, ((4, 8), (2048, 1024), 4)),
+    gpu_case(2, "v2lite", False, ((8, 8), (512, 512), 4)),
 ]
+CASES = (
+    [
+        gpu_case(t, shape, fp8, None)
+        for t in (1, 2, 4, 8, 16)
+        for shape in ("v2lite", "v3_slice", "default")
+        for fp8 in (False, True)
+    ]
+    + [
+        cpu_case(2, "tiny", False, None),
+        cpu_case(3, "tiny_noshared", False, None),
+        cpu_case(2, "tiny_noshared", True, None),
+        cpu_case(1, "default", True, None),
+    ]
+    + TILE_CASES
+)
 
 
-@pytest.mark.parametrize("num_tokens,shape_name,fp8,device", CASES)
-def test_moe_decode_matches_reference(num_tokens, shape_name, fp8, device):
+@pytest.mark.parametrize("num_tokens,shape_name,fp8,tiles,device", CASES)
+def test_moe_decode_matches_reference(num_tokens, shape_name, fp8, tiles, device):
     from mlaserve.ops.moe_decode import moe_decode
 
     shape = SHAPES[shape_name]
@@ -51,7 +66,11 @@ def test_moe_decode_matches_reference(num_tokens, shape_name, fp8, device):
     poison_unused(kernel, scales, ids, num_e, fp8)
     layer = layer_weights(kernel, scales)
     assert layer.num_shared == num_s
-    got = moe_decode(x, weights, ids, layer)
+    if tiles is None:  # decode_tiles' defaults
+        got = moe_decode(x, weights, ids, layer)
+    else:
+        block_n, block_k, warps = tiles
+        got = moe_decode(x, weights, ids, layer, block_n=block_n, block_k=block_k, num_warps=warps)
     assert got.dtype == dtype and got.shape == (num_tokens, hidden)
     assert_close_to_reference(got, reference(x, weights, ids, ref, num_s))
 
@@ -65,41 +84,6 @@ def test_moe_decode_weights_refuse_mismatched_shapes():
     with pytest.raises(ValueError, match="slices"):
         MoeDecodeWeights(w13, w2, torch.zeros(2 * 48, 64), torch.zeros(64, 48))
     assert MoeDecodeWeights(w13, w2, torch.zeros(2 * 64, 64), torch.zeros(64, 64)).num_shared == 2
-
-
-# (tokens, shape, fp8, block_n, block_k, warps): the FP8 scales' two paths (one scale per K block
-# applied to x's slice when block_n divides 128, per row on the weights otherwise) and wide steps
-TILE_CASES = [
-    cpu_case(2, "default", True, (8, 8), (256, 128), 4),
-    cpu_case(1, "default", True, (256, 256), (64, 64), 4),
-    cpu_case(2, "tiny", False, (4, 4), (256, 128), 4),
-    gpu_case(1, "v2lite", True, (16, 16), (128, 128), 8),
-    gpu_case(4, "v2lite", True, (256, 256), (128, 64), 4),
-    gpu_case(3, "v3_slice", True, (4, 8), (2048, 1024), 4),
-    gpu_case(2, "v2lite", False, (8, 8), (512, 512), 4),
-]
-
-
-@pytest.mark.parametrize("num_tokens,shape_name,fp8,block_n,block_k,warps,device", TILE_CASES)
-def test_moe_decode_tiles_match_reference(
-    num_tokens, shape_name, fp8, block_n, block_k, warps, device
-):
-    from mlaserve.ops.moe_decode import moe_decode
-
-    shape = SHAPES[shape_name]
-    num_e, top_k, _, hidden, _ = shape
-    dtype = model_dtype(device)
-    gen = torch.Generator(device=device).manual_seed(num_tokens * 11 + num_e)
-    kernel, ref, scales = make_weights(shape, fp8, dtype, device, gen)
-    x = torch.randn(num_tokens, hidden, generator=gen, device=device).to(dtype)
-    ids = torch.stack(
-        [torch.randperm(num_e, generator=gen, device=device)[:top_k] for _ in range(num_tokens)]
-    )
-    weights = torch.rand(num_tokens, top_k, generator=gen, device=device) + 0.1
-    poison_unused(kernel, scales, ids, num_e, fp8)
-    layer = layer_weights(kernel, scales)
-    got = moe_decode(x, weights, ids, layer, block_n=block_n, block_k=block_k, num_warps=warps)
-    assert_close_to_reference(got, reference(x, weights, ids, ref, shape[2]))
 
 
 def test_moe_decode_refuses_wide_steps_with_per_row_scales():
