@@ -41,15 +41,19 @@ for wt, scaled in (("*bf16", False), ("*fp8e4nv", True)):
         cases.append((f"down_{wt[1:]}_{bm}", M._down_kernel, sig, dn))
     # moe_decode's kernels share the expert row / column helpers with the grouped ones
     ptrs = {"ids_ptr": "*i64", "w_ptr": wt, "sw_ptr": wt, "s_ptr": "*fp32", "ss_ptr": "*fp32"}
-    gu = dict(H=2048, INTER=1408, K=6, S=2, ROW_DIV=128, SHARED_ROW_DIV=128, HAS_SCALE=scaled,
-              BLOCK_N=16, BLOCK_K=128)
-    sig = signature(D._gate_up_kernel, {**ptrs, "x_ptr": "*bf16", "h_ptr": "*bf16"}, constexprs=gu)
-    cases.append((f"decode_gate_up_{wt[1:]}", D._gate_up_kernel, sig, gu))
-    dn = dict(H=2048, INTER=1408, K=6, S=2, HAS_SCALE=scaled, BLOCK_N=16, BLOCK_K=128)
-    sig = signature(D._down_kernel,
-                    {**ptrs, "h_ptr": "*bf16", "wts_ptr": "*fp32", "part_ptr": "*fp32"},
-                    constexprs=dn)
-    cases.append((f"decode_down_{wt[1:]}", D._down_kernel, sig, dn))
+    # both FP8 scale paths: per row (bf16's tiles) and uniform (decode_tiles' FP8 tiles)
+    for uniform in (False, True) if scaled else (False,):
+        tile = dict(BLOCK_N=8, BLOCK_K=2048) if uniform else dict(BLOCK_N=16, BLOCK_K=128)
+        gu = dict(H=2048, INTER=1408, K=6, S=2, ROW_DIV=128, SHARED_ROW_DIV=128,
+                  HAS_SCALE=scaled, UNIFORM_SCALE=uniform, **tile)
+        sig = signature(D._gate_up_kernel, {**ptrs, "x_ptr": "*bf16", "h_ptr": "*bf16"},
+                        constexprs=gu)
+        cases.append((f"decode_gate_up_{wt[1:]}_{uniform}", D._gate_up_kernel, sig, gu))
+        dn = dict(H=2048, INTER=1408, K=6, S=2, HAS_SCALE=scaled, UNIFORM_SCALE=uniform, **tile)
+        sig = signature(D._down_kernel,
+                        {**ptrs, "h_ptr": "*bf16", "wts_ptr": "*fp32", "part_ptr": "*fp32"},
+                        constexprs=dn)
+        cases.append((f"decode_down_{wt[1:]}_{uniform}", D._down_kernel, sig, dn))
 rl = dict(H=2048, E=64, KB_PER_SPLIT=1, BLOCK_T=16, BLOCK_E=16, BLOCK_K=128)
 sig = signature(R._router_logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32"},
                 constexprs=rl)
@@ -58,4 +62,4 @@ cases.append(("router_logits", R._router_logits_kernel, sig, rl))
 
 
 def test_grouped_moe_kernels_compile_for_sm90_and_sm100() -> None:
-    compile_for_gpus(CASES, expected=2 * 18, num_stages=3)
+    compile_for_gpus(CASES, expected=2 * 20, num_stages=3)
