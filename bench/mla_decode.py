@@ -42,7 +42,6 @@ import argparse
 import itertools
 import json
 import math
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -53,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode import copy_bandwidth
+from fusions import graph_time_us
 
 from mlaserve.ops.mla_decode import (
     MlaDecodeConfig,
@@ -78,29 +78,15 @@ def load_flash_mla():
 
 
 def replay_us(chain: Callable[[], object], calls: int, reps: int) -> tuple[float, object]:
-    """GPU microseconds per call of a chain of `calls` calls, captured once in a CUDA graph:
-    median over `reps` replays / calls. Also returns the captured outputs."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # compile and warm up outside the capture
-            chain()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return statistics.median(times), out
+    """GPU microseconds per call of a chain of `calls` calls, captured once in a CUDA graph
+    (`fusions.graph_time_us`): median over `reps` replays / calls. Also returns the captured
+    outputs (the graph's last replay wrote them)."""
+    captured = {}
+
+    def run() -> None:
+        captured["out"] = chain()  # the capture's call is the last one: its outputs stay
+
+    return graph_time_us(run, 1, reps) / calls, captured["out"]
 
 
 class Pool:

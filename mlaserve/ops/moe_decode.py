@@ -219,7 +219,7 @@ def _down_kernel(
             s_r_stride, ss_r_stride, H, INTER, S,
         )  # fmt: skip
         s_next = tl.load(s0 + offs_k // 128, mask=offs_k < INTER, other=0.0)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    part = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         w = w_next.to(tl.float32)
         hk = h_next.to(tl.float32)
@@ -233,8 +233,7 @@ def _down_kernel(
             s_next = tl.load(s0 + nk // 128, mask=nk < INTER, other=0.0)
         elif HAS_SCALE:
             w *= tl.load(srow + k0 // 128, mask=mask_n, other=0.0)[:, None]
-        acc += tl.sum(w * hk[None, :], axis=1)
-    part = acc
+        part += tl.sum(w * hk[None, :], axis=1)
     dtype = h_ptr.dtype.element_ty
     part = tl.where(routed, part.to(dtype).to(tl.float32), part)  # the unfused expert output
     tl.store(part_ptr + pair * H + offs_n, weight * part, mask=mask_n)
