@@ -116,7 +116,9 @@ def profile(llm: LLM, length: int, rng: random.Random, top: int) -> list[dict]:
             "share": e.self_device_time_total / total,
         }
         for e in events[:top]
-    ] + [{"kernel": "TOTAL", "ms": total / 1e3, "calls": None, "share": 1.0}]
+    ] + [
+        {"kernel": "TOTAL", "ms": total / 1e3, "calls": sum(e.count for e in events), "share": 1.0}
+    ]
 
 
 def main() -> None:

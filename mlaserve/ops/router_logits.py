@@ -12,7 +12,9 @@ below `ops/gemv.py`'s limit keep the GEMV (one streaming pass, no tensor cores n
 
 Grid (cdiv(T, BLOCK_T), cdiv(E, BLOCK_E), S): narrow tiles along E and S splits of K, so that
 even a handful of tokens spreads the gate's bytes (512 KB for V2-Lite, 7.3 MB for V3) over about
-every SM. The S partials go out as they are: the routing kernel sums them in a fixed order
+every SM. Prefill-sized batches, which fill the GPU without that, take tiles 64 experts wide
+(`_tiles`): each x row is then read once per 64 experts, not once per 16 (at 2048 tokens of
+V2-Lite the narrow tiles took 60 us a layer on an H100, a quarter of the SiLU-free MoE glue). The S partials go out as they are: the routing kernel sums them in a fixed order
 (deterministic, no reduction launch). No host reads: CUDA-graph safe. T is a runtime mask bound;
 the split count and Triton's specialisation on T % 16 == 0 make the variants that
 `router_logits_variants` lists, for the model to compile at load.
@@ -69,19 +71,26 @@ def _router_logits_kernel(
 
 
 _BLOCK_T, _BLOCK_E, _BLOCK_K = 16, 16, 128
+# Wide tiles: a [64, 64] fp32 gate tile and the next one in registers at 4 warps.
+_WIDE_BLOCK_E, _WIDE_BLOCK_K = 64, 64
 _PROGRAMS_TARGET = 128  # about one per SM of an H100 (132)
 
 
-def _num_splits(num_tokens: int, num_experts: int, hidden: int) -> int:
-    """K splits (a power of two dividing the K blocks' count) so that the launch has about
-    _PROGRAMS_TARGET programs: a handful of tokens would otherwise stream the whole gate through
-    a few SMs (V2-Lite at 32 tokens: 8 programs, 19 us, vs 3 kernels and 11 us for torch's)."""
-    tiles = triton.cdiv(num_tokens, _BLOCK_T) * triton.cdiv(num_experts, _BLOCK_E)
+def _tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, int]:
+    """(BLOCK_E, BLOCK_K, K splits). Narrow tiles with K splits (a power of two dividing the K
+    blocks' count) so that the launch has about _PROGRAMS_TARGET programs: a handful of tokens
+    would otherwise stream the whole gate through a few SMs (V2-Lite at 32 tokens: 8 programs,
+    19 us, vs 3 kernels and 11 us for torch's). Wide tiles, unsplit, once they alone give half
+    that many programs."""
+    t_tiles = triton.cdiv(num_tokens, _BLOCK_T)
+    if 2 * t_tiles * triton.cdiv(num_experts, _WIDE_BLOCK_E) >= _PROGRAMS_TARGET:
+        return _WIDE_BLOCK_E, _WIDE_BLOCK_K, 1
+    tiles = t_tiles * triton.cdiv(num_experts, _BLOCK_E)
     num_kb = triton.cdiv(hidden, _BLOCK_K)
     splits = 1
     while tiles * splits * 2 <= _PROGRAMS_TARGET and num_kb % (splits * 2) == 0:
         splits *= 2
-    return splits
+    return _BLOCK_E, _BLOCK_K, splits
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -97,28 +106,28 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         )
     if x.stride(-1) != 1:
         x = x.contiguous()
-    splits = _num_splits(num_tokens, num_experts, hidden)
+    block_e, block_k, splits = _tiles(num_tokens, num_experts, hidden)
     out = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return out
-    grid = (triton.cdiv(num_tokens, _BLOCK_T), triton.cdiv(num_experts, _BLOCK_E), splits)
+    grid = (triton.cdiv(num_tokens, _BLOCK_T), triton.cdiv(num_experts, block_e), splits)
     _router_logits_kernel[grid](
         x, weight, out, num_tokens, x.stride(0),
-        H=hidden, E=num_experts, KB_PER_SPLIT=triton.cdiv(hidden, _BLOCK_K) // splits,
-        BLOCK_T=_BLOCK_T, BLOCK_E=_BLOCK_E, BLOCK_K=_BLOCK_K, num_warps=4,
+        H=hidden, E=num_experts, KB_PER_SPLIT=triton.cdiv(hidden, block_k) // splits,
+        BLOCK_T=_BLOCK_T, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
         num_stages=3, **pdl_args(x.device),
     )  # fmt: skip
     return out
 
 
 def router_logits_variants(num_experts: int, hidden: int) -> list[int]:
-    """Token counts that between them compile every variant: each split count (it only falls as
-    T grows, and stays put past _PROGRAMS_TARGET tiles), each with both of Triton's
-    specialisations of T (a multiple of 16 or not)."""
-    last = _BLOCK_T * (_PROGRAMS_TARGET // triton.cdiv(num_experts, _BLOCK_E) + 2)
+    """Token counts that between them compile every variant: each tile choice (the split count
+    only falls as T grows, then the tiles widen, and nothing changes past _PROGRAMS_TARGET
+    token tiles), each with both of Triton's specialisations of T (a multiple of 16 or not)."""
+    last = _BLOCK_T * (_PROGRAMS_TARGET + 2)
     seen, counts = set(), []
     for num_tokens in range(1, last + 1):
-        key = (_num_splits(num_tokens, num_experts, hidden), num_tokens % 16 == 0)
+        key = (_tiles(num_tokens, num_experts, hidden), num_tokens % 16 == 0)
         if key not in seen:
             seen.add(key)
             counts.append(num_tokens)

@@ -1,4 +1,4 @@
-"""The MoE kernels (grouped and decode) and the router-logits kernel compile for SM90 (H100) and
+"""The MoE kernels (grouped, decode and the sorted path's combine) and the router-logits kernel compile for SM90 (H100) and
 SM100 (B200) without either GPU.
 
 Triton's ahead-of-time path (`triton.compile` with a `GPUTarget`) lowers each kernel to a cubin,
@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 CASES = r"""
 from mlaserve.ops import moe_decode as D
 from mlaserve.ops import moe_grouped as M
+from mlaserve.ops import moe_sorted_combine as C
 from mlaserve.ops import router_logits as R
 
 index = {"slot_pairs_ptr": "*i32", "padded_end_ptr": "*i32", "counts_ptr": "*i32"}
@@ -54,12 +55,22 @@ for wt, scaled in (("*bf16", False), ("*fp8e4nv", True)):
                         {**ptrs, "h_ptr": "*bf16", "wts_ptr": "*fp32", "part_ptr": "*fp32"},
                         constexprs=dn)
         cases.append((f"decode_down_{wt[1:]}_{uniform}", D._down_kernel, sig, dn))
-rl = dict(H=2048, E=64, KB_PER_SPLIT=1, BLOCK_T=16, BLOCK_E=16, BLOCK_K=128)
-sig = signature(R._router_logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32"},
-                constexprs=rl)
-cases.append(("router_logits", R._router_logits_kernel, sig, rl))
+for rl in (dict(H=2048, E=64, KB_PER_SPLIT=1, BLOCK_T=16, BLOCK_E=16, BLOCK_K=128),
+           dict(H=2048, E=64, KB_PER_SPLIT=32, BLOCK_T=16, BLOCK_E=64, BLOCK_K=64)):  # prefill
+    sig = signature(R._router_logits_kernel,
+                    {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32"}, constexprs=rl)
+    cases.append((f"router_logits_{rl['BLOCK_E']}", R._router_logits_kernel, sig, rl))
+# the sorted (prefill) path's return to token order
+sig = signature(C._invert_kernel, {"order_ptr": "*i64", "pos_ptr": "*i32"}, constexprs=("BLOCK",))
+cases.append(("sorted_invert", C._invert_kernel, sig, dict(BLOCK=1024)))
+for shared in (True, False):
+    cb = dict(H=2048, K=6, HAS_SHARED=shared, BLOCK=1024)
+    sig = signature(C._combine_kernel, {"rows_ptr": "*bf16", "pos_ptr": "*i32",
+                    "weights_ptr": "*fp32", "shared_ptr": "*bf16", "y_ptr": "*bf16"},
+                    constexprs=cb)
+    cases.append((f"sorted_combine_{shared}", C._combine_kernel, sig, cb))
 """
 
 
 def test_grouped_moe_kernels_compile_for_sm90_and_sm100() -> None:
-    compile_for_gpus(CASES, expected=2 * 20, num_stages=3)
+    compile_for_gpus(CASES, expected=2 * 24, num_stages=3)

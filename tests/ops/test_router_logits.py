@@ -3,7 +3,8 @@
 Bound: |err| <= 1e-5 * (|x| @ |w|^T) elementwise, i.e. fp32-GEMM accuracy relative to the sum
 of the magnitudes of the products (tf32x3 rounds the gate's low bits at ~2^-22; a plain TF32
 product would miss it by ~100x). Token counts below, at and past 16-row tiles and multiples of
-16; expert counts of V2-Lite, V3 and the default model.
+16, and prefill-sized counts that take the 64-expert-wide tiles (V3 from 256 tokens, V2-Lite from
+1024); expert counts of V2-Lite, V3 and the default model.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from tests.ops.cases import cpu_case, gpu_case, model_dtype
 # name: (E, H)
 SHAPES = {"v2lite": (64, 2048), "v3": (256, 7168), "default": (8, 256), "tiny": (12, 160)}
 CASES = [
-    gpu_case(t, shape) for t in (9, 17, 32, 64, 257, 2048) for shape in ("v2lite", "v3", "default")
-] + [cpu_case(5, "tiny"), cpu_case(33, "default")]
+    gpu_case(t, shape)
+    for t in (9, 17, 32, 64, 257, 1000, 2048)
+    for shape in ("v2lite", "v3", "default")
+] + [cpu_case(5, "tiny"), cpu_case(33, "default"), cpu_case(1009, "tiny")]
 
 
 @pytest.mark.parametrize("num_tokens,shape_name,device", CASES)
@@ -41,3 +44,14 @@ def test_router_logits_refuses_a_non_fp32_gate():
 
     with pytest.raises(ValueError, match="fp32"):
         router_logits(torch.zeros(2, 8), torch.zeros(4, 8, dtype=torch.bfloat16))
+
+
+def test_prefill_sized_batches_take_wide_unsplit_tiles():
+    from mlaserve.ops.router_logits import _tiles, router_logits_variants
+
+    assert _tiles(1, 64, 2048)[2] > 1  # decode sizes: narrow, split
+    assert _tiles(2048, 64, 2048) == (64, 64, 1)
+    assert _tiles(256, 256, 7168) == (64, 64, 1)
+    assert _tiles(1009, 12, 160) == (64, 64, 1)  # the interpreted case above
+    counts = router_logits_variants(64, 2048)
+    assert {_tiles(t, 64, 2048) for t in counts} == {_tiles(t, 64, 2048) for t in range(1, 9000)}

@@ -230,6 +230,11 @@ class FusedExperts(nn.Module):
         local = tp.split(intermediate_size, "moe_intermediate_size")
         self.impl: ExpertsImpl = impl
         self.quant = quant
+        # On CUDA the sorted path's SiLU-and-mul and its return to token order (unsort, weight,
+        # sum, + shared) are Triton kernels (`ops/silu_and_mul.py`, `ops/moe_sorted_combine.py`);
+        # the torch code below is their reference and the CPU path.
+        self.act = silu_and_mul
+        self._sorted_combine = None
         self.gate_up_proj_scale_inv: nn.Parameter | None = None
         self.down_proj_scale_inv: nn.Parameter | None = None
         if quant is None:
@@ -255,6 +260,11 @@ class FusedExperts(nn.Module):
             )
             self.gate_up_proj.weight_loader = self.fp8_weight_loader
             self.down_proj.weight_loader = self.fp8_weight_loader
+        if fused_ops_enabled(self.gate_up_proj.device):
+            from mlaserve.ops.moe_sorted_combine import moe_sorted_combine
+            from mlaserve.ops.silu_and_mul import silu_and_mul as fused_silu_and_mul
+
+            self.act, self._sorted_combine = fused_silu_and_mul, moe_sorted_combine
 
     def fp8_weight_loader(
         self,
@@ -348,28 +358,39 @@ class FusedExperts(nn.Module):
         return "dense"
 
     def forward(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [T, H]; topk_weights [T, K] fp32; topk_ids [T, K] -> [T, H] (partial under TP)"""
+        """x [T, H]; topk_weights [T, K] fp32; topk_ids [T, K]; shared [T, H] (the shared
+        experts' output, added last) or None -> [T, H] (partial under TP)"""
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         if self.quant is not None:
-            return self._forward_sorted(x, topk_weights, topk_ids, use_grouped_mm=False)
+            return self._forward_sorted(x, topk_weights, topk_ids, shared, use_grouped_mm=False)
         impl = self.resolved_impl(x)
         if impl == "dense":
-            return self._forward_dense(x, topk_weights, topk_ids)
-        return self._forward_sorted(x, topk_weights, topk_ids, use_grouped_mm=impl == "grouped_mm")
+            y = self._forward_dense(x, topk_weights, topk_ids)
+            return y if shared is None else y + shared
+        grouped = impl == "grouped_mm"
+        return self._forward_sorted(x, topk_weights, topk_ids, shared, use_grouped_mm=grouped)
 
     def _forward_sorted(
         self,
         x: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
+        shared: torch.Tensor | None,
         use_grouped_mm: bool,
     ) -> torch.Tensor:
         num_tokens, top_k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)  # [T*K], pair p = (token p // K, slot p % K)
-        order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
+        # Narrow sort keys: one radix pass for up to 256 experts instead of eight for int64
+        # (the same stable order).
+        keys = flat_ids.to(torch.uint8 if self.num_experts <= 256 else torch.int32)
+        order = torch.argsort(keys, stable=True)  # pairs grouped by expert
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
         xs = x[order // top_k]  # [T*K, H], rows of expert e are contiguous
@@ -377,12 +398,12 @@ class FusedExperts(nn.Module):
             # one block -> expert map for both GEMMs (CPU: the emulated loop needs none)
             layout = grouped_layout(counts, xs.shape[0]) if x.is_cuda else None
             w13, s13 = self.gate_up_proj, self.gate_up_proj_scale_inv
-            h = silu_and_mul(grouped_block_fp8_linear(xs, counts, w13, s13, layout=layout))
+            h = self.act(grouped_block_fp8_linear(xs, counts, w13, s13, layout=layout))
             w2, s2 = self.down_proj, self.down_proj_scale_inv
             out = grouped_block_fp8_linear(h, counts, w2, s2, layout=layout)
         elif use_grouped_mm:
             offs = counts.cumsum(0, dtype=torch.int32)  # [E] end row of each expert
-            h = silu_and_mul(torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs))
+            h = self.act(torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs))
             out = torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)  # [T*K, H]
         else:
             out = torch.empty_like(xs)
@@ -393,9 +414,12 @@ class FusedExperts(nn.Module):
                     h = silu_and_mul(F.linear(rows, self.gate_up_proj[e]))
                     out[start : start + n] = F.linear(h, self.down_proj[e])
                     start += n
+        if self._sorted_combine is not None and out.is_cuda:
+            return self._sorted_combine(out, order, topk_weights, shared)
         unsorted = torch.empty_like(out).index_copy_(0, order, out)  # back to pair order
         y = (unsorted.view(num_tokens, top_k, -1).float() * topk_weights[..., None]).sum(1)
-        return y.to(x.dtype)
+        y = y.to(x.dtype)
+        return y if shared is None else y + shared
 
     def _forward_dense(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -515,7 +539,6 @@ class DeepseekMoE(nn.Module):
             if x.shape[0] <= self.grouped_max_tokens and x.dtype != torch.float32:
                 y = self._moe_grouped(x, topk_weights, topk_ids, self.decode_weights, **kw)
                 return y if isinstance(y, MoePartials) else all_reduce(y, self.tp)
-        y = self.experts(x, topk_weights, topk_ids)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        y = self.experts(x, topk_weights, topk_ids, shared)
         return all_reduce(y, self.tp)  # one reduction for routed + shared partial sums
