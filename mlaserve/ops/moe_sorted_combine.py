@@ -14,8 +14,8 @@ where pos = order's inverse. The sum runs in fp32 over k = 0..K-1 in order and i
 once; adding `shared` is a second rounding, as the torch reference's `y + shared` is.
 
 Two kernels replace the torch reference's unsort (`index_copy_`), fp32 upcast, broadcast
-multiply, sum, downcast and add (six launches and about 100 MB of fp32 temporaries per
-2048-token layer at the V2-Lite shape: 7 ms of a 40 ms prefill on an H100):
+multiply, sum, downcast and add (six launches and ~200 MB of fp32 temporaries written and read
+per 2048-token layer at the V2-Lite shape: 7 ms of a 40 ms prefill on an H100):
 
     _invert_kernel    pos[order[i]] = i            (T*K int32 writes)
     _combine_kernel   grid (T, cdiv(H, BLOCK)): one token's K rows, weighted, summed
