@@ -414,7 +414,7 @@ class FusedExperts(nn.Module):
                     h = silu_and_mul(F.linear(rows, self.gate_up_proj[e]))
                     out[start : start + n] = F.linear(h, self.down_proj[e])
                     start += n
-        if self._sorted_combine is not None and out.is_cuda:
+        if self._sorted_combine is not None:
             return self._sorted_combine(out, order, topk_weights, shared)
         unsorted = torch.empty_like(out).index_copy_(0, order, out)  # back to pair order
         y = (unsorted.view(num_tokens, top_k, -1).float() * topk_weights[..., None]).sum(1)
