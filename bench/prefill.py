@@ -17,7 +17,11 @@ Floor: FLOPs over the bf16 matmul rate measured in this run (an 8192^3 bf16 GEMM
   2 x heads x (qk_head_dim + v_head_dim) x L (L + 1) / 2 per layer and prompt.
 For the concurrent case the floor is the whole batch's, compared with the last TTFT.
 
-`--profile`: torch.profiler over one 2048-token prefill, top kernels by GPU time.
+Every case runs with piecewise CUDA graphs (`--piecewise-max-tokens`, default 8192: every case's
+forwards replay from captured pieces, attention eager between them) and eagerly, rounds
+interleaved, in one process; `graph/eager` is their TTFT ratio.
+
+`--profile`: torch.profiler over one 2048-token prefill (piecewise), top kernels by GPU time.
 Prints a table and one JSON line.
 """
 
@@ -131,6 +135,7 @@ def main() -> None:
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--profile", action="store_true", help="top kernels of a 2048-token prefill")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--piecewise-max-tokens", type=int, default=8192)
     args = ap.parse_args()
     device = torch.device("cuda")
     rate = matmul_rate(device)
@@ -142,22 +147,28 @@ def main() -> None:
         max_num_seqs=16,
         max_model_len=longest + 16,
         max_num_batched_tokens=args.max_batched_tokens,
-        cuda_graph=False,  # TTFT is eager EXTEND work; graphs only replay decode steps
+        cuda_graph_batch_sizes=(1,),  # decode graphs are not what this measures
+        piecewise_cuda_graph_max_tokens=args.piecewise_max_tokens,
     )
     engine, rng = llm.engine, random.Random(0)
-    run_case(llm, 1, 64, rng, "warmup")  # kernels load, Triton compiles
+    piecewise = engine.graphs.piecewise
+    report = engine.graph_report.piecewise
     rows = []
     for name in args.cases:
         n, length = CASES[name]
-        runs = [run_case(llm, n, length, rng, f"{name}-{r}") for r in range(args.rounds + 1)][1:]
-        last = statistics.median(max(t) for t in runs)
-        row = {
-            "case": name,
-            "ttft_ms": statistics.median(statistics.mean(t) for t in runs),
-            "last_ttft_ms": last,
-            "floor_ms": floor_ms(llm, n, length, rate),
-        }
-        row["vs_floor"] = last / row["floor_ms"]
+        runs: dict[bool, list[list[float]]] = {True: [], False: []}
+        for r in range(args.rounds + 1):  # the first round of each mode is a warm-up
+            for graphed in (True, False):
+                piecewise.enabled = graphed
+                runs[graphed].append(run_case(llm, n, length, rng, f"{name}-{graphed}-{r}"))
+        piecewise.enabled = True
+        row = {"case": name, "floor_ms": floor_ms(llm, n, length, rate)}
+        for graphed, key in ((True, "graph"), (False, "eager")):
+            done = runs[graphed][1:]
+            row[f"{key}_ttft_ms"] = statistics.median(statistics.mean(t) for t in done)
+            row[f"{key}_last_ms"] = statistics.median(max(t) for t in done)
+            row[f"{key}_vs_floor"] = row[f"{key}_last_ms"] / row["floor_ms"]
+        row["graph_vs_eager"] = row["graph_last_ms"] / row["eager_last_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     prof = profile(llm, 2048, rng, args.top) if args.profile else []
@@ -166,13 +177,21 @@ def main() -> None:
     print(
         f"\ndevice: {torch.cuda.get_device_name()}  model: {name}  KV {args.kv_cache_dtype}  "
         f"backend {backend}  bf16 matmul {rate / 1e12:.0f} TFLOP/s  "
-        f"max_num_batched_tokens {args.max_batched_tokens}"
+        f"max_num_batched_tokens {args.max_batched_tokens}\npiecewise graphs: buckets "
+        f"{report.buckets}, {report.num_graphs} pieces, warm-up {report.warmup_s:.2f} s, "
+        f"capture {report.capture_s:.2f} s, compiles while serving "
+        f"{engine.compile_watch.compiles_since_ready}"
     )
-    print(f"{'case':<8} {'TTFT ms':>9} {'last ms':>9} {'floor ms':>9} {'last/floor':>10}")
+    print("TTFT of the last prompt of a case (median over rounds), graph = piecewise graphs")
+    print(
+        f"{'case':<8} {'floor ms':>9} {'graph ms':>9} {'eager ms':>9} {'graph/fl':>9} "
+        f"{'eager/fl':>9} {'graph/eager':>11}"
+    )
     for r in rows:
         print(
-            f"{r['case']:<8} {r['ttft_ms']:>9.1f} {r['last_ttft_ms']:>9.1f} "
-            f"{r['floor_ms']:>9.1f} {r['vs_floor']:>10.2f}"
+            f"{r['case']:<8} {r['floor_ms']:>9.1f} {r['graph_last_ms']:>9.1f} "
+            f"{r['eager_last_ms']:>9.1f} {r['graph_vs_floor']:>9.2f} {r['eager_vs_floor']:>9.2f} "
+            f"{r['graph_vs_eager']:>11.2f}"
         )
     if prof:
         print("\ntop kernels, one 2048-token prefill (GPU time)")
@@ -189,6 +208,7 @@ def main() -> None:
                 "backend": backend,
                 "matmul_tflops": rate / 1e12,
                 "max_num_batched_tokens": args.max_batched_tokens,
+                "piecewise_buckets": list(report.buckets),
                 "rows": rows,
                 "profile": prof,
             }

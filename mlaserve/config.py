@@ -445,6 +445,11 @@ class EngineConfig:
     cuda_graph: bool | None = None
     # Captured batch sizes; None = 1 2 4 8 12 16 24 32, then steps of 16 up to max_num_seqs.
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    # Piecewise CUDA graphs for EXTEND (prefill) batches: everything but attention replayed per
+    # token bucket. None = on with CUDA graphs.
+    piecewise_cuda_graph: bool | None = None
+    # The largest captured token bucket; None = min(max_num_batched_tokens, 4096).
+    piecewise_cuda_graph_max_tokens: int | None = None
     # Overlap scheduling (SGLang's overlap scheduler, vLLM's async scheduling): the next step is
     # scheduled and launched before the previous one's tokens are read back, so the host's
     # per-step work runs while the GPU computes. None = on when the device is CUDA. Steps that
@@ -509,6 +514,16 @@ class EngineConfig:
                     f"got {list(sizes)}"
                 )
             object.__setattr__(self, "cuda_graph_batch_sizes", sizes)
+        pw = self.piecewise_cuda_graph_max_tokens
+        if pw is not None and (
+            isinstance(pw, bool)
+            or not isinstance(pw, int)
+            or not 1 <= pw <= self.max_num_batched_tokens
+        ):
+            raise ConfigError(
+                "piecewise_cuda_graph_max_tokens: need an integer in [1, max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}], got {pw!r}"
+            )
         k = self.num_speculative_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ConfigError(f"num_speculative_tokens: must be an integer >= 1, got {k!r}")
@@ -569,6 +584,19 @@ class EngineConfig:
         if self.cuda_graph and device.type != "cuda":
             raise ConfigError(f"cuda_graph: CUDA graphs need a CUDA device, got {device}")
         return device.type == "cuda" if self.cuda_graph is None else self.cuda_graph
+
+    def resolved_piecewise_cuda_graph_max_tokens(self) -> int:
+        """The largest token bucket of EXTEND's piecewise CUDA graphs; 0 when they are off
+        (asked off, or CUDA graphs off). Above 4096 tokens a prefill's GPU work already hides
+        its host work, so the default stops there."""
+        graphs = self.resolved_cuda_graph()
+        if self.piecewise_cuda_graph and not graphs:
+            raise ConfigError("piecewise_cuda_graph: needs CUDA graphs (cuda_graph is off)")
+        if not (graphs if self.piecewise_cuda_graph is None else self.piecewise_cuda_graph):
+            return 0
+        if self.piecewise_cuda_graph_max_tokens is not None:
+            return self.piecewise_cuda_graph_max_tokens
+        return min(self.max_num_batched_tokens, 4096)
 
     def resolved_overlap_schedule(self) -> bool:
         """Overlap scheduling: as asked, else on with CUDA; never with speculation (its verify

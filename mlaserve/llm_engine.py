@@ -63,6 +63,7 @@ class EngineStats:
     num_total_pages: int
     # Running totals since start-up (the metrics layer turns them into counters).
     num_graph_replays: int = 0
+    num_piecewise_replays: int = 0  # EXTEND forwards from piecewise graphs
     num_eager_steps: dict[str, int] = field(default_factory=dict)  # by reason
     num_compiles_while_serving: int = 0
     num_preemptions: int = 0
@@ -128,6 +129,7 @@ class LLMEngine:
             config.resolved_cuda_graph_batch_sizes() if use_graphs else (),
             use_graphs=use_graphs,
             shapes=shapes,
+            piecewise_max_tokens=config.resolved_piecewise_cuda_graph_max_tokens(),
         )
         self.spec_decoder: SpecDecoder | None = None
         if spec is not None:
@@ -286,6 +288,7 @@ class LLMEngine:
             num_free_pages=self.allocator.num_free_pages,
             num_total_pages=self.allocator.num_usable_pages,
             num_graph_replays=self.graphs.num_replays,
+            num_piecewise_replays=self.graphs.piecewise.num_replays if self.graphs.piecewise else 0,
             num_eager_steps=dict(self.graphs.num_eager_steps),
             num_compiles_while_serving=self.compile_watch.compiles_since_ready,
             num_preemptions=self.scheduler.num_preemptions,
@@ -407,15 +410,18 @@ class LLMEngine:
             self.spec_decoder.reset_stats()  # the throwaway request is not served traffic
         report = self.graphs.capture() if self.graphs.batch_sizes else None
         self.graph_report = report
+        pw = report.piecewise if report else None
         if self.spec_decoder is not None and report is not None:
             self._capture_spec()
         self.compile_watch.mark_ready()
         logger.info(
             "start-up: load %.2f s, warm-up %.2f s, capture %.2f s (%s)",
             self.load_time_s,
-            t1 - t0 + (report.warmup_s if report else 0.0),
-            report.capture_s if report else 0.0,
-            f"{report.num_graphs} CUDA graphs, pool {report.pool_bytes / 2**20:.1f} MiB"
+            t1 - t0 + (report.warmup_s + (pw.warmup_s if pw else 0.0) if report else 0.0),
+            report.capture_s + (pw.capture_s if pw else 0.0) if report else 0.0,
+            f"{report.num_graphs} CUDA graphs"
+            + (f" + {pw.num_graphs} prefill pieces" if pw else "")
+            + f", pools {report.pool_bytes / 2**20:.1f} MiB"
             if report
             else "CUDA graphs off",
         )

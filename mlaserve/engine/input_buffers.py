@@ -215,6 +215,12 @@ class InputBuffers:
             **batch_kwargs,
         )
 
+    def pad_tokens(self, start: int, end: int) -> None:
+        """Token rows start..end-1 become padding (token 0, position 0, KV write slot 0): the
+        rows past a batch that a piecewise prefill graph of `end` tokens replays over."""
+        if end > start:
+            self._tokens[:3, start:end].zero_()
+
     def _groups(self, flat):  # np.ndarray or torch.Tensor, a staging row
         """(token rows [4, T], length rows [2, L], the page-table part) of a staging row."""
         ts, ls = self._tok_stride, self._len_stride

@@ -35,6 +35,7 @@ import torch
 from mlaserve.engine.forward_batch import ForwardBatch, ForwardMode
 from mlaserve.engine.input_buffers import HostBatch
 from mlaserve.engine.model_runner import ModelRunner
+from mlaserve.graph_runner.piecewise_graph_runner import PiecewiseGraphRunner, PiecewiseReport
 
 __all__ = ["CaptureReport", "CudaGraphRunner", "TargetOutput"]
 
@@ -46,7 +47,8 @@ class CaptureReport:
     num_graphs: int
     warmup_s: float
     capture_s: float
-    pool_bytes: int  # device memory the graphs' shared pool holds after capture
+    pool_bytes: int  # device memory the graphs' pools hold after capture
+    piecewise: PiecewiseReport | None = None  # EXTEND's piecewise graphs, when on
 
 
 @dataclass(frozen=True)
@@ -77,8 +79,11 @@ class CudaGraphRunner:
         *,
         use_graphs: bool,
         shapes: Sequence[tuple[ForwardMode, int]] = ((ForwardMode.DECODE, 1),),
+        piecewise_max_tokens: int = 0,
     ) -> None:
-        """`shapes`: the (uniform mode, q_len) pairs to capture, each at every batch size."""
+        """`shapes`: the (uniform mode, q_len) pairs to capture, each at every batch size.
+        `piecewise_max_tokens` > 0: EXTEND batches up to that many tokens replay from piecewise
+        graphs (`PiecewiseGraphRunner`), eagerly when `use_graphs` is off."""
         if use_graphs and not runner.attn_backend.supports_cuda_graph:
             raise ValueError(f"attention backend {runner.attn_backend.name!r} cannot be graphed")
         if use_graphs and runner.device.type != "cuda":
@@ -93,6 +98,11 @@ class CudaGraphRunner:
         self.num_eager_steps: Counter[str] = Counter()
         # Off: every step runs eagerly (reason "graphs_off"); benchmarks compare both in one run.
         self.enabled = True
+        self.piecewise: PiecewiseGraphRunner | None = None
+        if piecewise_max_tokens > 0:
+            self.piecewise = PiecewiseGraphRunner(
+                runner, piecewise_max_tokens, use_graphs=use_graphs
+            )
 
     @property
     def max_batch_size(self) -> int:
@@ -116,11 +126,13 @@ class CudaGraphRunner:
             for bs in reversed(self.batch_sizes):
                 self.graphs[(mode, q_len, bs)] = self._capture_one(mode, q_len, bs)
         t2 = time.perf_counter()
+        piecewise = self.piecewise.capture() if self.piecewise is not None else None
         report = CaptureReport(
             num_graphs=len(self.graphs),
             warmup_s=t1 - t0,
             capture_s=t2 - t1,
             pool_bytes=max(free_before - self._free_memory(), 0),
+            piecewise=piecewise,
         )
         logger.info(
             "CUDA graphs: %d captured (%s at batch sizes %s) in %.2f s after %.2f s of eager "
@@ -185,6 +197,10 @@ class CudaGraphRunner:
         """`run`, keeping what a draft model reads: the final-normed hidden states of every row
         of the (padded) batch, and the batch itself (views of the input buffers)."""
         size = self.padded_size(host)
+        bucket = self.piecewise.bucket_for(host) if self.piecewise and self.enabled else None
+        if bucket is not None:
+            logits, hidden, batch = self.piecewise.run(host, bucket)
+            return TargetOutput(logits, hidden, batch, logits.shape[0], graphed=False)
         if size is None:
             if not host.mode.is_uniform:
                 reason = "extend"

@@ -212,6 +212,12 @@ class Metrics:
             PREFIX + "cuda_graph_replays", "Forward steps replayed from a CUDA graph.", labels,
             registry=r,
         )  # fmt: skip
+        self.piecewise_graph_replays = Counter(
+            PREFIX + "piecewise_graph_replays",
+            "EXTEND (prefill) forwards replayed from piecewise CUDA graphs (attention eager).",
+            labels,
+            registry=r,
+        )
         self.eager_steps = Counter(
             PREFIX + "eager_steps",
             "Forward steps run eagerly, by reason (extend, too_large, no_graphs, ...).",
@@ -224,7 +230,7 @@ class Metrics:
             labels,
             registry=r,
         )
-        self._seen = {"replays": 0, "compiles": 0, "preemptions": 0, "steps": -1}
+        self._seen = {"replays": 0, "piecewise": 0, "compiles": 0, "preemptions": 0, "steps": -1}
         self._seen_eager: dict[str, int] = {}
         self._seen_spec = _SpecSeen(0, 0, [], {})
         self._seen_decisions: dict[str, int] = {}
@@ -239,7 +245,8 @@ class Metrics:
             self.num_requests_waiting, self.kv_cache_usage_perc, self.prompt_tokens,
             self.generation_tokens, self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
             self.spec_decode_num_accepted_tokens, self.spec_decode_accept_length,
-            self.cuda_graph_replays, self.compiles_while_serving, self.request_prefill_time,
+            self.cuda_graph_replays, self.piecewise_graph_replays, self.compiles_while_serving,
+            self.request_prefill_time,
             self.request_decode_time, self.request_prompt_tokens, self.request_generation_tokens,
             self.iteration_tokens, self.num_preemptions,
         ):  # fmt: skip
@@ -339,6 +346,7 @@ class Metrics:
             self._seen["steps"] = stats.num_steps
         for key, total, counter in (
             ("replays", stats.num_graph_replays, self.cuda_graph_replays),
+            ("piecewise", stats.num_piecewise_replays, self.piecewise_graph_replays),
             ("compiles", stats.num_compiles_while_serving, self.compiles_while_serving),
             ("preemptions", stats.num_preemptions, self.num_preemptions),
         ):

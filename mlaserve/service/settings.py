@@ -127,6 +127,10 @@ _HELP = {
     "--enforce-eager = --no-cuda-graph)",
     "cuda_graph_batch_sizes": "batch sizes to capture, e.g. '1,2,4,8' (default: 1 2 4 8 12 16 "
     "24 32, then steps of 16 up to max_num_seqs)",
+    "piecewise_cuda_graph": "replay prefill (EXTEND) forwards from piecewise CUDA graphs: "
+    "everything but attention, per token bucket (default: on with CUDA graphs)",
+    "piecewise_cuda_graph_max_tokens": "largest captured prefill token bucket (default: "
+    "min(max_num_batched_tokens, 4096)); longer batches run eagerly",
     "overlap_schedule": "schedule and launch each step before the previous step's tokens "
     "reach the host, hiding the host's per-step work (default: on with CUDA; off with "
     "speculation)",

@@ -104,3 +104,53 @@ def compare_replays(engine: LLMEngine, steps: int, rel_tol: float) -> ReplayRepo
         engine._postprocess(sched, result)
         report.steps += 1
     return report
+
+
+@torch.inference_mode()
+def compare_extends(engine: LLMEngine, rel_tol: float) -> ReplayReport:
+    """Run the EXTEND steps of whatever is waiting (prefill chunks, mixed with the decodes of
+    requests already running) through the graph runner (piecewise graphs, padded to a token
+    bucket) and through a plain eager forward, comparing the logits of every token row; the
+    engine advances on the graph runner's. Stops after the first step that is not an EXTEND
+    (run normally)."""
+    report = ReplayReport()
+    engine.drain()
+    runner, graphs = engine.runner, engine.graphs
+    while True:
+        sched = engine.scheduler.schedule()
+        if sched.is_empty:
+            break
+        host = runner.build_host_batch(sched)
+        if sched.mode is not ForwardMode.EXTEND:
+            for s in sched.scheduled:
+                report.touched_pages.update(s.request.pages)
+            result = runner.sample(graphs.run(host), sched)
+            engine.scheduler.after_step(sched)
+            engine._postprocess(sched, result)
+            break
+        n_sampled = len(host.logits_indices)
+        sampled = set(host.logits_indices)  # then every other row: all T rows compared
+        host.logits_indices += [r for r in range(len(host.input_ids)) if r not in sampled]
+        eager = runner.forward(runner.make_batch(host)).float().clone()
+        bucket = graphs.piecewise.bucket_for(host)
+        assert bucket is not None, f"{len(host.input_ids)} tokens: no bucket"
+        report.padded_steps += int(bucket > len(host.input_ids))
+        replayed = graphs.run(host).float().clone()
+        assert replayed.shape == eager.shape, (replayed.shape, eager.shape)
+        assert torch.isfinite(replayed).all(), "NaN/inf in replayed logits (a poisoned page read?)"
+        row_err = (replayed - eager).abs().amax(-1) / eager.abs().max()
+        report.max_rel_err = max(report.max_rel_err, row_err.max().item())
+        report.rows += row_err.numel()
+        report.rows_over_tol += int((row_err > rel_tol).sum().item())
+        top2 = eager.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 4 * rel_tol * eager.abs().max()
+        report.argmax_mismatches += int(
+            ((replayed.argmax(-1) != eager.argmax(-1)) & clear).sum().item()
+        )
+        for s in sched.scheduled:
+            report.touched_pages.update(s.request.pages)
+        result = runner.sample(replayed[:n_sampled], sched)
+        engine.scheduler.after_step(sched)
+        engine._postprocess(sched, result)
+        report.steps += 1
+    return report

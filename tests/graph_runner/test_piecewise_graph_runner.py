@@ -1,0 +1,117 @@
+"""Piecewise prefill graphs' bucket, padding and static-buffer logic on CPU, through the same code
+path the GPU takes, with the pieces run eagerly and the real attention at each break
+(`use_graphs=False`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlaserve import LLM
+from mlaserve.config import ConfigError, EngineConfig
+from mlaserve.engine.forward_batch import ForwardMode
+from mlaserve.engine.input_buffers import HostBatch
+from mlaserve.graph_runner import CudaGraphRunner
+from mlaserve.graph_runner.piecewise_graph_runner import token_buckets
+from tests.graph_runner.harness import (
+    add_requests,
+    compare_extends,
+    poison_kv,
+    untouched_pages_still_poisoned,
+)
+
+MAX_TOKENS = 64  # the engine's max_num_batched_tokens: buckets 16, 32, 64
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    llm = LLM(
+        str(checkpoint("v3_moe")),
+        device="cpu",
+        dtype="float32",
+        kv_cache_dtype="auto",
+        page_size=4,
+        max_model_len=160,
+        max_num_seqs=8,
+        max_num_batched_tokens=MAX_TOKENS,
+    )
+    engine = llm.engine
+    assert engine.graphs.piecewise is None, "no piecewise graphs on CPU by default"
+    engine.graphs = CudaGraphRunner(
+        engine.runner, (1, 2, 4, 8), use_graphs=False, piecewise_max_tokens=MAX_TOKENS
+    )
+    engine.graphs.capture()  # eager warm-up of every bucket
+    return engine
+
+
+def test_token_buckets() -> None:
+    assert token_buckets(64) == (16, 32, 64)
+    assert token_buckets(100) == (16, 32, 64, 100)
+    assert token_buckets(2048) == (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+    assert token_buckets(5) == (5,)
+    assert token_buckets(0) == ()
+
+
+@pytest.mark.parametrize(
+    "prompt_lens",
+    [[5], [16], [17, 9], [3, 30, 11], [150], [100, 7, 40]],
+    ids=["one-short", "one-full-bucket", "two", "three", "chunked", "chunked-mixed"],
+)
+def test_padded_extend_equals_eager(engine, prompt_lens: list[int]) -> None:
+    """Every EXTEND step (prompts shorter than a bucket, exactly one, chunked prompts over a
+    cached prefix mixed with fresh ones and with decodes) gives the logits of an unpadded eager
+    forward on every token row, and padded rows never touch a live page (unused pages are
+    NaN-poisoned)."""
+    poison_kv(engine)
+    add_requests(engine, prompt_lens, max_tokens=4, seed=len(prompt_lens))
+    replays = engine.graphs.piecewise.num_replays
+    report = compare_extends(engine, rel_tol=1e-5)
+    assert report.steps >= 1
+    assert engine.graphs.piecewise.num_replays - replays == report.steps
+    assert report.max_rel_err < 1e-5, report.max_rel_err
+    assert report.argmax_mismatches == 0
+    if sum(prompt_lens) > MAX_TOKENS:
+        assert report.steps >= 2  # chunked: a later chunk attends over a cached prefix
+    assert untouched_pages_still_poisoned(engine, report.touched_pages)
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.get_stats()
+    assert stats.num_free_pages == stats.num_total_pages
+
+
+def test_bucket_choice(engine) -> None:
+    piecewise = engine.graphs.piecewise
+    assert piecewise.buckets == (16, 32, 64)
+
+    def extend(n: int) -> HostBatch:
+        return HostBatch(
+            ForwardMode.EXTEND, [0] * n, list(range(n)), [4] * n, [n], [n], [[1]], [n - 1]
+        )
+
+    assert piecewise.bucket_for(extend(1)) == 16
+    assert piecewise.bucket_for(extend(16)) == 16
+    assert piecewise.bucket_for(extend(17)) == 32
+    assert piecewise.bucket_for(extend(64)) == 64
+    assert piecewise.bucket_for(extend(65)) is None  # past the largest bucket: eager
+    decode = HostBatch(ForwardMode.DECODE, [0], [5], [0], [6], [1], [[1]], [])
+    assert piecewise.bucket_for(decode) is None
+    piecewise.enabled = False
+    try:
+        assert piecewise.bucket_for(extend(8)) is None
+        before = engine.graphs.num_eager_steps["extend"]
+        engine.graphs.run(extend(8))
+        assert engine.graphs.num_eager_steps["extend"] == before + 1
+    finally:
+        piecewise.enabled = True
+
+
+def test_piecewise_options_are_validated() -> None:
+    assert EngineConfig(device="cpu").resolved_piecewise_cuda_graph_max_tokens() == 0
+    with pytest.raises(ConfigError, match="piecewise_cuda_graph: needs CUDA graphs"):
+        EngineConfig(
+            device="cpu", piecewise_cuda_graph=True
+        ).resolved_piecewise_cuda_graph_max_tokens()
+    for bad in (0, 4097, 2.5, True):
+        with pytest.raises(ConfigError, match="piecewise_cuda_graph_max_tokens"):
+            EngineConfig(max_num_batched_tokens=4096, piecewise_cuda_graph_max_tokens=bad)
+    config = EngineConfig(device="cpu", cuda_graph=False, piecewise_cuda_graph=False)
+    assert config.resolved_piecewise_cuda_graph_max_tokens() == 0
