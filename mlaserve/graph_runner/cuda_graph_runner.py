@@ -8,8 +8,9 @@ length back from the GPU, and a sequence that grows after capture is still cover
 
 A step is replayed in the smallest captured size >= its batch size: `InputBuffers.fill` writes
 the real rows and pads the rest explicitly (dummy page 0, slot 0), the graph replays, and the
-logits of the real rows are returned. EXTEND steps (anything with prompt tokens) and batches
-larger than the largest captured size run eagerly, each counted by reason.
+logits of the real rows are returned. EXTEND steps (anything with prompt tokens) replay from
+piecewise graphs up to their largest token bucket (`piecewise_graph_runner.py`); longer ones and
+batches larger than the largest captured size run eagerly, each counted by reason.
 
 Capture runs largest first into one shared memory pool (later, smaller graphs reuse the larger
 ones' blocks; the forwards run one at a time, so sharing is safe). Before capture every shape
