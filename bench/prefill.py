@@ -179,7 +179,8 @@ def main() -> None:
         f"backend {backend}  bf16 matmul {rate / 1e12:.0f} TFLOP/s  "
         f"max_num_batched_tokens {args.max_batched_tokens}\npiecewise graphs: buckets "
         f"{report.buckets}, {report.num_graphs} pieces, warm-up {report.warmup_s:.2f} s, "
-        f"capture {report.capture_s:.2f} s, compiles while serving "
+        f"capture {report.capture_s:.2f} s, pool {report.pool_bytes / 2**20:.0f} MiB, "
+        f"compiles while serving "
         f"{engine.compile_watch.compiles_since_ready}"
     )
     print("TTFT of the last prompt of a case (median over rounds), graph = piecewise graphs")

@@ -421,7 +421,7 @@ class LLMEngine:
             report.capture_s + (pw.capture_s if pw else 0.0) if report else 0.0,
             f"{report.num_graphs} CUDA graphs"
             + (f" + {pw.num_graphs} prefill pieces" if pw else "")
-            + f", pools {report.pool_bytes / 2**20:.1f} MiB"
+            + f", pools {(report.pool_bytes + (pw.pool_bytes if pw else 0)) / 2**20:.1f} MiB"
             if report
             else "CUDA graphs off",
         )

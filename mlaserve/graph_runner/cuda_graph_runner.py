@@ -48,7 +48,7 @@ class CaptureReport:
     num_graphs: int
     warmup_s: float
     capture_s: float
-    pool_bytes: int  # device memory the graphs' pools hold after capture
+    pool_bytes: int  # device memory the decode graphs' shared pool holds after capture
     piecewise: PiecewiseReport | None = None  # EXTEND's piecewise graphs, when on
 
 
@@ -127,12 +127,13 @@ class CudaGraphRunner:
             for bs in reversed(self.batch_sizes):
                 self.graphs[(mode, q_len, bs)] = self._capture_one(mode, q_len, bs)
         t2 = time.perf_counter()
+        pool_bytes = max(free_before - self._free_memory(), 0)
         piecewise = self.piecewise.capture() if self.piecewise is not None else None
         report = CaptureReport(
             num_graphs=len(self.graphs),
             warmup_s=t1 - t0,
             capture_s=t2 - t1,
-            pool_bytes=max(free_before - self._free_memory(), 0),
+            pool_bytes=pool_bytes,
             piecewise=piecewise,
         )
         logger.info(

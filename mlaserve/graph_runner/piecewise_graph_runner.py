@@ -71,6 +71,7 @@ class PiecewiseReport:
     num_graphs: int
     warmup_s: float
     capture_s: float
+    pool_bytes: int  # reserved-memory growth during capture (after the eager warm-up)
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,7 @@ class PiecewiseGraphRunner:
             if self.use_graphs:
                 torch.cuda.synchronize(self.runner.device)
         t1 = time.perf_counter()
+        reserved = self._reserved()
         if self.use_graphs:
             gc.collect()  # see CudaGraphRunner.capture
             self.pool = torch.cuda.graph_pool_handle()
@@ -201,14 +203,21 @@ class PiecewiseGraphRunner:
             num_graphs=sum(len(b.pieces) for b in self._buckets.values()),
             warmup_s=t1 - t0,
             capture_s=t2 - t1,
+            pool_bytes=max(self._reserved() - reserved, 0),
         )
         logger.info(
             "piecewise CUDA graphs (EXTEND): %d pieces for %d token buckets up to %d in %.2f s "
-            "after %.2f s of eager warm-up",
+            "after %.2f s of eager warm-up; graph pool %.1f MiB",
             report.num_graphs, len(self.buckets), self.max_tokens, report.capture_s,
-            report.warmup_s,
+            report.warmup_s, report.pool_bytes / 2**20,
         )  # fmt: skip
         return report
+
+    def _reserved(self) -> int:
+        if self.runner.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.runner.device)
+        return torch.cuda.memory_reserved(self.runner.device)
 
     def _batch(self, num_tokens: int, backend: _AttentionBreak) -> ForwardBatch:
         """The batch the pieces see: one sequence of `num_tokens` rows, views of the runner's

@@ -65,8 +65,10 @@ def test_buckets_are_captured(engine) -> None:
     assert report.num_graphs == len(report.buckets) * (layers + 1)
     print(
         f"piecewise: {report.num_graphs} pieces, buckets {report.buckets}, warm-up "
-        f"{report.warmup_s:.2f} s, capture {report.capture_s:.2f} s"
+        f"{report.warmup_s:.2f} s, capture {report.capture_s:.2f} s, pool "
+        f"{report.pool_bytes / 2**20:.1f} MiB"
     )
+    assert 0 <= report.pool_bytes < 2**30
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
