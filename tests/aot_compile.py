@@ -4,7 +4,8 @@
 which the CPU tests set at import, must not leak into it), a script of `cases` (Python that
 fills the list `cases` with (name, kernel, signature, constexprs), using `signature()` below)
 compiled with `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90 | 100))`. Every kernel
-must produce a cubin within the SM90/SM100 shared-memory limit.
+must produce a cubin within the SM90/SM100 shared-memory limit. `ptx_for_sm90(cases)` returns
+the SM90 PTX of each case instead, for tests that check which instructions a kernel has.
 """
 
 from __future__ import annotations
@@ -45,19 +46,34 @@ print(json.dumps(result))
 """
 
 
-def compile_for_gpus(cases: str, expected: int, num_stages: int) -> dict[str, list[int]]:
+_PTX = r"""
+print(json.dumps({
+    name: triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    for name, fn, sig, consts in cases
+}))
+"""
+
+
+def _run(script: str) -> dict:
+    """Run `script` in a fresh interpreter without TRITON_INTERPRET; its last line is JSON."""
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
-        [sys.executable, "-c", _PRELUDE + cases + _COMPILE.replace("NUM_STAGES", str(num_stages))],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def ptx_for_sm90(cases: str) -> dict[str, str]:
+    """name -> the PTX of each of `cases` compiled for SM90 (what a test reads instructions in)."""
+    return _run(_PRELUDE + cases + _PTX)
+
+
+def compile_for_gpus(cases: str, expected: int, num_stages: int) -> dict[str, list[int]]:
+    result = _run(_PRELUDE + cases + _COMPILE.replace("NUM_STAGES", str(num_stages)))
     assert len(result) == expected, sorted(result)
     for name, (cubin_bytes, shared) in result.items():
         assert cubin_bytes > 0, name

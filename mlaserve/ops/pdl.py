@@ -23,11 +23,22 @@ contract every kernel launched with PDL keeps:
   anyway. (Waiting without this early trigger, the next kernel launches as the previous one's
   programs exit: bs 1 then gained nothing, bench/RESULTS.md.)
 
-Kernels from libraries (cuBLAS, FlashMLA) launch without the attribute; a PDL kernel after one
-of them starts when it completes, as before, and a library kernel after a PDL kernel waits for
-it in full (plain stream order). CUDA graphs keep the programmatic edges (CUDA >= 12.3). A
-kernel's profiled duration then includes its wait: per-kernel profiles under PDL overstate the
-small kernels (compare replay times, not kernel tables).
+Library kernels mostly launch without the attribute: a PDL kernel after one of them starts when
+it completes, and one after a PDL kernel waits for it in full (plain stream order). FlashMLA's
+dense SM90 decode kernel (`flash_fwd_splitkv_mla_kernel`, sgl-flash-mla's legacy bf16 path) does
+not: it is launched with programmatic stream serialization (so that its combine kernel can start
+early) but never calls `cudaGridDependencySynchronize`; it TMA-loads q and reads the cache as
+soon as it runs, so after a kernel that triggers early it can read q half written. The kernel
+right before every FlashMLA call (`q_prep.py`, for the fp8 kernel too, whose launch we cannot
+see) therefore waits with `wait_and_hold_next_kernel`: no early trigger, the next kernel launches
+when its grid ends (the implicit trigger). Seen on an H100 (2026-11-25, in an experiment not
+kept): with W_UK's GEMV writing q right before FlashMLA, the default model's bf16-cache graph
+replays at bs 8 differed from eager forwards in 252-283 of 512 logit rows; the short
+q-preparation kernel had only been winning the same race.
+
+CUDA graphs keep the programmatic edges (CUDA >= 12.3). A kernel's profiled duration then
+includes its wait: per-kernel profiles under PDL overstate the small kernels (compare replay
+times, not kernel tables).
 
 `MLASERVE_PDL=0` turns it off (an A/B switch for benchmarks; read once per device: benchmarks
 that switch in one process call `pdl_launch.cache_clear()` and capture again). The interpreter
@@ -44,7 +55,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["pdl_args", "pdl_launch", "wait_for_previous_kernel"]
+__all__ = ["pdl_args", "pdl_launch", "wait_and_hold_next_kernel", "wait_for_previous_kernel"]
 
 
 @functools.cache
@@ -63,6 +74,16 @@ def pdl_args(device: torch.device) -> dict[str, bool]:
     `pdl_launch(device)`."""
     pdl = pdl_launch(device)
     return {"PDL": pdl, "launch_pdl": pdl}
+
+
+@triton.jit
+def wait_and_hold_next_kernel(PDL: tl.constexpr):
+    """With PDL: block until the previous kernel in the stream has finished and its writes are
+    visible; the next kernel launches only when this grid ends (no early trigger), for a
+    successor that reads this kernel's output without waiting (see the module docstring).
+    Without: nothing."""
+    if PDL:
+        gdc_wait()
 
 
 @triton.jit

@@ -8,7 +8,9 @@
                            (the kernel's descale_q is 1), as `q.clamp(-448, 448).to(fp8)`
             bf16 / fp16:   a plain cast
 
-The caller views the result as FlashMLA's `[bs, q_len, H, 576]`. Replaces cat + clamp + cast
+The caller views the result as FlashMLA's `[bs, q_len, H, 576]`. FlashMLA's kernel runs right
+after this one and starts without waiting for it, so this kernel lets it launch only when its
+own grid has ended (`ops/pdl.py`, `wait_and_hold_next_kernel`). Replaces cat + clamp + cast
 (three kernels and two temporaries) by one launch; one program per (token, head).
 """
 
@@ -18,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
+from mlaserve.ops.pdl import pdl_args, wait_and_hold_next_kernel
 
 __all__ = ["prepare_q"]
 
@@ -42,7 +44,9 @@ def _prepare_q_kernel(
     PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    wait_for_previous_kernel(PDL)
+    # FlashMLA's kernel comes next and reads q without waiting for this grid: no early trigger
+    # (`ops/pdl.py`).
+    wait_and_hold_next_kernel(PDL)
     t = pid // H
     h = pid % H
     out_row = out_ptr + pid.to(tl.int64) * (R + DR)

@@ -158,3 +158,35 @@ def test_graph_with_pdl_matches_eager_without(pdl_env, tokens, fp8):
         for got, ref in zip(out, want):
             assert torch.equal(got, ref), f"step {step}: PDL graph replay differs from eager"
         assert torch.equal(cache_graph.view(torch.uint8), cache_eager.view(torch.uint8))
+
+
+_HELD = r"""
+from mlaserve.ops import head_gemv as G
+from mlaserve.ops import q_prep as Q
+
+qp = dict(R=512, DR=64, BLOCK_R=512, BLOCK_DR=64, FP8=True, FP8_MAX=448.0, PDL=True)
+sig = signature(Q._prepare_q_kernel,
+                {"q_nope_ptr": "*bf16", "q_pe_ptr": "*bf16", "out_ptr": "*fp8e4nv"},
+                constexprs=qp)
+cases.append(("prepare_q", Q._prepare_q_kernel, sig, qp))
+hg = dict(K=128, N=512, BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, PDL=True)
+sig = signature(G._head_gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16"},
+                constexprs=hg)
+cases.append(("head_gemv", G._head_gemv_kernel, sig, hg))
+"""
+
+
+def test_the_kernel_before_flashmla_holds_its_dependents() -> None:
+    """FlashMLA's dense SM90 decode kernel is launched with PDL but never waits for its
+    predecessor (`ops/pdl.py`), so the kernel right before it, the q preparation, must not let
+    it launch early: compiled for SM90 with PDL, it waits (`griddepcontrol.wait`) and has no
+    early trigger (`griddepcontrol.launch_dependents`). W_UK's GEMV keeps the usual contract and
+    has both: the check reads the instructions, it does not pass on an empty PTX. Compiled ahead
+    of time (no GPU needed)."""
+    from tests.aot_compile import ptx_for_sm90
+
+    ptx = ptx_for_sm90(_HELD)
+    assert "griddepcontrol.wait" in ptx["prepare_q"]
+    assert "griddepcontrol.launch_dependents" not in ptx["prepare_q"]
+    assert "griddepcontrol.wait" in ptx["head_gemv"]
+    assert "griddepcontrol.launch_dependents" in ptx["head_gemv"]
