@@ -17,6 +17,17 @@ A backend with `accepts_written_kv = True` also takes `kv_c = k_pe = None`: the 
 already stored the new tokens' KV at `batch.slot_mapping` (on CUDA, fused into its latent
 RMSNorm + RoPE kernel, `mlaserve/ops/mla_norm_rope.py`), so the backend only attends.
 
+A backend may also take the *joined query* for a batch: `joined_q_dtype(batch)` names the dtype
+it wants it in (None, the default: it does not, for this batch). The layer then has W_UK's
+per-head GEMV write the kernel's whole query in one launch (`mlaserve/ops/head_gemv.py`, `tail`)
+when it has written the new KV itself and the GEMV path runs (<= HEAD_GEMV_MAX_M tokens), and
+calls `forward_joined` instead of `forward`:
+
+    q       [T, H, kv_lora_rank + qk_rope_head_dim]  contiguous, in joined_q_dtype(batch):
+            [q_nope @ W_UK | q_pe], for e4m3 saturated to +-448 then cast (unscaled)
+    returns [T, H, kv_lora_rank]  as `forward`, in the kernel's output dtype (the layer casts
+            it to the model dtype where they differ)
+
 Query row i of a sequence with `q_len` new tokens and KV length `L` (= seq_lens[b]) sees keys
 `0 .. L - q_len + i` inclusive.
 
@@ -120,6 +131,17 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Write the new KV of `layer_id` (unless None: already written), then attend. Shapes
         in the module docstring."""
+
+    def joined_q_dtype(self, batch: ForwardBatch) -> torch.dtype | None:
+        """The dtype in which this backend takes a joined query for `batch` (`forward_joined`),
+        or None (the default): the layer calls `forward`. Host values only (graph capture)."""
+        return None
+
+    def forward_joined(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Attend with the joined query q [T, H, r + d_r] (contiguous, `joined_q_dtype(batch)`);
+        the layer has written the new KV. Returns [T, H, r]. Only called when `joined_q_dtype`
+        names a dtype for `batch`."""
+        raise NotImplementedError(f"{type(self).__name__} takes no joined queries")
 
     def forward_extend_mha(
         self,

@@ -16,13 +16,16 @@ captures and re-runs on replay. One schedule per forward, shared by all layers.
 Only uniform batches (DECODE / VERIFY / DRAFT_EXTEND, q_len <= 8) use the kernel: the batch's
 stated mode decides, never its shapes. Those of at most `small_batch_max_rows()` query rows
 (bs * q_len, a host int fixed per captured graph; 0 unless `MLASERVE_MLA_DECODE_ROWS` says
-otherwise) go to the Triton split-KV kernel of `ops/mla_decode.py` instead. EXTEND batches
-(prefill chunks) run in the MHA form of `mha_extend.py` (`forward_extend_mha`): each
-sequence's cached latent context is dequantised and up-projected to per-head bf16 K [S, H, 192]
-/ V [S, H, 128], then one causal varlen FlashAttention-2 launch per layer (`flash_varlen.py`,
-torch's own kernels) attends the whole ragged batch, bottom-right aligned, so chunks over a
-cached prefix stay exact. Batches of a few fresh prompts (no cached prefix) go to cuDNN's SDPA
-instead (`cudnn_fresh.py`), which is faster where its top-left causal mask is the right one.
+otherwise) go to the Triton split-KV kernel of `ops/mla_decode.py` instead. With fused ops the
+others take a joined query (`joined_q_dtype`, `forward_joined`): at decode sizes the layer's
+W_UK GEMV writes q in the kernel's dtype itself, so `ops/q_prep.py` does not run
+(`MLASERVE_JOINED_Q=0`: it does, for A/B runs). EXTEND batches (prefill chunks) run in the MHA
+form of `mha_extend.py` (`forward_extend_mha`): each sequence's cached latent context is
+dequantised and up-projected to per-head bf16 K [S, H, 192] / V [S, H, 128], then one causal
+varlen FlashAttention-2 launch per layer (`flash_varlen.py`, torch's own kernels) attends the
+whole ragged batch, bottom-right aligned, so chunks over a cached prefix stay exact. Batches of
+a few fresh prompts (no cached prefix) go to cuDNN's SDPA instead (`cudnn_fresh.py`), which is
+faster where its top-left causal mask is the right one.
 """
 
 from __future__ import annotations
@@ -148,8 +151,12 @@ class FlashMLABackend(AttentionBackend):
         self._q_descale = torch.ones(1, dtype=torch.float32, device=self.device)
         self._prefill = FlashVarlenAttention(self.device)
         self._prefill_fresh = CudnnFreshAttention(self.device)
+        self._q_dtype = torch.float8_e4m3fn if self.is_fp8 else torch.bfloat16
         # cat + clamp + cast of the query in one Triton kernel (`mlaserve/ops/q_prep.py`).
         self._prepare_q = None
+        # With fused ops, decode-sized layers hand over the query W_UK's GEMV wrote whole
+        # (`joined_q_dtype`); `MLASERVE_JOINED_Q=0` turns that off for A/B runs.
+        self._joined_q = False
         # Small uniform batches: the split-KV Triton kernel (`ops/mla_decode.py`), which reads
         # q_nope and q_pe as they are (no q preparation) and needs no schedule.
         self._small_rows = 0
@@ -158,6 +165,7 @@ class FlashMLABackend(AttentionBackend):
             from mlaserve.ops.q_prep import prepare_q
 
             self._prepare_q = prepare_q
+            self._joined_q = os.environ.get("MLASERVE_JOINED_Q", "1") != "0"
             self._small_rows = small_batch_max_rows()
             if self._small_rows > 0:
                 self._mla_decode = mla_decode
@@ -215,26 +223,47 @@ class FlashMLABackend(AttentionBackend):
                 self.softmax_scale,
                 workspace=self._workspace,
             )
-        num_tokens, num_heads, rank = q_nope.shape
-        k_cache = pool.kv_buffers[layer_id].unsqueeze(2)  # [pages, 64, 1, 576]
-        extra = {}
-        if self.is_fp8:
-            extra = {"descale_q": self._q_descale, "descale_k": pool.k_scale_tensors[layer_id]}
-        q_dtype = torch.float8_e4m3fn if self.is_fp8 else torch.bfloat16
         if self._prepare_q is not None:
-            q = self._prepare_q(q_nope, q_pe, q_dtype)
+            q = self._prepare_q(q_nope, q_pe, self._q_dtype)
         else:
             q = torch.cat([q_nope, q_pe], dim=-1)
             if self.is_fp8:
                 q = q.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-            q = q.to(q_dtype)
-        q = q.view(batch.bs, batch.q_len, num_heads, -1)  # [bs, q_len, H, 576]
+            q = q.to(self._q_dtype)
+        return self._decode(layer_id, q, batch).to(q_nope.dtype)
+
+    def joined_q_dtype(self, batch: ForwardBatch) -> torch.dtype | None:
+        """FlashMLA's q dtype (e4m3 for an fp8 cache, else bf16) for uniform batches FlashMLA
+        attends, with fused ops on and `MLASERVE_JOINED_Q` not "0"; else None."""
+        uniform = batch.mode.is_uniform  # and not a small batch (`ops/mla_decode.py`):
+        if self._joined_q and uniform and isinstance(batch.attn_metadata, _Metadata):
+            return self._q_dtype
+        return None
+
+    def forward_joined(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q [T, H, 576] contiguous in `joined_q_dtype(batch)`, the new KV already written ->
+        [T, H, 512] bf16."""
+        if not isinstance(batch.attn_metadata, _Metadata) or q.dtype != self._q_dtype:
+            raise ValueError(
+                f"flashmla: a joined query ({q.dtype}) needs a batch FlashMLA attends and "
+                f"{self._q_dtype} (joined_q_dtype)"
+            )
+        return self._decode(layer_id, q, batch)
+
+    def _decode(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """FlashMLA on the prepared query q [T, H, 576] (contiguous, `self._q_dtype`) over
+        layer `layer_id`'s cache, new KV included -> [T, H, 512] bf16."""
+        num_tokens, num_heads, width = q.shape
+        pool = batch.kv_pool
+        extra = {}
+        if self.is_fp8:
+            extra = {"descale_q": self._q_descale, "descale_k": pool.k_scale_tensors[layer_id]}
         out, _ = self._flash_mla.flash_mla_with_kvcache(
-            q,
-            k_cache,
+            q.view(batch.bs, batch.q_len, num_heads, width),  # [bs, q_len, H, 576]
+            pool.kv_buffers[layer_id].unsqueeze(2),  # [pages, 64, 1, 576]
             batch.block_tables,
             batch.seq_lens,
-            head_dim_v=rank,
+            head_dim_v=self.kv_lora_rank,
             tile_scheduler_metadata=batch.attn_metadata.sched,
             softmax_scale=self.softmax_scale,
             causal=True,
@@ -242,7 +271,7 @@ class FlashMLABackend(AttentionBackend):
             use_legacy=True,
             **extra,
         )  # [bs, q_len, H, 512] bf16
-        return out.reshape(num_tokens, num_heads, rank).to(q_nope.dtype)
+        return out.reshape(num_tokens, num_heads, self.kv_lora_rank)
 
     def forward_extend_mha(
         self,

@@ -11,6 +11,17 @@
 fp32 accumulation over K, one rounding to x's dtype (cuBLAS's bmm accumulates in fp32 too, in
 another order: the two agree to bf16 rounding, not bit for bit).
 
+Joined query (`tail`, W_UK only): FlashMLA's whole query [q_nope @ W_UK | q_pe] in one launch,
+instead of this GEMV then `q_prep.prepare_q`'s cat + cast:
+
+    tail [T, H, DR]     x's dtype (q_pe, RoPE applied); any strides with a contiguous last dim
+    out  [T, H, N + DR] required; x's dtype or float8_e4m3fn; contiguous last dim
+
+The products are rounded to x's dtype first, then, for an fp8 `out`, widened to fp32, clamped
+to +-448 and cast (the tail likewise), exactly as `prepare_q(head_gemv(x, w), tail, fp8)`: the
+same bits. FlashMLA runs next and reads q without waiting, so this variant lets it launch only
+when its grid has ended (`ops/pdl.py`, `wait_and_hold_next_kernel`).
+
 Why: these are the two batched GEMMs of an MLA decode step (q_nope -> latent, latent -> v). At a
 few tokens each reads 2 MB of weights (V2-Lite; 16.8 MB on V3), which cuBLAS's bmm streams at
 a fifth of the copy bandwidth (3.6 and 3.2 us per layer at bs 1, floor ~0.7 us, bench/
@@ -26,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
+from mlaserve.ops.pdl import pdl_args, wait_and_hold_next_kernel, wait_for_previous_kernel
 
 __all__ = ["HEAD_GEMV_MAX_M", "head_gemv", "head_gemv_warm_up"]
 
@@ -35,15 +46,28 @@ __all__ = ["HEAD_GEMV_MAX_M", "head_gemv", "head_gemv_warm_up"]
 HEAD_GEMV_MAX_M = 8
 _TILE = 8192  # elements of a [BLOCK_K, BLOCK_N] weight tile: 64 fp32 per thread at 4 warps
 _PROGRAMS = 256  # about two per SM of an H100
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = torch.finfo(_FP8).max  # 448: saturate, as `q_prep` and the KV write do
+
+
+@triton.jit
+def _round_for(v, x_ty: tl.constexpr, y_ty: tl.constexpr, FP8_MAX: tl.constexpr):
+    """fp32 or x-typed v -> y's dtype: rounded to x's dtype first (what the unjoined path
+    stores), then for e4m3 saturated in fp32 before the cast."""
+    v = v.to(x_ty)
+    if y_ty == tl.float8e4nv:
+        v = tl.clamp(v.to(tl.float32), -FP8_MAX, FP8_MAX)
+    return v.to(y_ty)
 
 
 # M is a runtime value (not specialised): one compile per power-of-two bucket (BLOCK_M).
 @triton.jit(do_not_specialize=["M"])
 def _head_gemv_kernel(
-    x_ptr, w_ptr, y_ptr, M,
-    x_st, x_sh, w_sh, w_sk, w_sn, y_st, y_sh,
-    K: tl.constexpr, N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, y_ptr, t_ptr, M,
+    x_st, x_sh, w_sh, w_sk, w_sn, y_st, y_sh, t_st, t_sh,
+    K: tl.constexpr, N: tl.constexpr, DR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_DR: tl.constexpr, TAIL: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(1).to(tl.int64)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -58,7 +82,12 @@ def _head_gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_w = (offs_k < K)[:, None] & mask_n[None, :]
     w_next = tl.load(w_cols + offs_k[:, None] * w_sk, mask=mask_w, other=0.0)
-    wait_for_previous_kernel(PDL)  # x is the previous kernel's output
+    # x (and the tail) are the previous kernel's output. A joined query is FlashMLA's input,
+    # and FlashMLA never waits: no early trigger then (`ops/pdl.py`).
+    if TAIL:
+        wait_and_hold_next_kernel(PDL)
+    else:
+        wait_for_previous_kernel(PDL)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
@@ -71,13 +100,27 @@ def _head_gemv_kernel(
             part = tl.sum(w * xm.to(tl.float32)[:, None], axis=0)  # [BLOCK_N]
             # m is static: the select folds away, each row adds to its own registers
             acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
-    y = y_ptr + h * y_sh + offs_m[:, None] * y_st + offs_n[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & mask_n[None, :])
+    x_ty: tl.constexpr = x_ptr.dtype.element_ty
+    y_ty: tl.constexpr = y_ptr.dtype.element_ty
+    y_rows = y_ptr + h * y_sh + offs_m[:, None] * y_st  # [BLOCK_M, 1]
+    mask_m = offs_m[:, None] < M
+    tl.store(y_rows + offs_n[None, :], _round_for(acc, x_ty, y_ty, FP8_MAX), mask=mask_m & mask_n)
+    if TAIL:  # the programs of column block 0 copy the tail, one per head: y[:, h, N:]
+        offs_d = tl.arange(0, BLOCK_DR)[None, :]
+        mask = mask_m & (offs_d < DR) & (tl.program_id(0) == 0)
+        tail = tl.load(t_ptr + h * t_sh + offs_m[:, None] * t_st + offs_d, mask=mask)
+        tl.store(y_rows + N + offs_d, _round_for(tail, x_ty, y_ty, FP8_MAX), mask=mask)
 
 
-def head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, H, K], w [H, K, N] -> y [T, H, N] (into `out` when given; see the module
-    docstring). Raises ValueError on inputs that do not fit."""
+def head_gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor | None = None,
+    tail: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [T, H, K], w [H, K, N] -> y [T, H, N] (into `out` when given), or with `tail`
+    [T, H, DR] the joined y [T, H, N + DR] into `out` (see the module docstring). Raises
+    ValueError on inputs that do not fit."""
     if x.dim() != 3 or w.dim() != 3:
         raise ValueError(f"head_gemv: x {list(x.shape)} and w {list(w.shape)} must be 3-D")
     (m, heads, k), n = x.shape, w.shape[2]
@@ -89,32 +132,65 @@ def head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None)
         raise ValueError(f"head_gemv: {m} token rows, expected 1..{HEAD_GEMV_MAX_M}")
     if x.stride(2) != 1 or 1 not in w.stride()[1:]:
         raise ValueError("head_gemv: x needs a contiguous last dim, w a unit stride along K or N")
+    dr = 0
+    if tail is not None:
+        if tail.dim() != 3 or tail.shape[:2] != (m, heads) or tail.dtype != x.dtype:
+            raise ValueError(
+                f"head_gemv: tail must be [{m}, {heads}, DR] {x.dtype}, got "
+                f"{list(tail.shape)} {tail.dtype}"
+            )
+        if tail.stride(2) != 1:
+            raise ValueError("head_gemv: tail needs a contiguous last dim")
+        if out is None:
+            raise ValueError("head_gemv: a tail needs `out` [T, H, N + DR] (the joined query)")
+        dr = tail.shape[2]
+    width, dtypes = (n, (x.dtype,)) if tail is None else (n + dr, (x.dtype, _FP8))
     if out is None:
         out = torch.empty(m, heads, n, dtype=x.dtype, device=x.device)
-    elif out.shape != (m, heads, n) or out.dtype != x.dtype or out.stride(2) != 1:
-        raise ValueError(f"head_gemv: out must be [{m}, {heads}, {n}] {x.dtype}, last dim unit")
+    elif out.shape != (m, heads, width) or out.dtype not in dtypes or out.stride(2) != 1:
+        raise ValueError(
+            f"head_gemv: out must be [{m}, {heads}, {width}] {' or '.join(map(str, dtypes))}, "
+            f"last dim unit; got {list(out.shape)} {out.dtype} strides {out.stride()}"
+        )
     block_n = 16
     while block_n < 64 and triton.cdiv(n, block_n * 2) * heads >= _PROGRAMS:
         block_n *= 2
     block_k = min(triton.next_power_of_2(k), _TILE // block_n)
-    pdl = pdl_args(x.device)
+    t = x if tail is None else tail  # unread without TAIL
     _head_gemv_kernel[(triton.cdiv(n, block_n), heads)](
-        x, w, out, m,
+        x, w, out, t, m,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
-        out.stride(0), out.stride(1),
-        K=k, N=n, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4, **pdl,
+        out.stride(0), out.stride(1), t.stride(0), t.stride(1),
+        K=k, N=n, DR=dr, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_DR=triton.next_power_of_2(max(dr, 1)), TAIL=tail is not None, FP8_MAX=_FP8_MAX,
+        num_warps=4, **pdl_args(x.device),
     )  # fmt: skip
     return out
 
 
-def head_gemv_warm_up(x_strides: tuple[int, int], heads: int, w: torch.Tensor, max_m: int) -> None:
+def head_gemv_warm_up(
+    x_strides: tuple[int, int],
+    heads: int,
+    w: torch.Tensor,
+    max_m: int,
+    tail: tuple[int, tuple[int, int]] | None = None,
+    out_dtypes: tuple[torch.dtype, ...] = (),
+) -> None:
     """Compile every M bucket up to `max_m` for x rows laid out with `x_strides` (token, head;
     Triton specialises on their divisibility) and weight `w` [H, K, N], so none compiles while
-    serving."""
-    k = w.shape[1]
+    serving. With `tail` = (DR, its (token, head) strides), also the joined-query variant for
+    each of `out_dtypes` (out contiguous [T, H, N + DR], as the layer allocates it)."""
+    k, n = w.shape[1:]
     bucket = 1
     while bucket <= min(max_m, HEAD_GEMV_MAX_M):
         rows = torch.zeros(bucket * x_strides[0], dtype=w.dtype, device=w.device)
-        head_gemv(rows.as_strided((bucket, heads, k), (*x_strides, 1)), w)
+        x = rows.as_strided((bucket, heads, k), (*x_strides, 1))
+        head_gemv(x, w)
+        if tail is not None:
+            dr, strides = tail
+            pe = torch.zeros(bucket * strides[0], dtype=w.dtype, device=w.device)
+            pe = pe.as_strided((bucket, heads, dr), (*strides, 1))
+            for dtype in out_dtypes:
+                out = torch.empty(bucket, heads, n + dr, dtype=dtype, device=w.device)
+                head_gemv(x, w, out=out, tail=pe)
         bucket *= 2

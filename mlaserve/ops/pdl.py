@@ -29,12 +29,13 @@ dense SM90 decode kernel (`flash_fwd_splitkv_mla_kernel`, sgl-flash-mla's legacy
 not: it is launched with programmatic stream serialization (so that its combine kernel can start
 early) but never calls `cudaGridDependencySynchronize`; it TMA-loads q and reads the cache as
 soon as it runs, so after a kernel that triggers early it can read q half written. The kernel
-right before every FlashMLA call (`q_prep.py`, for the fp8 kernel too, whose launch we cannot
-see) therefore waits with `wait_and_hold_next_kernel`: no early trigger, the next kernel launches
-when its grid ends (the implicit trigger). Seen on an H100 (2026-11-25, in an experiment not
-kept): with W_UK's GEMV writing q right before FlashMLA, the default model's bf16-cache graph
-replays at bs 8 differed from eager forwards in 252-283 of 512 logit rows; the short
-q-preparation kernel had only been winning the same race.
+right before every FlashMLA call (`q_prep.py`, or for joined queries W_UK's GEMV in
+`head_gemv.py`, which then writes the whole query itself; for the fp8 kernel too, whose launch
+we cannot see) therefore waits with `wait_and_hold_next_kernel`: no early trigger, the next
+kernel launches when its grid ends (the implicit trigger). Seen on an H100 (2026-11-25, in an
+experiment not kept): with W_UK's GEMV writing q right before FlashMLA and triggering early, the
+default model's bf16-cache graph replays at bs 8 differed from eager forwards in 252-283 of 512
+logit rows; the short q-preparation kernel had only been winning the same race.
 
 CUDA graphs keep the programmatic edges (CUDA >= 12.3). A kernel's profiled duration then
 includes its wait: per-kernel profiles under PDL overstate the small kernels (compare replay

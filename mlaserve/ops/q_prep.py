@@ -12,6 +12,11 @@ The caller views the result as FlashMLA's `[bs, q_len, H, 576]`. FlashMLA's kern
 after this one and starts without waiting for it, so this kernel lets it launch only when its
 own grid has ended (`ops/pdl.py`, `wait_and_hold_next_kernel`). Replaces cat + clamp + cast
 (three kernels and two temporaries) by one launch; one program per (token, head).
+
+At decode sizes (<= HEAD_GEMV_MAX_M tokens, the KV written by the layer) W_UK's GEMV writes the
+same query itself instead, with the same bits and the same hold (the joined query,
+`head_gemv(..., tail=q_pe)`, `FlashMLABackend.forward_joined`): this kernel then does not run.
+It remains for larger uniform batches and with `MLASERVE_JOINED_Q=0`.
 """
 
 from __future__ import annotations

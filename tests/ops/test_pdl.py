@@ -4,9 +4,10 @@ the same chain run eagerly without PDL.
 
 A kernel that read its predecessor's output before `griddepcontrol.wait`, or wrote before it,
 would race: the replay would then differ from the eager run on some replays. The chain below is
-one decode layer's kernels back to back (norm, GEMV, latent norm + rope + FP8 KV write, q prep,
-router logits, routing, the MoE decode or grouped kernels, the partials' norm), two layers deep,
-at V2-Lite's MoE shape, so each consumer starts while its producer's last programs run.
+one decode layer's kernels back to back (norm, GEMV, latent norm + rope + FP8 KV write, q prep
+or W_UK's GEMV writing the joined query, router logits, routing, the MoE decode or grouped
+kernels, the partials' norm), two layers deep, at V2-Lite's MoE shape, so each consumer starts
+while its producer's last programs run.
 """
 
 from __future__ import annotations
@@ -69,13 +70,22 @@ class _Layer:
         # q (16 x 64 rope dims) | kv_c (512) | k_pe (64)
         self.w_a = (torch.randn(16 * 64 + 576, 2048, generator=gen, device=dev) / 45).to(bf16)
         self.gate = torch.randn(64, 2048, generator=gen, device=dev) / 45
+        self.w_uk = (torch.randn(16, 128, 512, generator=gen, device=dev) / 11).to(bf16)
         kernel, _, scales = make_weights(SHAPES["v2lite"], fp8, bf16, dev, gen)
         self.moe = MoeDecodeWeights(**kernel, **scales)
 
 
-def _layer_chain(x, res, layer, cache, slots, cos, sin, grouped):
-    """One layer's PDL kernels back to back; returns (x, residual) for the next layer."""
+_V2LITE_ROUTER = dict(
+    top_k=6, scoring_func="softmax", topk_method="greedy", n_group=1, topk_group=1,
+    norm_topk_prob=False, routed_scaling_factor=1.0,
+)  # fmt: skip
+
+
+def _layer_chain(x, res, layer, cache, slots, cos, sin, grouped, joined):
+    """One layer's PDL kernels back to back; returns (x, residual) for the next layer. `joined`:
+    W_UK's GEMV writes the joined query, instead of the q preparation."""
     from mlaserve.ops.gemv import gemv
+    from mlaserve.ops.head_gemv import head_gemv
     from mlaserve.ops.mla_norm_rope import mla_norm_rope
     from mlaserve.ops.moe_decode import moe_decode
     from mlaserve.ops.moe_grouped import moe_grouped
@@ -93,25 +103,26 @@ def _layer_chain(x, res, layer, cache, slots, cos, sin, grouped):
         kv_c, k_pe, q_pe, layer.latent_norm, 1e-6, cos, sin, False,
         kv_cache=cache, slot_mapping=slots,
     )  # fmt: skip
-    q_nope = q_pe.repeat(1, 1, 8)  # a stand-in for the absorbed query [T, 16, 512]
-    q = prepare_q(q_nope, q_pe, torch.bfloat16)  # [T, 16, 576]
+    if joined and t <= 8:
+        q = torch.empty(t, 16, 576, dtype=torch.bfloat16, device="cuda")
+        head_gemv(q_pe.repeat(1, 1, 2), layer.w_uk, out=q, tail=q_pe)  # [T, 16, 576]
+    else:
+        q_nope = q_pe.repeat(1, 1, 8)  # a stand-in for the absorbed query [T, 16, 512]
+        q = prepare_q(q_nope, q_pe, torch.bfloat16)  # [T, 16, 576]
     h = h + q.view(t, -1)[:, : layer.hidden]  # the next norm reads both producers
     h, res = add_rms_norm(h, res, layer.norm2, 1e-6)
-    wts, ids = fused_select_experts(
-        router_logits(h, layer.gate), top_k=6, scoring_func="softmax",
-        topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False,
-        routed_scaling_factor=1.0,
-    )  # fmt: skip
+    wts, ids = fused_select_experts(router_logits(h, layer.gate), **_V2LITE_ROUTER)
     moe = moe_grouped if grouped else moe_decode
     parts = moe(h, wts, ids, layer.moe, combine=False)
     return add_partials_rms_norm(parts.parts, res, layer.norm1, 1e-6)
 
 
+@pytest.mark.parametrize("joined", [False, True], ids=["q_prep", "joined"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("tokens", [1, 2, 8, 32])
 @gpu[0]
 @gpu[1]
-def test_graph_with_pdl_matches_eager_without(pdl_env, tokens, fp8):
+def test_graph_with_pdl_matches_eager_without(pdl_env, tokens, fp8, joined):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs an SM90+ GPU")
     gen = torch.Generator(device="cuda").manual_seed(tokens)
@@ -127,7 +138,7 @@ def test_graph_with_pdl_matches_eager_without(pdl_env, tokens, fp8):
         cos, sin = angles.cos(), angles.sin()
         y, r = x, res
         for i, layer in enumerate(layers):
-            y, r = _layer_chain(y, r, layer, cache[i], slots, cos, sin, grouped)
+            y, r = _layer_chain(y, r, layer, cache[i], slots, cos, sin, grouped, joined)
         return y, r
 
     def fill(step):
@@ -169,24 +180,31 @@ sig = signature(Q._prepare_q_kernel,
                 {"q_nope_ptr": "*bf16", "q_pe_ptr": "*bf16", "out_ptr": "*fp8e4nv"},
                 constexprs=qp)
 cases.append(("prepare_q", Q._prepare_q_kernel, sig, qp))
-hg = dict(K=128, N=512, BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, PDL=True)
-sig = signature(G._head_gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16"},
-                constexprs=hg)
-cases.append(("head_gemv", G._head_gemv_kernel, sig, hg))
+hg = dict(K=128, N=512, DR=0, BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, BLOCK_DR=1, TAIL=False,
+          FP8_MAX=448.0, PDL=True)
+ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "t_ptr": "*bf16"}
+cases.append(("head_gemv", G._head_gemv_kernel,
+              signature(G._head_gemv_kernel, ptrs, constexprs=hg), hg))
+for out in ("bf16", "fp8e4nv"):  # the joined query, in either FlashMLA q dtype
+    joined = dict(hg, DR=64, BLOCK_DR=64, TAIL=True)
+    sig = signature(G._head_gemv_kernel, dict(ptrs, y_ptr="*" + out), constexprs=joined)
+    cases.append((f"head_gemv_joined_{out}", G._head_gemv_kernel, sig, joined))
 """
 
 
 def test_the_kernel_before_flashmla_holds_its_dependents() -> None:
     """FlashMLA's dense SM90 decode kernel is launched with PDL but never waits for its
-    predecessor (`ops/pdl.py`), so the kernel right before it, the q preparation, must not let
-    it launch early: compiled for SM90 with PDL, it waits (`griddepcontrol.wait`) and has no
-    early trigger (`griddepcontrol.launch_dependents`). W_UK's GEMV keeps the usual contract and
-    has both: the check reads the instructions, it does not pass on an empty PTX. Compiled ahead
-    of time (no GPU needed)."""
+    predecessor (`ops/pdl.py`), so the kernel right before it, the q preparation or W_UK's GEMV
+    writing the joined query (`tail`), must not let it launch early: compiled for SM90 with
+    PDL, it waits (`griddepcontrol.wait`) and has no early trigger
+    (`griddepcontrol.launch_dependents`). The plain GEMV keeps the usual contract and has both:
+    the check reads the instructions, it does not pass on an empty PTX. Compiled ahead of time
+    (no GPU needed)."""
     from tests.aot_compile import ptx_for_sm90
 
     ptx = ptx_for_sm90(_HELD)
-    assert "griddepcontrol.wait" in ptx["prepare_q"]
-    assert "griddepcontrol.launch_dependents" not in ptx["prepare_q"]
+    for held in ("prepare_q", "head_gemv_joined_bf16", "head_gemv_joined_fp8e4nv"):
+        assert "griddepcontrol.wait" in ptx[held], held
+        assert "griddepcontrol.launch_dependents" not in ptx[held], held
     assert "griddepcontrol.wait" in ptx["head_gemv"]
     assert "griddepcontrol.launch_dependents" in ptx["head_gemv"]

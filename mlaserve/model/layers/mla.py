@@ -185,12 +185,24 @@ class MLAAttention(nn.Module):
             return self.o_proj(o.reshape(num_tokens, self.num_heads * self.v_head_dim))
 
         head_gemv = self._head_gemv if 0 < num_tokens <= self._head_gemv_max_m else None
+        q_dtype = None  # the joined query's, where the backend takes one
+        if head_gemv is not None and backend.accepts_written_kv and kv_c is None:
+            q_dtype = backend.joined_q_dtype(batch)
         # Absorb W_UK: [H, T, d_n] @ [H, d_n, r] -> [H, T, r]
-        if head_gemv is not None:
-            q_latent = head_gemv(q_nope, self.w_uk)  # [T, H, r]
+        if q_dtype in (q_nope.dtype, torch.float8_e4m3fn):  # what the GEMV can write
+            # The GEMV writes the kernel's whole query [q_nope @ W_UK | q_pe] in its dtype: no
+            # separate q preparation kernel (one launch per layer fewer).
+            width = self.kv_lora_rank + self.qk_rope_head_dim
+            q = q_nope.new_empty(num_tokens, self.num_heads, width, dtype=q_dtype)
+            head_gemv(q_nope, self.w_uk, out=q, tail=q_pe)
+            o_latent = backend.forward_joined(self.layer_id, q, batch).to(q_nope.dtype)
         else:
-            q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, r]
-        o_latent = backend.forward(self.layer_id, q_latent, q_pe, kv_c, k_pe, batch)  # [T, H, r]
+            if head_gemv is not None:
+                q_latent = head_gemv(q_nope, self.w_uk)  # [T, H, r]
+            else:
+                q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+            o_latent = backend.forward(self.layer_id, q_latent, q_pe, kv_c, k_pe, batch)
+        # o_latent [T, H, r] in the model dtype
         # Up-project with W_UV: [H, T, r] @ [H, r, d_v] -> [H, T, d_v], written straight into
         # the [T, H, d_v] rows o_proj reads (bmm through a transposed view: cuBLAS takes the
         # strides; `.transpose(0, 1).reshape` would copy whenever T > 1).
@@ -203,14 +215,21 @@ class MLAAttention(nn.Module):
 
     def warm_up_kernels(self, act_dtype: torch.dtype) -> None:
         """Compile the absorbed projections' GEMVs for every token bucket they take (q_nope as a
-        view of the q projection's rows, the latent output contiguous), before serving."""
+        view of the q projection's rows, the latent output contiguous), before serving. W_UK's
+        also as the joined query (q_pe as `mla_norm_rope` returns it: contiguous) in each dtype
+        a backend may want it in: the cache's is unknown here, so bf16 activations compile
+        both bf16 and (where e4m3 casts compile, SM89+) fp8; others their own dtype only."""
         if self._head_gemv is None or self.w_uk is None:  # x takes the weights' dtype
             return
         from mlaserve.ops.head_gemv import head_gemv_warm_up
 
+        dtype, dev = self.w_uk.dtype, self.w_uk.device
+        h, d_r = self.num_heads, self.qk_rope_head_dim
+        fp8 = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 9)
+        out_dtypes = (dtype, torch.float8_e4m3fn) if dtype == torch.bfloat16 and fp8 else (dtype,)
         head_gemv_warm_up(
-            (self._q_row_stride, self.qk_nope_head_dim + self.qk_rope_head_dim),
-            self.num_heads, self.w_uk, self._head_gemv_max_m,
+            (self._q_row_stride, self.qk_nope_head_dim + d_r), h, self.w_uk,
+            self._head_gemv_max_m, tail=(d_r, (h * d_r, d_r)), out_dtypes=out_dtypes,
         )  # fmt: skip
         r = self.kv_lora_rank
-        head_gemv_warm_up((self.num_heads * r, r), self.num_heads, self.w_uv, self._head_gemv_max_m)
+        head_gemv_warm_up((h * r, r), h, self.w_uv, self._head_gemv_max_m)

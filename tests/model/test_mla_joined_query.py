@@ -1,0 +1,80 @@
+"""`MLAAttention`'s joined-query path on CPU (fused ops under Triton's interpreter, fp16: see
+tests/ops/cases.py `model_dtype`): with a backend that takes joined queries, decode-sized uniform
+batches hand it the query W_UK's GEMV wrote whole (`head_gemv(..., tail=q_pe)`), and the layer's
+output has the bits of the unjoined path (GEMV, then the backend's own concatenation). Larger
+and EXTEND batches keep the unjoined path. FlashMLA's own choice and the fp8 query are covered
+on the GPU (tests/kernels_adapter/test_joined_query.py, tests/graph_runner/test_graphs_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlaserve.engine.forward_batch import ForwardMode
+from mlaserve.kernels_adapter.reference import ReferenceBackend
+from mlaserve.model.layers.rotary import RotaryEmbedding
+from mlaserve.ops import triton_available
+from tests.kernels_adapter.test_reference_backend import model_config
+
+from .paged import PagedCache
+
+F16 = torch.float16
+
+
+class JoinedReference(ReferenceBackend):
+    """The reference backend taking joined queries in the model dtype, for uniform batches."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.joined_calls = 0
+
+    def joined_q_dtype(self, batch):
+        return F16 if batch.mode.is_uniform else None
+
+    def forward_joined(self, layer_id, q, batch):
+        assert q.is_contiguous() and q.dtype == F16
+        self.joined_calls += 1
+        r = self.kv_lora_rank
+        return self.forward(layer_id, q[..., :r], q[..., r:], None, None, batch)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests cover it compiled")
+@pytest.mark.skipif(not triton_available(), reason="needs triton (TRITON_INTERPRET=1)")
+def test_joined_query_layer_matches_the_unjoined_path(monkeypatch) -> None:
+    from mlaserve.model.layers.mla import MLAAttention
+
+    monkeypatch.setenv("MLASERVE_FUSED_OPS", "1")
+    config = model_config()  # 4 heads, r 32, d_r 16, d_n 16, hidden 32; q_proj, no q_lora
+    layer = MLAAttention(config, 0, params_dtype=F16)
+    gen = torch.Generator().manual_seed(0)
+    for p in layer.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    layer.kv_a_layernorm.weight.data.add_(1.0)
+    layer.process_weights_after_loading()
+    assert layer._head_gemv is not None
+    layer.warm_up_kernels(F16)
+    rope = RotaryEmbedding(config)
+    caches = {}
+    for name, cls in (("joined", JoinedReference), ("plain", ReferenceBackend)):
+        cache = PagedCache(config, kv_dtype=F16, max_model_len=64)
+        cache.backend = cls(config, cache.page_size, F16, cache.device, 64, 64, max_q_len=3)
+        caches[name] = cache
+
+    def step(chunks, mode):
+        outs = {}
+        for name, cache in caches.items():
+            batch = cache.batch(chunks, mode)
+            x = torch.randn(batch.num_tokens, 32, generator=torch.Generator().manual_seed(7))
+            cos, sin = rope(batch.positions)
+            outs[name] = layer(x.to(F16), cos, sin, batch)
+        assert torch.equal(outs["joined"], outs["plain"]), mode
+        assert outs["joined"].isfinite().all()
+
+    step([(0, [1] * 5), (1, [2] * 7)], ForwardMode.EXTEND)  # prefixes, unjoined
+    assert caches["joined"].backend.joined_calls == 0
+    step([(0, [3]), (1, [4])], ForwardMode.DECODE)
+    assert caches["joined"].backend.joined_calls == 1
+    step([(0, [5] * 3), (1, [6] * 3)], ForwardMode.VERIFY)  # 6 rows: still the GEMV's
+    assert caches["joined"].backend.joined_calls == 2
+    step([(i, [7] * 3) for i in range(2, 5)], ForwardMode.VERIFY)  # 9 rows: the bmm path
+    assert caches["joined"].backend.joined_calls == 2
