@@ -69,15 +69,25 @@ TILES = [
     ((4, 16), 4, (2048, 256)),
     ((1, 1), 4, (2048, 2048)),
 ]
-# grouped kernels: (block_n, num_warps, num_stages, block_m or None for the default)
+# grouped kernels: (block_n, num_warps, num_stages, block_m, block_k; None: the default)
 GROUPED_TILES = [
-    (None, 4, 3, None),  # the launcher's defaults
-    ((64, 64), 4, 3, None),
-    ((32, 32), 4, 3, None),
-    ((64, 64), 4, 4, None),
-    ((128, 128), 4, 3, None),
-    ((64, 64), 8, 3, None),
-    ((64, 64), 4, 3, 32),
+    (None, 4, 3, None, None),  # the launcher's defaults
+    ((64, 64), 4, 3, None, None),
+    ((32, 32), 4, 3, None, None),
+    ((64, 64), 4, 4, None, None),
+    ((128, 128), 4, 3, None, None),
+    ((64, 64), 8, 3, None, None),
+    ((64, 64), 4, 3, 32, None),
+    ((32, 32), 4, 3, 32, None),
+    ((32, 32), 4, 4, None, None),
+    ((32, 32), 4, 5, None, None),
+    ((32, 32), 2, 3, None, None),
+    ((32, 32), 4, 3, None, 128),
+    ((32, 32), 4, 4, None, 128),
+    ((32, 64), 4, 3, None, None),
+    ((64, 32), 4, 3, None, None),
+    ((16, 16), 4, 3, None, None),
+    ((16, 16), 2, 4, None, None),
 ]
 DECODE_TIMED_MAX = 32
 # (decode_max_tokens, grouped_max_tokens) of each variant
@@ -168,10 +178,10 @@ def bench_weights(
                         xs[j], w, ids, layers[j].decode_weights, block_n=block_n,
                         block_k=block_k, num_warps=warps,
                     )  # fmt: skip
-                _, block_n, warps, stages, block_m = tile
+                _, block_n, warps, stages, block_m, block_k = tile
                 return moe_grouped(
                     xs[j], w, ids, layers[j].decode_weights, block_n=block_n,
-                    num_warps=warps, num_stages=stages, block_m=block_m,
+                    num_warps=warps, num_stages=stages, block_m=block_m, block_k=block_k,
                 )  # fmt: skip
 
             sweep.append(

@@ -231,12 +231,14 @@ def moe_grouped(
     *,
     block_m: int | None = None,
     block_n: tuple[int, int] | None = None,
+    block_k: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
     combine: bool = True,
 ) -> torch.Tensor | MoePartials:
     """x [T, H], topk_weights [T, K] fp32, topk_ids [T, K] int64 -> y [T, H] (x's dtype).
-    `block_m` overrides `moe_grouped_block_m` (tests); `block_n`: tiles of (gate_up, down),
+    `block_m` overrides `moe_grouped_block_m` (tests); `block_k` the K step (by default 128, 64
+    in bf16 past 128 tokens; with FP8 it must divide 128); `block_n`: tiles of (gate_up, down),
     by default 32 up to 128 tokens, 64 beyond (`bench/moe_decode.py --sweep` on an H100, V2-Lite
     layer: 32 was 1-8% faster up to 128 tokens in bf16 and FP8, and 2x slower in FP8 at 256).
     `combine=False` returns the per-slot partials uncombined (`MoePartials`)."""
@@ -272,7 +274,11 @@ def moe_grouped(
     if block_n is None:
         block_n = (32, 32) if num_tokens <= 128 else (64, 64)
     has_scale = weights.quantized
-    block_k = 128 if has_scale else 64
+    # K steps of 128: FP8 always (one scale column per step), bf16 with the narrow tiles (4-5%
+    # faster than 64 at 16-128 tokens on an H200, bench/RESULTS.md; slower with 64-wide ones)
+    block_k = block_k or (128 if has_scale or num_tokens <= 128 else 64)
+    if has_scale and 128 % block_k:
+        raise ValueError(f"moe_grouped: block_k {block_k} must divide 128 for FP8 block scales")
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     s13, s13_e, s13_r = scale_args(weights.w13_scale, weights.w13)
     ss13, _, ss13_r = scale_args(weights.shared_w13_scale, s13)
@@ -316,7 +322,7 @@ def moe_grouped_warm_up(
             _num_pairs_bucket(pairs),
             moe_grouped_block_m(pairs, e_total),
             pairs % 16 == 0,
-            t <= 128,  # the default block_n
+            t <= 128,  # the default block_n and block_k
         )
         if key in seen:
             continue
