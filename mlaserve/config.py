@@ -599,10 +599,9 @@ class EngineConfig:
         return min(self.max_num_batched_tokens, 4096)
 
     def resolved_overlap_schedule(self) -> bool:
-        """Overlap scheduling: as asked, else on with CUDA; never with speculation (its verify
-        step reads the accepted tokens back before it can schedule the next one)."""
-        if self.speculative is not None:
-            return False
+        """Overlap scheduling: as asked, else on with CUDA. With speculation it applies to the
+        plain steps the policy chooses (no draft work) only: a speculative step reads the
+        accepted tokens back before the next one can be scheduled."""
         if self.overlap_schedule is None:
             return self.resolved_device().type == "cuda"
         return self.overlap_schedule

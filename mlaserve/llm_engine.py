@@ -327,20 +327,26 @@ class LLMEngine:
                 r.metrics.first_scheduled_time = now
         self.num_steps += 1
         self.recent_step_num_tokens.append(scheduled.num_tokens)
-        if self.spec_decoder is not None:  # never overlapped (config.resolved_overlap_schedule)
-            result, num_accepted = self.spec_decoder.step(scheduled)
-            self.scheduler.after_step(scheduled, num_accepted)
-            outputs = self._postprocess(scheduled, result)
-            # the step's wall time feeds the policy's online costs
-            self.spec_decoder.observe_step_time(time.perf_counter() - t0)
-            return outputs
         overlap = self.overlap and not self._needs_host_tokens(scheduled)
+        spec = self.spec_decoder
+        # With speculation only plain steps (no draft work) overlap: the rest read their tokens
+        # back before the next step can be built, and need every earlier token on the host.
+        if spec is not None and not (overlap and spec.plan_plain(scheduled)):
+            outputs = self._resolve(prev) if prev is not None else []
+            result, num_accepted = spec.step(scheduled)
+            self.scheduler.after_step(scheduled, num_accepted)
+            outputs += self._postprocess(scheduled, result)
+            # the step's wall time feeds the policy's online costs
+            spec.observe_step_time(time.perf_counter() - t0)
+            return outputs
         outputs = []
         if prev is not None and not overlap:
             outputs, prev = self._resolve(prev), None
         launched = self._launch(scheduled, prev)
         if prev is not None:
             outputs = self._resolve(prev)  # the host's work, while the GPU runs `launched`
+        if spec is not None:  # a plain step's wall time, overlapped as the policy will serve it
+            spec.observe_step_time(time.perf_counter() - t0)
         if overlap:
             self._inflight = launched
             return outputs

@@ -8,7 +8,9 @@
         DECODE target forward (graph, q_len 1) -> sampler; if the next step speculates,
         draft-extend over the one row -> draft graph; if not, either the draft's cache update
         alone (draft-extend, "refresh": when the policy finds it cheap) or no draft work at all
-        (a plain engine's step), after which those requests' draft caches are stale
+        (a plain engine's step: with overlap scheduling the engine runs it as one, overlapped
+        with its neighbours, after `plan_plain` decided it), after which those requests' draft
+        caches are stale
         (`Request.draft_cache_valid`: positions the MTP layer never saw). A stale request is
         still verified when its batch speculates (drafts from an incomplete cache; acceptance is
         lossless whatever the drafts), but its accept lengths do not feed the policy's estimate.
@@ -77,6 +79,7 @@ class SpecDecoder:
         self._last_kind: str | None = None
         self._batch_ids: tuple[str, ...] = ()
         self._prev_key: tuple | None = None  # (kind, requests) of the step before, if steady
+        self._planned: Decision | None = None  # made by `plan_plain` for the `step` after it
 
     def reset_stats(self) -> None:
         """Forget what throwaway steps (the start-up cost measurement) taught: counters, the
@@ -97,6 +100,39 @@ class SpecDecoder:
             f"policy estimate {self.policy.accept_length_estimate:.2f}"
         )
 
+    def plan_plain(self, sched: SchedulerOutput) -> bool:
+        """Decide a step before it runs, for an engine that overlaps plain steps. True: a
+        DECODE step with nothing to verify that the policy keeps plain (no draft work, not even
+        a refresh): the engine runs it as an engine without speculation would, overlapped with
+        its neighbours (launched before the previous step's tokens are read back), and the
+        requests' draft caches go stale. False: `step` runs it, with the decision made here."""
+        requests = [s.request for s in sched.scheduled]
+        if sched.mode is not ForwardMode.DECODE or self._verifies(requests):
+            return False
+        decision = self._decide(requests)
+        if decision.speculate or decision.refresh:
+            self._planned = decision
+            return False
+        for r in requests:
+            r.draft_cache_valid = False
+            r.draft_token_ids = []
+        self._last_kind = "plain"
+        return True
+
+    def _verifies(self, requests: list[Request]) -> bool:
+        return all(len(r.draft_token_ids) == self.k for r in requests)
+
+    def _decide(self, requests: list[Request]) -> Decision:
+        """The policy's decision for a decode step of `requests` (counted)."""
+        num_stale = 0
+        for r in requests:
+            if r.num_computed_tokens == 0:  # (re)computed from its prompt
+                r.draft_cache_valid = True
+            num_stale += not r.draft_cache_valid
+        self._last_kind = None
+        self._batch_ids = tuple(r.request_id for r in requests)
+        return self.policy.decide(len(requests), num_stale)
+
     def step(self, sched: SchedulerOutput) -> tuple[StepResult, list[int]]:
         """-> (the tokens each sampled request emits, in scheduling order; the draft tokens each
         accepted, for `Scheduler.after_step`). Drafts for the next step land in
@@ -104,20 +140,13 @@ class SpecDecoder:
         self.runner.admit(sched)
         requests = [s.request for s in sched.scheduled]
         decode = sched.mode is ForwardMode.DECODE
-        verify = decode and all(len(r.draft_token_ids) == self.k for r in requests)
+        verify = decode and self._verifies(requests)
         target = None
         if decode and not verify:
             # A DECODE forward whatever the decision (which only says what follows it): start
             # it first, so the decision's host work runs beside it, as a plain engine's would.
             target = self.graphs.run_with_hidden(self.runner.build_host_batch(sched))
-        num_stale = 0
-        for r in requests:
-            if r.num_computed_tokens == 0:  # (re)computed from its prompt
-                r.draft_cache_valid = True
-            num_stale += not r.draft_cache_valid
-        decision = self.policy.decide(len(requests), num_stale)
-        self._last_kind = None
-        self._batch_ids = tuple(r.request_id for r in requests)
+        decision, self._planned = self._planned or self._decide(requests), None
         if decode:
             if target is not None and not decision.speculate and not decision.refresh:
                 return self._plain(sched, requests, target)

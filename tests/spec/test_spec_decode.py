@@ -196,18 +196,20 @@ def test_logprobs_of_every_emitted_token(mtp_path, reference) -> None:
         assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("refresh_cost", [1.01, 1.5])
 def test_policy_switches_between_plain_and_speculative_steps(
-    mtp_path, reference, refresh_cost: float
+    mtp_path, reference, refresh_cost: float, overlap: bool
 ) -> None:
     """Step costs under which speculation pays only at batch size <= 2 (data, as a GPU start-up
     would measure them; the served steps' CPU wall times are not followed): two long requests
     speculate; six short ones arrive and the batch of eight runs plain steps. When a draft-cache
     refresh costs 1% of a plain step, those steps refresh, and once the six are done the two
     speculate again; at 50% they skip it, the two's caches go stale, and they stay plain (a
-    stale cache counts as accept length 1). Outputs stay speculation-off's."""
+    stale cache counts as accept length 1). Outputs stay speculation-off's, also with overlap
+    scheduling (plain steps then overlap, as on CUDA)."""
     _, prompts, expected = reference
-    llm = LLM(mtp_path, num_speculative_tokens=K, max_num_seqs=8, **CPU)
+    llm = LLM(mtp_path, num_speculative_tokens=K, max_num_seqs=8, overlap_schedule=overlap, **CPU)
     engine = llm.engine
     policy = engine.spec_decoder.policy
     policy.follow_served_steps = False
@@ -242,6 +244,48 @@ def test_policy_switches_between_plain_and_speculative_steps(
     assert fresh == [refresh_cost < 1.02] * 2
     assert resumed == (refresh_cost < 1.02)
     assert [out[i] for i in range(8)] == [e if i < 2 else e[:6] for i, e in enumerate(expected)]
+    assert_pages_free(llm)
+
+
+def test_plain_steps_overlap_like_an_engine_without_speculation(mtp_path, reference) -> None:
+    """With overlap scheduling, a step the policy keeps plain is launched before the previous
+    step's tokens are read back (one host wait per step: the previous step's), as in an engine
+    without speculation; a speculative step first resolves the step in flight. Switching back
+    and forth leaves the outputs speculation-off's and no page held."""
+    _, prompts, expected = reference
+    llm = LLM(mtp_path, num_speculative_tokens=K, max_num_seqs=4, overlap_schedule=True, **CPU)
+    engine, runner = llm.engine, llm.engine.runner
+    policy = engine.spec_decoder.policy
+    params = SamplingParams(max_tokens=len(expected[0]), temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(str(i), prompts[i], params)
+    out: dict[int, list[int]] = {}
+
+    def step() -> None:
+        for o in engine.step():
+            out[int(o.request_id)] = list(o.outputs[0].token_ids)
+
+    policy.forced = FORCED_PLAIN
+    for _ in range(4):  # the prefill, then plain steps
+        step()
+    for _ in range(3):
+        waits = runner.num_host_waits
+        step()
+        assert engine._inflight is not None and runner.num_host_waits == waits + 1
+    assert engine.get_stats().spec_num_drafts == 0
+    policy.forced = FORCED_SPEC
+    for _ in range(3):  # drafts (from stale caches), then verify steps
+        step()
+        assert engine._inflight is None
+    assert engine.get_stats().spec_num_drafts > 0
+    policy.forced = FORCED_PLAIN
+    for _ in range(3):
+        step()
+    assert engine._inflight is not None
+    policy.forced = FORCED_SPEC
+    while engine.has_unfinished_requests():
+        step()
+    assert [out[i] for i in range(3)] == expected[:3]
     assert_pages_free(llm)
 
 
