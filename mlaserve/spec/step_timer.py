@@ -107,8 +107,10 @@ def replay_step_times(engine: Any, size: int, iters: int, prompt_len: int = 64) 
 
 @contextmanager
 def _throwaway_requests(engine: Any, tag: str, prompts: list[list[int]], params: Any):
-    """Admit one request per prompt (ids `__{tag}_{i}`); on leaving, abort them all and let the
-    policy decide again (`forced` back to None), whatever happened inside."""
+    """Admit one request per prompt (ids `__{tag}_{i}`); on leaving, abort them all, resolve the
+    step still in flight (overlapped plain steps: served traffic must not start with a throwaway
+    step's read-back) and let the policy decide again (`forced` back to None), whatever
+    happened inside."""
     ids = [f"__{tag}_{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts, strict=True):
         engine.add_request(rid, prompt, params)
@@ -118,6 +120,7 @@ def _throwaway_requests(engine: Any, tag: str, prompts: list[list[int]], params:
         engine.spec_decoder.policy.forced = None
         for rid in ids:
             engine.abort_request(rid)
+        engine.drain()
 
 
 def _prefill(engine: Any, ids: list[str]) -> None:
