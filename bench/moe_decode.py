@@ -88,6 +88,13 @@ GROUPED_TILES = [
     ((64, 32), 4, 3, None, None),
     ((16, 16), 4, 3, None, None),
     ((16, 16), 2, 4, None, None),
+    # prefill-sized batches (past GROUPED_MAX_TOKENS): tensor-core tiles
+    ((128, 128), 8, 3, 64, 64),
+    ((128, 128), 4, 4, 64, 64),
+    ((128, 128), 8, 3, 128, 64),
+    ((128, 128), 8, 4, 128, 32),
+    ((64, 128), 4, 4, 64, 64),
+    ((128, 64), 4, 4, 64, 64),
 ]
 DECODE_TIMED_MAX = 32
 # (decode_max_tokens, grouped_max_tokens) of each variant

@@ -22,18 +22,27 @@ from tests.ops.moe_cases import (
     reference,
 )
 
-CASES = [
-    gpu_case(t, shape, fp8, routing)
-    for t in (9, 33, 64, 130, 256)
-    for shape in ("v2lite", "v3_slice", "default")
-    for fp8 in (False, True)
-    for routing in ("random", "concentrated")
-] + [
-    cpu_case(5, "tiny", False, "random"),
-    cpu_case(20, "default", False, "concentrated"),
-    cpu_case(7, "tiny_noshared", True, "random"),
-    cpu_case(9, "default", True, "concentrated"),
-]
+CASES = (
+    [
+        gpu_case(t, shape, fp8, routing)
+        for t in (9, 33, 64, 130, 256)
+        for shape in ("v2lite", "v3_slice", "default")
+        for fp8 in (False, True)
+        for routing in ("random", "concentrated")
+    ]
+    + [  # bf16 takes them up to 512 tokens (`moe.GROUPED_MAX_TOKENS`)
+        gpu_case(t, shape, False, routing)
+        for t in (300, 512)
+        for shape in ("v2lite", "default")
+        for routing in ("random", "concentrated")
+    ]
+    + [
+        cpu_case(5, "tiny", False, "random"),
+        cpu_case(20, "default", False, "concentrated"),
+        cpu_case(7, "tiny_noshared", True, "random"),
+        cpu_case(9, "default", True, "concentrated"),
+    ]
+)
 
 
 def _routing(routing, num_tokens, num_e, top_k, gen, device):

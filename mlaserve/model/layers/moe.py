@@ -72,8 +72,12 @@ ExpertsImpl = Literal["auto", "grouped_mm", "loop", "dense"]
 # (V3-lite decode at bs 16: 5.99 -> 9.19 ms): with concentrated routing each pair's GEMV re-reads
 # experts that the grouped GEMM reads once per tile of tokens. Up to 8, every in-model run won.
 DECODE_MAX_TOKENS = 8
-# Up to this many tokens the grouped MoE kernels run (past DECODE_MAX_TOKENS).
-GROUPED_MAX_TOKENS = 256
+# Up to this many tokens the grouped MoE kernels run (past DECODE_MAX_TOKENS): bf16 and FP8
+# weights. One V2-Lite layer on an H200 (bench/moe_decode.py): bf16 at 512 tokens 368-401 us
+# against 477 for the sorted CUTLASS path, at 2048 1118-1195 against 690 (a 2048-token prefill
+# took 41.5 ms instead of 30.7 with them); FP8 at 512 528 against 398 (the sorted Triton path).
+GROUPED_MAX_TOKENS = 512
+GROUPED_MAX_TOKENS_FP8 = 256
 
 
 def select_experts(
@@ -480,7 +484,8 @@ class DeepseekMoE(nn.Module):
         if not fused_ops_enabled(weight.device) or weight.dtype == torch.float32:
             return
         limit = int(os.environ.get("MLASERVE_MOE_DECODE_MAX_TOKENS", DECODE_MAX_TOKENS))
-        grouped = int(os.environ.get("MLASERVE_MOE_GROUPED_MAX_TOKENS", GROUPED_MAX_TOKENS))
+        default = GROUPED_MAX_TOKENS_FP8 if self.experts.quant is not None else GROUPED_MAX_TOKENS
+        grouped = int(os.environ.get("MLASERVE_MOE_GROUPED_MAX_TOKENS", default))
         if limit <= 0 and grouped <= 0:
             return
         from mlaserve.ops.moe_decode import MoeDecodeWeights, moe_decode
