@@ -92,6 +92,20 @@ class EngineStats:
         return 1.0 - self.num_free_pages / max(self.num_total_pages, 1)
 
 
+def _without_finished(scheduled: SchedulerOutput) -> SchedulerOutput:
+    """`scheduled` less the requests that ended since it was built (their pages are released):
+    an overlapped step, launched before the previous step's tokens are read back, runs them
+    (their extra token is dropped); a step launched after that read-back (a synchronous or a
+    speculative one) must not."""
+    if not any(s.request.is_finished for s in scheduled.scheduled):
+        return scheduled
+    return SchedulerOutput(
+        [s for s in scheduled.scheduled if not s.request.is_finished],
+        scheduled.preempted,
+        [r for r in scheduled.admitted if not r.is_finished],
+    )
+
+
 @dataclass
 class _InFlight:
     """A launched step whose sampled tokens are still on the device."""
@@ -332,7 +346,11 @@ class LLMEngine:
         # With speculation only plain steps (no draft work) overlap: the rest read their tokens
         # back before the next step can be built, and need every earlier token on the host.
         if spec is not None and not (overlap and spec.plan_plain(scheduled)):
-            outputs = self._resolve(prev) if prev is not None else []
+            outputs = []
+            if prev is not None:  # its tokens may end requests this step has scheduled
+                outputs, scheduled = self._resolve(prev), _without_finished(scheduled)
+                if scheduled.is_empty:
+                    return outputs
             result, num_accepted = spec.step(scheduled)
             self.scheduler.after_step(scheduled, num_accepted)
             outputs += self._postprocess(scheduled, result)
@@ -342,6 +360,9 @@ class LLMEngine:
         outputs = []
         if prev is not None and not overlap:
             outputs, prev = self._resolve(prev), None
+            scheduled = _without_finished(scheduled)
+            if scheduled.is_empty:
+                return outputs
         launched = self._launch(scheduled, prev)
         if prev is not None:
             outputs = self._resolve(prev)  # the host's work, while the GPU runs `launched`

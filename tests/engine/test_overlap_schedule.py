@@ -210,3 +210,39 @@ def test_max_tokens_ends_without_a_step_past_it(checkpoint) -> None:
         while engine.has_unfinished_requests():
             engine.step()
         assert engine.num_steps == before + max_tokens
+
+
+def test_a_synchronous_step_after_an_overlapped_one_drops_what_ended(checkpoint) -> None:
+    """An overlapped step is in flight when the next step is scheduled; if that next step cannot
+    overlap (a logprobs request arrives), the in-flight tokens are read back first, and a
+    request they end (a stop id) has released its pages: the step goes on without it. Outputs
+    equal overlap off's, no page is left held."""
+    prompts = [[(5 * i + 3 * j) % 97 + 1 for j in range(4 + i)] for i in range(6)]
+    greedy = dict(temperature=0.0, output_kind=STREAM)
+
+    def run(engine: LLMEngine, stops: list[int] | None) -> dict[str, list[int]]:
+        got: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            ids = [stops[i]] if stops else None
+            engine.add_request(
+                f"s{i}", p, SamplingParams(max_tokens=12, stop_token_ids=ids, **greedy)
+            )
+        step = 0
+        while engine.has_unfinished_requests():
+            if stops and step % 2 == 1:  # every other step: a request that cannot overlap
+                lp = SamplingParams(max_tokens=1, logprobs=1, **greedy)
+                engine.add_request(f"lp{step}", [7, 8, 9], lp)
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            step += 1
+        return {rid: t for rid, t in got.items() if rid.startswith("s")}
+
+    # each request stops at a token of its own greedy continuation, at steps 3..8
+    free = run(_engine(checkpoint, overlap=False), None)
+    stops = [free[f"s{i}"][2 + i] for i in range(len(prompts))]
+    want = run(_engine(checkpoint, overlap=False), stops)
+    on = _engine(checkpoint, overlap=True)
+    assert run(on, stops) == want
+    assert sum(len(want[f"s{i}"]) < 12 for i in range(len(prompts))) >= 4  # stops happened
+    stats = on.get_stats()
+    assert stats.num_free_pages == stats.num_total_pages

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from mlaserve import LLM, SamplingParams
+from mlaserve import LLM, SamplingParams, llm_engine
 from mlaserve.spec import StepCosts
 from mlaserve.spec.spec_policy import FORCED_PLAIN, FORCED_REFRESH, FORCED_SPEC
 from tests.spec.oracle_drafter import OracleDrafter
@@ -286,6 +286,46 @@ def test_plain_steps_overlap_like_an_engine_without_speculation(mtp_path, refere
     while engine.has_unfinished_requests():
         step()
     assert [out[i] for i in range(3)] == expected[:3]
+    assert_pages_free(llm)
+
+
+def test_stops_in_an_overlapped_plain_step(mtp_path, reference, monkeypatch) -> None:
+    """A request whose stop token comes in an overlapped plain step is already scheduled for the
+    next step when that token is read back. When the next step speculates (it resolves the
+    plain step first), the request has ended and released its pages: the step goes on without
+    it. Decisions alternate between plain and speculative steps; outputs equal speculation
+    off's with the same stop ids, and no page stays held."""
+    _, prompts, expected = reference
+    params = [
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, stop_token_ids=[e[2 + i % 9]])
+        for i, e in enumerate(expected)
+    ]
+    want = token_ids(LLM(mtp_path, **CPU).generate(prompts, params))
+    llm = LLM(mtp_path, num_speculative_tokens=K, max_num_seqs=8, overlap_schedule=True, **CPU)
+    engine = llm.engine
+    policy = engine.spec_decoder.policy
+    dropped = []  # requests that ended in the read-back before a speculative step
+
+    def without_finished(scheduled):
+        kept = real(scheduled)
+        dropped.append(len(scheduled.scheduled) - len(kept.scheduled))
+        return kept
+
+    real = llm_engine._without_finished
+    monkeypatch.setattr(llm_engine, "_without_finished", without_finished)
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), p, sp)
+    out: dict[int, list[int]] = {}
+    pattern = [FORCED_PLAIN, FORCED_PLAIN, FORCED_SPEC]
+    step = 0
+    while engine.has_unfinished_requests():
+        policy.forced = pattern[step % len(pattern)]
+        for o in engine.step():
+            out[int(o.request_id)] = list(o.outputs[0].token_ids)
+        step += 1
+    policy.forced = None
+    assert sum(dropped) > 0, "no stop fell in a plain step before a speculative one"
+    assert [out[i] for i in range(len(prompts))] == want
     assert_pages_free(llm)
 
 
