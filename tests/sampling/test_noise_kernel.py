@@ -37,13 +37,19 @@ _CHECK = textwrap.dedent(
     steps = torch.tensor(STEPS)
     keys = stream_keys(seeds, steps)
     shared = torch.arange(3000)  # [V], as the unsorted sampler passes it
-    permuted = torch.stack([torch.randperm(3000) for _ in SEEDS])  # [n, V], after a sort
+    gen = torch.Generator().manual_seed(0)
+    permuted = torch.stack([torch.randperm(3000, generator=gen) for _ in SEEDS])  # after a sort
     for ids in (shared, permuted, torch.tensor([129279])):
         u = fused_noise(keys, ids, gumbel=False)
         assert torch.equal(u, reference_uniform_noise(seeds, steps, ids)), "uniform bits"
         g = fused_noise(keys, ids, gumbel=True)
-        ref = reference_gumbel_noise(seeds, steps, ids)  # numpy's log vs torch's: an ulp
-        torch.testing.assert_close(g, ref, atol=1e-6, rtol=1e-6)
+        ref = reference_gumbel_noise(seeds, steps, ids)
+        # g = -log(t), t = -log(u), from the same u bits. Under the interpreter the logs are
+        # numpy's, whose vectorised log is accurate to ~1e-7 in absolute terms near u = 1 (and
+        # its result for a value depends on where the value sits in the array: the permuted ids
+        # move it): there t is tiny and g moves by up to 1e-4. So t is compared, absolutely,
+        # and relatively where it is large.
+        torch.testing.assert_close(torch.exp(-g), torch.exp(-ref), atol=1e-6, rtol=1e-5)
     print("OK")
     """
 )
