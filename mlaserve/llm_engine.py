@@ -345,24 +345,23 @@ class LLMEngine:
         spec = self.spec_decoder
         # With speculation only plain steps (no draft work) overlap: the rest read their tokens
         # back before the next step can be built, and need every earlier token on the host.
-        if spec is not None and not (overlap and spec.plan_plain(scheduled)):
-            outputs = []
-            if prev is not None:  # its tokens may end requests this step has scheduled
-                outputs, scheduled = self._resolve(prev), _without_finished(scheduled)
-                if scheduled.is_empty:
-                    return outputs
-            result, num_accepted = spec.step(scheduled)
+        decision = spec.plan(scheduled) if spec is not None and overlap else None
+        # the speculative decoder runs every step but the plain ones it overlaps
+        by_spec = spec is not None and not (decision is not None and decision.plain)
+        outputs = []
+        if prev is not None and (by_spec or not overlap):
+            # Read back first; those tokens may end requests this step has scheduled.
+            outputs, prev = self._resolve(prev), None
+            scheduled = _without_finished(scheduled)
+            if scheduled.is_empty:
+                return outputs
+        if by_spec:
+            result, num_accepted = spec.step(scheduled, decision)
             self.scheduler.after_step(scheduled, num_accepted)
             outputs += self._postprocess(scheduled, result)
             # the step's wall time feeds the policy's online costs
             spec.observe_step_time(time.perf_counter() - t0)
             return outputs
-        outputs = []
-        if prev is not None and not overlap:
-            outputs, prev = self._resolve(prev), None
-            scheduled = _without_finished(scheduled)
-            if scheduled.is_empty:
-                return outputs
         launched = self._launch(scheduled, prev)
         if prev is not None:
             outputs = self._resolve(prev)  # the host's work, while the GPU runs `launched`

@@ -9,7 +9,7 @@
         draft-extend over the one row -> draft graph; if not, either the draft's cache update
         alone (draft-extend, "refresh": when the policy finds it cheap) or no draft work at all
         (a plain engine's step: with overlap scheduling the engine runs it as one, overlapped
-        with its neighbours, after `plan_plain` decided it), after which those requests' draft
+        with its neighbours, after `plan` decided it), after which those requests' draft
         caches are stale
         (`Request.draft_cache_valid`: positions the MTP layer never saw). A stale request is
         still verified when its batch speculates (drafts from an incomplete cache; acceptance is
@@ -79,7 +79,6 @@ class SpecDecoder:
         self._last_kind: str | None = None
         self._batch_ids: tuple[str, ...] = ()
         self._prev_key: tuple | None = None  # (kind, requests) of the step before, if steady
-        self._planned: Decision | None = None  # made by `plan_plain` for the `step` after it
 
     def reset_stats(self) -> None:
         """Forget what throwaway steps (the start-up cost measurement) taught: counters, the
@@ -100,24 +99,20 @@ class SpecDecoder:
             f"policy estimate {self.policy.accept_length_estimate:.2f}"
         )
 
-    def plan_plain(self, sched: SchedulerOutput) -> bool:
-        """Decide a step before it runs, for an engine that overlaps plain steps. True: a
-        DECODE step with nothing to verify that the policy keeps plain (no draft work, not even
-        a refresh): the engine runs it as an engine without speculation would, overlapped with
-        its neighbours (launched before the previous step's tokens are read back), and the
-        requests' draft caches go stale. False: `step` runs it, with the decision made here."""
+    def plan(self, sched: SchedulerOutput) -> Decision | None:
+        """Decide a DECODE step with nothing to verify before it runs, for an engine that
+        overlaps plain steps; None for any other step (`step` decides those itself). On a plain
+        decision (`Decision.plain`) the engine runs the step as an engine without speculation
+        would, overlapped with its neighbours (launched before the previous step's tokens are
+        read back), and the requests' draft caches go stale here; any other decision is handed
+        to `step`."""
         requests = [s.request for s in sched.scheduled]
         if sched.mode is not ForwardMode.DECODE or self._verifies(requests):
-            return False
+            return None
         decision = self._decide(requests)
-        if decision.speculate or decision.refresh:
-            self._planned = decision
-            return False
-        for r in requests:
-            r.draft_cache_valid = False
-            r.draft_token_ids = []
-        self._last_kind = "plain"
-        return True
+        if decision.plain:
+            self._go_plain(requests)
+        return decision
 
     def _verifies(self, requests: list[Request]) -> bool:
         return all(len(r.draft_token_ids) == self.k for r in requests)
@@ -133,10 +128,13 @@ class SpecDecoder:
         self._batch_ids = tuple(r.request_id for r in requests)
         return self.policy.decide(len(requests), num_stale)
 
-    def step(self, sched: SchedulerOutput) -> tuple[StepResult, list[int]]:
+    def step(
+        self, sched: SchedulerOutput, decision: Decision | None = None
+    ) -> tuple[StepResult, list[int]]:
         """-> (the tokens each sampled request emits, in scheduling order; the draft tokens each
         accepted, for `Scheduler.after_step`). Drafts for the next step land in
-        `request.draft_token_ids` (empty when the next step does not speculate)."""
+        `request.draft_token_ids` (empty when the next step does not speculate). `decision`:
+        `plan`'s for this step, if it made one."""
         self.runner.admit(sched)
         requests = [s.request for s in sched.scheduled]
         decode = sched.mode is ForwardMode.DECODE
@@ -146,9 +144,9 @@ class SpecDecoder:
             # A DECODE forward whatever the decision (which only says what follows it): start
             # it first, so the decision's host work runs beside it, as a plain engine's would.
             target = self.graphs.run_with_hidden(self.runner.build_host_batch(sched))
-        decision, self._planned = self._planned or self._decide(requests), None
+        decision = decision or self._decide(requests)
         if decode:
-            if target is not None and not decision.speculate and not decision.refresh:
+            if target is not None and decision.plain:
                 return self._plain(sched, requests, target)
             result, accepted = self._decode(sched, requests, decision, target)
         else:
@@ -278,11 +276,17 @@ class SpecDecoder:
         """No draft work at all: exactly a plain engine's step (its host batch fast path, its
         forward, sampling and read-back), so speculation off costs what an engine without it
         does. The draft caches go stale."""
-        for r in requests:
-            r.draft_cache_valid = False
-        self._last_kind = "plain"
+        self._go_plain(requests)
         logits = target.logits[: target.num_rows]
         return self.runner.sample(logits, sched), [0] * len(requests)
+
+    def _go_plain(self, requests: list[Request]) -> None:
+        """A step without draft work: the requests' draft caches go stale, they hold no
+        drafts, and the step is counted as plain."""
+        for r in requests:
+            r.draft_cache_valid = False
+            r.draft_token_ids = []
+        self._last_kind = "plain"
 
     def _verify_batch(self, requests: list[Request]) -> HostBatch:
         """VERIFY rows: each request's last token and its k drafts (q_len k+1, causal)."""

@@ -168,6 +168,11 @@ class Decision:
     # Not speculating: run the draft's cache update anyway (keeps the caches fresh).
     refresh: bool = False
 
+    @property
+    def plain(self) -> bool:
+        """No draft work at all: a step of an engine without speculation."""
+        return not self.speculate and not self.refresh
+
 
 FORCED_SPEC = Decision(True, "forced")
 FORCED_PLAIN = Decision(False, "forced")
