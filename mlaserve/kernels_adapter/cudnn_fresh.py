@@ -47,9 +47,11 @@ class CudnnFreshAttention:
     def _probe(self) -> bool:
         if self.device.type != "cuda" or not torch.backends.cudnn.is_available():
             return False
-        # The layouts `mha_extend.up_project` produces: v a strided view of one GEMM's output.
+        # The layouts the model passes: v a strided view of one GEMM's output (`mha_extend.
+        # up_project`), q a view into wider projection rows (`MLAAttention`: q_pe roped in place).
         kv = torch.randn(16, 2, 256, dtype=torch.bfloat16, device=self.device)
-        q = torch.randn(16, 2, 192, dtype=torch.bfloat16, device=self.device)
+        rows = torch.randn(16, 2 * 192 + 64, dtype=torch.bfloat16, device=self.device)
+        q = rows[:, : 2 * 192].view(16, 2, 192)
         v = kv[..., 128:]
         try:
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):

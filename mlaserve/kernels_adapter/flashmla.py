@@ -15,7 +15,7 @@ captures and re-runs on replay. One schedule per forward, shared by all layers.
 
 Only uniform batches (DECODE / VERIFY / DRAFT_EXTEND, q_len <= 8) use the kernel: the batch's
 stated mode decides, never its shapes. Those of at most `small_batch_max_rows()` query rows
-(bs * q_len, a host int fixed per captured graph; 0 unless `MLASERVE_MLA_DECODE_ROWS` says
+(bs * q_len, a host int fixed per captured graph; 2 unless `MLASERVE_MLA_DECODE_ROWS` says
 otherwise) go to the Triton split-KV kernel of `ops/mla_decode.py` instead. With fused ops the
 others take a joined query (`joined_q_dtype`, `forward_joined`): at decode sizes the layer's
 W_UK GEMV writes q in the kernel's dtype itself, so `ops/q_prep.py` does not run
@@ -51,12 +51,14 @@ if TYPE_CHECKING:
 __all__ = ["FlashMLABackend", "flashmla_available"]
 
 PAGE_SIZE = 64
-# FlashMLA's fixed cost per layer (its split kernel and combine, ~12 us at bs 1 on an H100)
-# dwarfs the KV bytes of a few sequences; see `small_batch_max_rows`. Off by default: the Triton
-# kernel wins alone (bs 1-2: 7-10 us against 11.5-12.3 us per layer, bench/mla_decode.py) but
-# not inside the model's graph (V2-Lite bs 1 replay 2.619 ms with it, 2.591 ms without, the
-# same machine; bench/RESULTS.md), for a reason not yet found.
-SMALL_BATCH_MAX_ROWS = 0
+# FlashMLA's fixed cost per layer (its split kernel and combine, ~12 us at bs 1, plus a schedule
+# kernel per forward) dwarfs the KV bytes of a few sequences; see `small_batch_max_rows`. In the
+# V2-Lite model's bf16 decode graph on an H200 (2026-11-26, ctx 1024, one process, replay): bs 1
+# 2.013 ms with the Triton kernel against 2.040 with FlashMLA, bs 2 2.923 against 2.970 (its
+# split kernel 8.8 us and combine 2.2 us a layer, against 9.0 + 3.1 us). On an H100 an earlier
+# version lost at bs 1 (2.619 against 2.591 ms), before the per-layer cost of the kernels around
+# it changed; bench/RESULTS.md.
+SMALL_BATCH_MAX_ROWS = 2
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
@@ -160,11 +162,14 @@ class FlashMLABackend(AttentionBackend):
         # Small uniform batches: the split-KV Triton kernel (`ops/mla_decode.py`), which reads
         # q_nope and q_pe as they are (no q preparation) and needs no schedule.
         self._small_rows = 0
+        # Prefill's per-head keys [k_nope | k_pe] by one Triton copy (`ops/mha_key.py`).
+        self._mha_key = None
         if fused_ops_enabled(self.device):
+            from mlaserve.ops.mha_key import mha_key
             from mlaserve.ops.mla_decode import MlaDecodeWorkspace, mla_decode
             from mlaserve.ops.q_prep import prepare_q
 
-            self._prepare_q = prepare_q
+            self._prepare_q, self._mha_key = prepare_q, mha_key
             self._joined_q = os.environ.get("MLASERVE_JOINED_Q", "1") != "0"
             self._small_rows = small_batch_max_rows()
             if self._small_rows > 0:
@@ -286,7 +291,7 @@ class FlashMLABackend(AttentionBackend):
         """Writes the new latent KV, up-projects every sequence's whole context (fp8 cache:
         dequantised first) to bf16 K/V, then one causal varlen FA2 launch. [T, H, d_v]."""
         layout: ExtendLayout = batch.attn_metadata
-        _, k, v = mha_context_kv(layer_id, kv_c, k_pe, w_uk, w_uv, batch, layout)
+        _, k, v = mha_context_kv(layer_id, kv_c, k_pe, w_uk, w_uv, batch, layout, self._mha_key)
         if self._prefill_fresh.takes(layout, q.dtype):  # no cached prefix: cuDNN is faster
             out = self._prefill_fresh(q, k, v, layout, self.softmax_scale)
             if out is not None:

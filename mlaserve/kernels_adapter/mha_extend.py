@@ -30,6 +30,7 @@ kernels and what the tests check against the latent-form reference backend.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,9 @@ __all__ = [
     "reference_extend_mha",
     "up_project",
 ]
+
+# (kv [S, H, d_n + d_v], k_pe [S, d_r], d_n) -> k [S, H, d_n + d_r]: `ops.mha_key.mha_key`
+KeyAssembler = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -130,17 +134,25 @@ def gather_context_latent(
 
 
 def up_project(
-    latent: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor
+    latent: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    key: KeyAssembler | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """latent [S, r + d_r]; w_uk [H, d_n, r]; w_uv [H, r, d_v] -> k [S, H, d_n + d_r], v [S, H,
-    d_v], computed in the weights' dtype (what a kernel would get from kv_b_proj)."""
+    d_v], computed in the weights' dtype (what a kernel would get from kv_b_proj). `key`: a
+    kernel that builds k from the GEMM's per-head rows and k_pe (`ops.mha_key`, CUDA), instead
+    of torch's concatenation; the same bits."""
     heads, d_n, rank = w_uk.shape
     c = latent[:, :rank].to(w_uk.dtype)
-    k_pe = latent[:, None, rank:].to(w_uk.dtype).expand(-1, heads, -1)
     kv_b = _kv_b_weight(w_uk, w_uv)
     if kv_b is not None:  # one GEMM: [S, r] @ [r, H * (d_n + d_v)]
         kv = (c @ kv_b.T).view(c.shape[0], heads, -1)
+        if key is not None:
+            return key(kv, latent[:, rank:].to(w_uk.dtype), d_n), kv[..., d_n:]
+        k_pe = latent[:, None, rank:].to(w_uk.dtype).expand(-1, heads, -1)
         return torch.cat([kv[..., :d_n], k_pe], dim=-1), kv[..., d_n:]
+    k_pe = latent[:, None, rank:].to(w_uk.dtype).expand(-1, heads, -1)
     k_nope = torch.einsum("sr,hnr->shn", c, w_uk)
     v = torch.einsum("sr,hrv->shv", c, w_uv.to(w_uk.dtype))
     return torch.cat([k_nope, k_pe], dim=-1), v
@@ -174,18 +186,20 @@ def mha_context_kv(
     w_uv: torch.Tensor,
     batch: ForwardBatch,
     layout: ExtendLayout | None = None,
+    key: KeyAssembler | None = None,
 ) -> tuple[ExtendLayout, torch.Tensor, torch.Tensor]:
     """Write the new tokens' latent KV to the pool (as `forward` would), then return the layout
     and the per-head K [S, H, d_n + d_r] / V [S, H, d_v] of every sequence's whole context.
     The new tokens are re-read from the pool, so a prefill sees exactly what later decode steps
     will (including fp8 rounding). `layout`: the batch's, if already built (once per forward,
-    in `prepare`); built here otherwise."""
+    in `prepare`); built here otherwise. `key`: see `up_project`."""
     batch.kv_pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)
     if layout is None:
         layout = extend_layout(batch)
     # fp32 latent where the weights are fp32 (the CPU oracle), else straight to their dtype.
     dtype = torch.float32 if w_uk.dtype == torch.float32 else w_uk.dtype
-    k, v = up_project(gather_context_latent(batch.kv_pool, layer_id, layout, dtype), w_uk, w_uv)
+    latent = gather_context_latent(batch.kv_pool, layer_id, layout, dtype)
+    k, v = up_project(latent, w_uk, w_uv, key)
     return layout, k, v
 
 

@@ -73,6 +73,8 @@ def _mla_norm_rope_kernel(
     k_pe_stride,
     q_pe_stride_t,
     q_pe_stride_h,
+    q_out_stride_t,
+    q_out_stride_h,
     cs_stride,
     eps,
     H,
@@ -134,7 +136,7 @@ def _mla_norm_rope_kernel(
     qo1, qo2 = _rope_pair(
         q_rows, offs_half[None, :], mask_q, cos[None, :], sin[None, :], INTERLEAVED, HALF
     )
-    q_out = q_pe_out_ptr + t * H * (2 * HALF) + offs_h[:, None] * (2 * HALF)
+    q_out = q_pe_out_ptr + t * q_out_stride_t + offs_h[:, None] * q_out_stride_h
     out_q_ty = q_pe_out_ptr.dtype.element_ty
     tl.store(q_out + offs_half[None, :], qo1.to(out_q_ty), mask=mask_q)
     tl.store(q_out + HALF + offs_half[None, :], qo2.to(out_q_ty), mask=mask_q)
@@ -152,9 +154,13 @@ def mla_norm_rope(
     kv_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
     kv_scale: float = 1.0,
+    q_pe_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """-> (kv_a_layernorm(kv_c), rope(k_pe), rope(q_pe)); with `kv_cache`, the first two are
-    written to it at `slot_mapping` instead and returned as None. See the module docstring."""
+    written to it at `slot_mapping` instead and returned as None. `q_pe_out`: where rope(q_pe)
+    goes ([T, H, d_r] in q_pe's dtype, any strides with a contiguous last dim; q_pe itself is
+    allowed: each program reads its token's rows before it writes them), else a new tensor.
+    See the module docstring."""
     num_tokens, r = kv_c.shape
     _, num_heads, dr = q_pe.shape
     if dr % 2 or k_pe.shape != (num_tokens, dr) or cos.shape != (num_tokens, dr // 2):
@@ -176,7 +182,13 @@ def mla_norm_rope(
     rows = 1 if write else num_tokens
     kv_c_out = torch.empty(rows, r, dtype=torch.result_type(weight, kv_c), device=kv_c.device)
     k_pe_out = torch.empty(rows, dr, dtype=k_pe.dtype, device=k_pe.device)
-    q_pe_out = torch.empty(num_tokens, num_heads, dr, dtype=q_pe.dtype, device=q_pe.device)
+    if q_pe_out is None:
+        q_pe_out = torch.empty(num_tokens, num_heads, dr, dtype=q_pe.dtype, device=q_pe.device)
+    elif q_pe_out.shape != q_pe.shape or q_pe_out.dtype != q_pe.dtype or q_pe_out.stride(-1) != 1:
+        raise ValueError(
+            f"mla_norm_rope: q_pe_out {tuple(q_pe_out.shape)} {q_pe_out.dtype} must match q_pe "
+            f"{tuple(q_pe.shape)} {q_pe.dtype}, last dim contiguous"
+        )
     if num_tokens == 0:
         return (None, None, q_pe_out) if write else (kv_c_out, k_pe_out, q_pe_out)
     _mla_norm_rope_kernel[(num_tokens,)](
@@ -196,6 +208,8 @@ def mla_norm_rope(
         k_pe.stride(0),
         q_pe.stride(0),
         q_pe.stride(1),
+        q_pe_out.stride(0),
+        q_pe_out.stride(1),
         cos.stride(0),
         float(eps),
         num_heads,

@@ -14,9 +14,12 @@ Grid (cdiv(T, BLOCK_T), cdiv(E, BLOCK_E), S): narrow tiles along E and S splits 
 even a handful of tokens spreads the gate's bytes (512 KB for V2-Lite, 7.3 MB for V3) over about
 every SM. Prefill-sized batches, which fill the GPU without that, take tiles 64 experts wide
 (`_tiles`): each x row is then read once per 64 experts, not once per 16 (at 2048 tokens of
-V2-Lite: 60 -> 30 us a layer on an H100). The S partials go out as they are: the routing kernel
-sums them in a fixed order (deterministic, no reduction launch). No host reads: CUDA-graph
-safe. T is a runtime mask bound; the tile choice and Triton's specialisation on T % 16 == 0
+V2-Lite: 60 -> 30 us a layer on an H100), and split K while those tiles are fewer than
+_WIDE_PROGRAMS: a program's K loop is a chain of dependent steps (32 at V2-Lite's unsplit
+2048), so at a few hundred programs its length is the kernel's time. The S partials go out as
+they are: the routing kernel sums them in a fixed order (deterministic, no reduction launch).
+Both operands of a step are loaded one step ahead (a register double buffer). No host reads:
+CUDA-graph safe. T is a runtime mask bound; the tile choice and Triton's specialisation on T % 16 == 0
 make the variants that `router_logits_variants` lists, for the model to compile at load.
 """
 
@@ -51,20 +54,20 @@ def _router_logits_kernel(
     w_next = tl.load(
         w_rows + offs_k[:, None], mask=(offs_k < H)[:, None] & mask_e[None, :], other=0.0
     )  # [BLOCK_K, BLOCK_E]
+    x_rows = x_ptr + offs_t[:, None].to(tl.int64) * x_stride
     wait_for_previous_kernel(PDL)
+    a_next = tl.load(
+        x_rows + offs_k[None, :], mask=mask_t[:, None] & (offs_k < H)[None, :], other=0.0
+    )  # [BLOCK_T, BLOCK_K], the previous kernel's output
     for i in range(KB_PER_SPLIT):
         offs_k = (split * KB_PER_SPLIT + i) * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < H
-        a = tl.load(
-            x_ptr + offs_t[:, None].to(tl.int64) * x_stride + offs_k[None, :],
-            mask=mask_t[:, None] & mask_k[None, :],
-            other=0.0,
-        ).to(tl.float32)
+        a = a_next.to(tl.float32)
         w = w_next
         nk = offs_k + BLOCK_K
         # the split's last step reads nothing (the next split's columns are masked off)
-        mask_w = (nk < H) & (i + 1 < KB_PER_SPLIT)
-        w_next = tl.load(w_rows + nk[:, None], mask=mask_w[:, None] & mask_e[None, :], other=0.0)
+        mask_k = (nk < H) & (i + 1 < KB_PER_SPLIT)
+        w_next = tl.load(w_rows + nk[:, None], mask=mask_k[:, None] & mask_e[None, :], other=0.0)
+        a_next = tl.load(x_rows + nk[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0)
         acc += tl.dot(a, w, input_precision="tf32x3")
     out = out_ptr + (split * T + offs_t[:, None].to(tl.int64)) * E + offs_e[None, :]
     tl.store(out, acc, mask=mask_t[:, None] & mask_e[None, :])
@@ -74,17 +77,29 @@ _BLOCK_T, _BLOCK_E, _BLOCK_K = 16, 16, 128
 # Wide tiles: a [64, 64] fp32 gate tile and the next one in registers at 4 warps.
 _WIDE_BLOCK_E, _WIDE_BLOCK_K = 64, 64
 _PROGRAMS_TARGET = 128  # about one per SM of an H100 (132)
+_WIDE_PROGRAMS = 4 * _PROGRAMS_TARGET  # wide tiles split K up to this many programs
+_MAX_WIDE_SPLITS = 8
 
 
 def _tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, int]:
     """(BLOCK_E, BLOCK_K, K splits). Narrow tiles with K splits (a power of two dividing the K
     blocks' count) so that the launch has about _PROGRAMS_TARGET programs: a handful of tokens
     would otherwise stream the whole gate through a few SMs (V2-Lite at 32 tokens: 8 programs,
-    19 us, vs 3 kernels and 11 us for torch's). Wide tiles, unsplit, once they alone give half
-    that many programs."""
+    19 us, vs 3 kernels and 11 us for torch's). Wide tiles once they alone give half that many
+    programs, with K split (up to _MAX_WIDE_SPLITS ways) while the launch stays within
+    _WIDE_PROGRAMS: V2-Lite at 2048 tokens takes 4 splits of 8 steps, at 8192 none."""
     t_tiles = triton.cdiv(num_tokens, _BLOCK_T)
-    if 2 * t_tiles * triton.cdiv(num_experts, _WIDE_BLOCK_E) >= _PROGRAMS_TARGET:
-        return _WIDE_BLOCK_E, _WIDE_BLOCK_K, 1
+    wide = t_tiles * triton.cdiv(num_experts, _WIDE_BLOCK_E)
+    if 2 * wide >= _PROGRAMS_TARGET:
+        num_kb = triton.cdiv(hidden, _WIDE_BLOCK_K)
+        splits = 1
+        while (
+            splits < _MAX_WIDE_SPLITS
+            and wide * splits * 2 <= _WIDE_PROGRAMS
+            and num_kb % (splits * 2) == 0
+        ):
+            splits *= 2
+        return _WIDE_BLOCK_E, _WIDE_BLOCK_K, splits
     tiles = t_tiles * triton.cdiv(num_experts, _BLOCK_E)
     num_kb = triton.cdiv(hidden, _BLOCK_K)
     splits = 1
@@ -122,9 +137,10 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def router_logits_variants(num_experts: int, hidden: int) -> list[int]:
     """Token counts that between them compile every variant: each tile choice (the split count
-    only falls as T grows, then the tiles widen, and nothing changes past _PROGRAMS_TARGET
-    token tiles), each with both of Triton's specialisations of T (a multiple of 16 or not)."""
-    last = _BLOCK_T * (_PROGRAMS_TARGET + 2)
+    only falls as T grows, then the tiles widen, their splits fall, and nothing changes past
+    _WIDE_PROGRAMS token tiles), each with both of Triton's specialisations of T (a multiple
+    of 16 or not)."""
+    last = _BLOCK_T * (_WIDE_PROGRAMS + 2)
     seen, counts = set(), []
     for num_tokens in range(1, last + 1):
         key = (_tiles(num_tokens, num_experts, hidden), num_tokens % 16 == 0)

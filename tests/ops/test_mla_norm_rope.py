@@ -93,3 +93,37 @@ def test_mla_norm_rope_writes_the_cache_like_the_pool(num_tokens, kv_dtype, devi
         fp8_within_one_step(got[slots], want[slots])
     else:
         torch.testing.assert_close(got[slots], want[slots], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_tokens,interleaved,device", CASES)
+def test_q_pe_roped_in_place_inside_the_query_rows(num_tokens, interleaved, device):
+    """`q_pe_out=q_pe`: the roped q_pe lands in q's own rows (a strided view of wider
+    projection rows, as the prefill's MHA query uses it), with the bits of the returned tensor;
+    q_nope and the rows' other columns are untouched."""
+    from mlaserve.ops.mla_norm_rope import mla_norm_rope
+
+    heads, rank, nope, rope = (16, 512, 128, 64) if device == "cuda" else (3, 16, 8, 8)
+    g = torch.Generator(device=device).manual_seed(num_tokens + 5)
+    dt = model_dtype(device)
+    width = heads * (nope + rope) + rank + rope  # [q | kv_c | k_pe] of one fused projection
+    rows = torch.randn(num_tokens, width, generator=g, device=device).to(dt)
+    q = rows[:, : heads * (nope + rope)].view(num_tokens, heads, nope + rope)
+    kv_c, k_pe = rows[:, heads * (nope + rope) :].split([rank, rope], dim=-1)
+    q_pe = q[..., nope:]
+    angles = torch.rand(num_tokens, rope // 2, generator=g, device=device) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    weight = (torch.randn(rank, generator=g, device=device) * 0.3 + 1).to(dt)
+    before = rows.clone()
+    want_c, want_k, want_q = mla_norm_rope(kv_c, k_pe, q_pe, weight, 1e-6, cos, sin, interleaved)
+    got_c, got_k, got_q = mla_norm_rope(
+        kv_c, k_pe, q_pe, weight, 1e-6, cos, sin, interleaved, q_pe_out=q_pe
+    )
+    assert got_q.data_ptr() == q_pe.data_ptr()
+    torch.testing.assert_close(q[..., nope:], want_q, rtol=0, atol=0)
+    torch.testing.assert_close(got_c, want_c, rtol=0, atol=0)
+    torch.testing.assert_close(got_k, want_k, rtol=0, atol=0)
+    changed = rows != before
+    changed_q = changed[:, : heads * (nope + rope)].view(num_tokens, heads, nope + rope)
+    assert not changed_q[..., :nope].any() and not changed[:, heads * (nope + rope) :].any()
+    with pytest.raises(ValueError, match="q_pe_out"):
+        mla_norm_rope(kv_c, k_pe, q_pe, weight, 1e-6, cos, sin, interleaved, q_pe_out=q_pe.float())

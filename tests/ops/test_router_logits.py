@@ -18,7 +18,7 @@ from tests.ops.cases import cpu_case, gpu_case, model_dtype
 SHAPES = {"v2lite": (64, 2048), "v3": (256, 7168), "default": (8, 256), "tiny": (12, 160)}
 CASES = [
     gpu_case(t, shape)
-    for t in (9, 17, 32, 64, 257, 1000, 2048)
+    for t in (9, 17, 32, 64, 257, 1000, 2048, 4100)
     for shape in ("v2lite", "v3", "default")
 ] + [cpu_case(5, "tiny"), cpu_case(33, "default"), cpu_case(1009, "tiny")]
 
@@ -46,12 +46,14 @@ def test_router_logits_refuses_a_non_fp32_gate():
         router_logits(torch.zeros(2, 8), torch.zeros(4, 8, dtype=torch.bfloat16))
 
 
-def test_prefill_sized_batches_take_wide_unsplit_tiles():
+def test_prefill_sized_batches_take_wide_tiles_split_while_few():
     from mlaserve.ops.router_logits import _tiles, router_logits_variants
 
     assert _tiles(1, 64, 2048)[2] > 1  # decode sizes: narrow, split
-    assert _tiles(2048, 64, 2048) == (64, 64, 1)
-    assert _tiles(256, 256, 7168) == (64, 64, 1)
-    assert _tiles(1009, 12, 160) == (64, 64, 1)  # the interpreted case above
+    assert _tiles(1024, 64, 2048) == (64, 64, 8)  # 64 wide tiles
+    assert _tiles(2048, 64, 2048) == (64, 64, 4)
+    assert _tiles(8192, 64, 2048) == (64, 64, 1)  # 512 tiles: enough programs unsplit
+    assert _tiles(256, 256, 7168) == (64, 64, 8)
+    assert _tiles(1009, 12, 160) == (64, 64, 1)  # the interpreted case above: K of 3 blocks
     counts = router_logits_variants(64, 2048)
     assert {_tiles(t, 64, 2048) for t in counts} == {_tiles(t, 64, 2048) for t in range(1, 9000)}

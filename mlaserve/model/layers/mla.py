@@ -159,6 +159,7 @@ class MLAAttention(nn.Module):
         kv_c, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         backend = batch.attn_backend
         mha = backend.mha_extend and not batch.mode.is_uniform
+        roped_in_place = False  # q_pe roped inside q's own rows: q is then the MHA query
         if self._norm_rope is not None:
             norm, write = self.kv_a_layernorm, {}
             if backend.accepts_written_kv and not mha:
@@ -169,6 +170,8 @@ class MLAAttention(nn.Module):
                     "slot_mapping": batch.slot_mapping,
                     "kv_scale": pool.k_scales[self.layer_id],
                 }
+            elif mha:  # no [q_nope | q_pe] concatenation of the whole query (prefill)
+                write, roped_in_place = {"q_pe_out": q_pe}, True
             kv_c, k_pe, q_pe = self._norm_rope(
                 kv_c, k_pe, q_pe, norm.weight, norm.eps, cos, sin, self.rope_interleaved, **write
             )
@@ -178,7 +181,8 @@ class MLAAttention(nn.Module):
             k_pe = apply_rope(k_pe, cos, sin, self.rope_interleaved)  # [T, d_r]
 
         if mha:
-            q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, d_n + d_r]
+            if not roped_in_place:
+                q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, d_n + d_r]
             o = backend.forward_extend_mha(
                 self.layer_id, q, kv_c, k_pe, self.w_uk, self.w_uv, batch
             )  # [T, H, d_v]
