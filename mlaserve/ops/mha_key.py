@@ -24,7 +24,9 @@ __all__ = ["mha_key"]
 _BLOCK_S = 32
 
 
-@triton.jit
+# S (the context's token count) is a runtime value, not specialised: one compile (at start-up's
+# warm-up prefill) serves every prompt length; the strides are fixed per model.
+@triton.jit(do_not_specialize=["S"])
 def _mha_key_kernel(
     kv_ptr, pe_ptr, k_ptr, S, kv_ss, kv_sh, pe_ss,
     H: tl.constexpr, DN: tl.constexpr, DR: tl.constexpr,
