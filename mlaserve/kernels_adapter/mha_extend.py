@@ -145,17 +145,17 @@ def up_project(
     of torch's concatenation; the same bits."""
     heads, d_n, rank = w_uk.shape
     c = latent[:, :rank].to(w_uk.dtype)
+    k_pe = latent[:, rank:].to(w_uk.dtype)  # [S, d_r], shared by every head
     kv_b = _kv_b_weight(w_uk, w_uv)
     if kv_b is not None:  # one GEMM: [S, r] @ [r, H * (d_n + d_v)]
         kv = (c @ kv_b.T).view(c.shape[0], heads, -1)
         if key is not None:
-            return key(kv, latent[:, rank:].to(w_uk.dtype), d_n), kv[..., d_n:]
-        k_pe = latent[:, None, rank:].to(w_uk.dtype).expand(-1, heads, -1)
-        return torch.cat([kv[..., :d_n], k_pe], dim=-1), kv[..., d_n:]
-    k_pe = latent[:, None, rank:].to(w_uk.dtype).expand(-1, heads, -1)
-    k_nope = torch.einsum("sr,hnr->shn", c, w_uk)
-    v = torch.einsum("sr,hrv->shv", c, w_uv.to(w_uk.dtype))
-    return torch.cat([k_nope, k_pe], dim=-1), v
+            return key(kv, k_pe, d_n), kv[..., d_n:]
+        k_nope, v = kv[..., :d_n], kv[..., d_n:]
+    else:
+        k_nope = torch.einsum("sr,hnr->shn", c, w_uk)
+        v = torch.einsum("sr,hrv->shv", c, w_uv.to(w_uk.dtype))
+    return torch.cat([k_nope, k_pe[:, None].expand(-1, heads, -1)], dim=-1), v
 
 
 def _kv_b_weight(w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor | None:

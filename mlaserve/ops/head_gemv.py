@@ -33,13 +33,23 @@ Launches read no device value on the host: CUDA-graph safe.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
+from mlaserve.ops.mla_norm_rope import rope_pair
 from mlaserve.ops.pdl import pdl_args, wait_and_hold_next_kernel, wait_for_previous_kernel
 
-__all__ = ["HEAD_GEMV_MAX_M", "head_gemv", "head_gemv_warm_up"]
+__all__ = [
+    "HEAD_GEMV_MAX_M",
+    "HeadGemvLaunch",
+    "head_gemv",
+    "head_gemv_launch",
+    "head_gemv_program",
+    "head_gemv_warm_up",
+]
 
 # Token rows per launch: each is a static unroll step of the kernel; past it the bmm's tensor
 # cores win.
@@ -60,17 +70,19 @@ def _round_for(v, x_ty: tl.constexpr, y_ty: tl.constexpr, FP8_MAX: tl.constexpr)
     return v.to(y_ty)
 
 
-# M is a runtime value (not specialised): one compile per power-of-two bucket (BLOCK_M).
-@triton.jit(do_not_specialize=["M"])
-def _head_gemv_kernel(
-    x_ptr, w_ptr, y_ptr, t_ptr, M,
-    x_st, x_sh, w_sh, w_sk, w_sn, y_st, y_sh, t_st, t_sh,
+@triton.jit
+def head_gemv_program(
+    pid_n, h, x_ptr, w_ptr, y_ptr, t_ptr, M,
+    x_st, x_sh, w_sh, w_sk, w_sn, y_st, y_sh, t_st, t_sh, cos_ptr, sin_ptr, cs_stride,
     K: tl.constexpr, N: tl.constexpr, DR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_DR: tl.constexpr, TAIL: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_DR: tl.constexpr, TAIL: tl.constexpr, ROPE_TAIL: tl.constexpr,
+    INTERLEAVED: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    h = tl.program_id(1).to(tl.int64)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Column block pid_n of head h (int64), the PDL wait included: also one role of
+    `mla_decode_prologue`'s kernel. ROPE_TAIL: the tail is q_pe before RoPE, applied here
+    (cos / sin [T, DR / 2] fp32, `mla_norm_rope`'s math and rounding)."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
     w_cols = w_ptr + h * w_sh + offs_n[None, :] * w_sn  # [1, BLOCK_N]
@@ -105,11 +117,48 @@ def _head_gemv_kernel(
     y_rows = y_ptr + h * y_sh + offs_m[:, None] * y_st  # [BLOCK_M, 1]
     mask_m = offs_m[:, None] < M
     tl.store(y_rows + offs_n[None, :], _round_for(acc, x_ty, y_ty, FP8_MAX), mask=mask_m & mask_n)
-    if TAIL:  # the programs of column block 0 copy the tail, one per head: y[:, h, N:]
+    if TAIL and ROPE_TAIL:  # column block 0 ropes the tail, one program per head
+        half = tl.arange(0, BLOCK_DR // 2)[None, :]
+        mask = mask_m & (half < DR // 2) & (pid_n == 0)
+        cs = offs_m[:, None] * cs_stride + half
+        cos = tl.load(cos_ptr + cs, mask=mask, other=0.0)
+        sin = tl.load(sin_ptr + cs, mask=mask, other=0.0)
+        t_rows = t_ptr + h * t_sh + offs_m[:, None] * t_st
+        o1, o2 = rope_pair(t_rows, half, mask, cos, sin, INTERLEAVED, DR // 2)
+        tl.store(y_rows + N + half, _round_for(o1, x_ty, y_ty, FP8_MAX), mask=mask)
+        tl.store(y_rows + N + DR // 2 + half, _round_for(o2, x_ty, y_ty, FP8_MAX), mask=mask)
+    elif TAIL:  # the programs of column block 0 copy the tail, one per head: y[:, h, N:]
         offs_d = tl.arange(0, BLOCK_DR)[None, :]
-        mask = mask_m & (offs_d < DR) & (tl.program_id(0) == 0)
+        mask = mask_m & (offs_d < DR) & (pid_n == 0)
         tail = tl.load(t_ptr + h * t_sh + offs_m[:, None] * t_st + offs_d, mask=mask)
         tl.store(y_rows + N + offs_d, _round_for(tail, x_ty, y_ty, FP8_MAX), mask=mask)
+
+
+# M is a runtime value (not specialised): one compile per power-of-two bucket (BLOCK_M).
+@triton.jit(do_not_specialize=["M"])
+def _head_gemv_kernel(
+    x_ptr, w_ptr, y_ptr, t_ptr, M,
+    x_st, x_sh, w_sh, w_sk, w_sn, y_st, y_sh, t_st, t_sh, cos_ptr, sin_ptr, cs_stride,
+    K: tl.constexpr, N: tl.constexpr, DR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_DR: tl.constexpr, TAIL: tl.constexpr, ROPE_TAIL: tl.constexpr,
+    INTERLEAVED: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    head_gemv_program(
+        tl.program_id(0), tl.program_id(1).to(tl.int64), x_ptr, w_ptr, y_ptr, t_ptr, M,
+        x_st, x_sh, w_sh, w_sk, w_sn, y_st, y_sh, t_st, t_sh, cos_ptr, sin_ptr, cs_stride,
+        K, N, DR, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_DR, TAIL, ROPE_TAIL, INTERLEAVED, FP8_MAX,
+        PDL,
+    )  # fmt: skip
+
+
+class HeadGemvLaunch(NamedTuple):
+    """A checked launch of the kernel: its arguments by parameter name (PDL aside), its grid
+    (column blocks, heads) and the output."""
+
+    args: dict[str, object]
+    grid: tuple[int, int]
+    out: torch.Tensor
 
 
 def head_gemv(
@@ -121,6 +170,22 @@ def head_gemv(
     """x [T, H, K], w [H, K, N] -> y [T, H, N] (into `out` when given), or with `tail`
     [T, H, DR] the joined y [T, H, N + DR] into `out` (see the module docstring). Raises
     ValueError on inputs that do not fit."""
+    launch = head_gemv_launch(x, w, out, tail)
+    _head_gemv_kernel[launch.grid](**launch.args, **pdl_args(x.device))
+    return launch.out
+
+
+def head_gemv_launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor | None = None,
+    tail: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor, bool] | None = None,
+) -> HeadGemvLaunch:
+    """`head_gemv`'s checks, output and tiles, without the launch (`mla_decode_prologue` runs
+    the same programs inside its own kernel). `rope` = (cos, sin, interleaved), with a tail
+    only: the tail is q_pe before RoPE, and the joined query takes rope(q_pe) (the bits of
+    `mla_norm_rope`'s, then the tail's rounding)."""
     if x.dim() != 3 or w.dim() != 3:
         raise ValueError(f"head_gemv: x {list(x.shape)} and w {list(w.shape)} must be 3-D")
     (m, heads, k), n = x.shape, w.shape[2]
@@ -157,15 +222,46 @@ def head_gemv(
         block_n *= 2
     block_k = min(triton.next_power_of_2(k), _TILE // block_n)
     t = x if tail is None else tail  # unread without TAIL
-    _head_gemv_kernel[(triton.cdiv(n, block_n), heads)](
-        x, w, out, t, m,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
-        out.stride(0), out.stride(1), t.stride(0), t.stride(1),
-        K=k, N=n, DR=dr, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_DR=triton.next_power_of_2(max(dr, 1)), TAIL=tail is not None, FP8_MAX=_FP8_MAX,
-        num_warps=4, **pdl_args(x.device),
-    )  # fmt: skip
-    return out
+    if rope is not None:
+        cos, sin, interleaved = rope
+        if tail is None or dr % 2 or cos.shape != (m, dr // 2) or cos.stride() != sin.stride():
+            raise ValueError("head_gemv: rope needs a tail and cos / sin [T, DR / 2], alike")
+        if cos.stride(1) != 1 or cos.dtype != torch.float32:
+            raise ValueError("head_gemv: cos / sin must be fp32 with a contiguous last dim")
+    else:
+        cos, sin, interleaved = x, x, False  # unread without ROPE_TAIL
+    args = {
+        "x_ptr": x,
+        "w_ptr": w,
+        "y_ptr": out,
+        "t_ptr": t,
+        "M": m,
+        "x_st": x.stride(0),
+        "x_sh": x.stride(1),
+        "w_sh": w.stride(0),
+        "w_sk": w.stride(1),
+        "w_sn": w.stride(2),
+        "y_st": out.stride(0),
+        "y_sh": out.stride(1),
+        "t_st": t.stride(0),
+        "t_sh": t.stride(1),
+        "cos_ptr": cos,
+        "sin_ptr": sin,
+        "cs_stride": cos.stride(0),
+        "K": k,
+        "N": n,
+        "DR": dr,
+        "BLOCK_M": triton.next_power_of_2(m),
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
+        "BLOCK_DR": triton.next_power_of_2(max(dr, 1)),
+        "TAIL": tail is not None,
+        "ROPE_TAIL": rope is not None,
+        "INTERLEAVED": interleaved,
+        "FP8_MAX": _FP8_MAX,
+        "num_warps": 4,
+    }
+    return HeadGemvLaunch(args, (triton.cdiv(n, block_n), heads), out)
 
 
 def head_gemv_warm_up(

@@ -25,17 +25,25 @@ strided slices, cat, casts) by one; one program per token.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
-__all__ = ["mla_norm_rope"]
+__all__ = [
+    "NormRopeLaunch",
+    "mla_norm_rope",
+    "norm_rope_launch",
+    "norm_rope_program",
+    "rope_pair",
+]
 
 
 @triton.jit
-def _rope_pair(ptr, offs_half, mask, cos, sin, INTERLEAVED: tl.constexpr, HALF: tl.constexpr):
+def rope_pair(ptr, offs_half, mask, cos, sin, INTERLEAVED: tl.constexpr, HALF: tl.constexpr):
     if INTERLEAVED:
         x1 = tl.load(ptr + 2 * offs_half, mask=mask, other=0.0)
         x2 = tl.load(ptr + 2 * offs_half + 1, mask=mask, other=0.0)
@@ -56,41 +64,18 @@ def _quantize(x, kv_scale, cache_ptr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _mla_norm_rope_kernel(
-    kv_c_ptr,
-    k_pe_ptr,
-    q_pe_ptr,
-    w_ptr,
-    cos_ptr,
-    sin_ptr,
-    kv_c_out_ptr,
-    k_pe_out_ptr,
-    q_pe_out_ptr,
-    cache_ptr,
-    slot_ptr,
-    kv_scale,
-    kv_c_stride,
-    k_pe_stride,
-    q_pe_stride_t,
-    q_pe_stride_h,
-    q_out_stride_t,
-    q_out_stride_h,
-    cs_stride,
-    eps,
-    H,
-    R: tl.constexpr,
-    HALF: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    WRITE: tl.constexpr,
-    FP8: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    wait_for_previous_kernel(PDL)
+def norm_rope_program(
+    t, kv_c_ptr, k_pe_ptr, q_pe_ptr, gamma_ptr, cos_ptr, sin_ptr,
+    kv_c_out_ptr, k_pe_out_ptr, q_pe_out_ptr, cache_ptr, slot_ptr, kv_scale,
+    kv_c_stride, k_pe_stride, q_pe_stride_t, q_pe_stride_h, q_out_stride_t, q_out_stride_h,
+    cs_stride, eps, H,
+    R: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, WRITE: tl.constexpr, FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr, ROPE_Q: tl.constexpr,
+):  # fmt: skip
+    """Token t's whole prologue (after the PDL wait): also one role of
+    `mla_decode_prologue`'s kernel, which ropes q_pe elsewhere when it writes a joined query
+    (ROPE_Q off)."""
     if WRITE:
         cache_row = cache_ptr + tl.load(slot_ptr + t).to(tl.int64) * (R + 2 * HALF)
 
@@ -101,7 +86,7 @@ def _mla_norm_rope_kernel(
     cf = c.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(cf * cf, axis=0) / R + eps)
     y = (cf * rstd).to(c.dtype).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(gamma_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     c_out = (w * y).to(kv_c_out_ptr.dtype.element_ty)
     if WRITE:
         tl.store(cache_row + offs, _quantize(c_out, kv_scale, cache_ptr, FP8, FP8_MAX), mask=mask)
@@ -113,7 +98,7 @@ def _mla_norm_rope_kernel(
     mask_half = offs_half < HALF
     cos = tl.load(cos_ptr + t * cs_stride + offs_half, mask=mask_half, other=0.0)
     sin = tl.load(sin_ptr + t * cs_stride + offs_half, mask=mask_half, other=0.0)
-    ko1, ko2 = _rope_pair(
+    ko1, ko2 = rope_pair(
         k_pe_ptr + t * k_pe_stride, offs_half, mask_half, cos, sin, INTERLEAVED, HALF
     )
     out_k_ty = k_pe_out_ptr.dtype.element_ty
@@ -130,16 +115,47 @@ def _mla_norm_rope_kernel(
         tl.store(k_out + offs_half, ko1, mask=mask_half)
         tl.store(k_out + HALF + offs_half, ko2, mask=mask_half)
 
-    offs_h = tl.arange(0, BLOCK_H)
-    mask_q = (offs_h[:, None] < H) & mask_half[None, :]
-    q_rows = q_pe_ptr + t * q_pe_stride_t + offs_h[:, None] * q_pe_stride_h
-    qo1, qo2 = _rope_pair(
-        q_rows, offs_half[None, :], mask_q, cos[None, :], sin[None, :], INTERLEAVED, HALF
-    )
-    q_out = q_pe_out_ptr + t * q_out_stride_t + offs_h[:, None] * q_out_stride_h
-    out_q_ty = q_pe_out_ptr.dtype.element_ty
-    tl.store(q_out + offs_half[None, :], qo1.to(out_q_ty), mask=mask_q)
-    tl.store(q_out + HALF + offs_half[None, :], qo2.to(out_q_ty), mask=mask_q)
+    if ROPE_Q:
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_q = (offs_h[:, None] < H) & mask_half[None, :]
+        q_rows = q_pe_ptr + t * q_pe_stride_t + offs_h[:, None] * q_pe_stride_h
+        qo1, qo2 = rope_pair(
+            q_rows, offs_half[None, :], mask_q, cos[None, :], sin[None, :], INTERLEAVED, HALF
+        )
+        q_out = q_pe_out_ptr + t * q_out_stride_t + offs_h[:, None] * q_out_stride_h
+        out_q_ty = q_pe_out_ptr.dtype.element_ty
+        tl.store(q_out + offs_half[None, :], qo1.to(out_q_ty), mask=mask_q)
+        tl.store(q_out + HALF + offs_half[None, :], qo2.to(out_q_ty), mask=mask_q)
+
+
+@triton.jit
+def _mla_norm_rope_kernel(
+    kv_c_ptr, k_pe_ptr, q_pe_ptr, gamma_ptr, cos_ptr, sin_ptr,
+    kv_c_out_ptr, k_pe_out_ptr, q_pe_out_ptr, cache_ptr, slot_ptr, kv_scale,
+    kv_c_stride, k_pe_stride, q_pe_stride_t, q_pe_stride_h, q_out_stride_t, q_out_stride_h,
+    cs_stride, eps, H,
+    R: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, WRITE: tl.constexpr, FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    wait_for_previous_kernel(PDL)
+    norm_rope_program(
+        t, kv_c_ptr, k_pe_ptr, q_pe_ptr, gamma_ptr, cos_ptr, sin_ptr,
+        kv_c_out_ptr, k_pe_out_ptr, q_pe_out_ptr, cache_ptr, slot_ptr, kv_scale,
+        kv_c_stride, k_pe_stride, q_pe_stride_t, q_pe_stride_h, q_out_stride_t, q_out_stride_h,
+        cs_stride, eps, H, R, HALF, BLOCK_R, BLOCK_HALF, BLOCK_H, INTERLEAVED, WRITE, FP8,
+        FP8_MAX, True,
+    )  # fmt: skip
+
+
+class NormRopeLaunch(NamedTuple):
+    """A checked launch of the kernel: its arguments by parameter name (PDL aside), the grid's
+    program count (one per token) and what the call returns."""
+
+    args: dict[str, object]
+    num_tokens: int
+    result: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]
 
 
 def mla_norm_rope(
@@ -161,6 +177,31 @@ def mla_norm_rope(
     goes ([T, H, d_r] in q_pe's dtype, any strides with a contiguous last dim; q_pe itself is
     allowed: each program reads its token's rows before it writes them), else a new tensor.
     See the module docstring."""
+    launch = norm_rope_launch(
+        kv_c, k_pe, q_pe, weight, eps, cos, sin, interleaved, kv_cache, slot_mapping, kv_scale,
+        q_pe_out,
+    )  # fmt: skip
+    if launch.num_tokens:
+        _mla_norm_rope_kernel[(launch.num_tokens,)](**launch.args, **pdl_args(kv_c.device))
+    return launch.result
+
+
+def norm_rope_launch(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    q_pe: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    kv_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+    kv_scale: float = 1.0,
+    q_pe_out: torch.Tensor | None = None,
+) -> NormRopeLaunch:
+    """`mla_norm_rope`'s checks and outputs, without the launch (`mla_decode_prologue` runs
+    the same programs inside its own kernel). Raises ValueError on inputs that do not fit."""
     num_tokens, r = kv_c.shape
     _, num_heads, dr = q_pe.shape
     if dr % 2 or k_pe.shape != (num_tokens, dr) or cos.shape != (num_tokens, dr // 2):
@@ -189,40 +230,38 @@ def mla_norm_rope(
             f"mla_norm_rope: q_pe_out {tuple(q_pe_out.shape)} {q_pe_out.dtype} must match q_pe "
             f"{tuple(q_pe.shape)} {q_pe.dtype}, last dim contiguous"
         )
-    if num_tokens == 0:
-        return (None, None, q_pe_out) if write else (kv_c_out, k_pe_out, q_pe_out)
-    _mla_norm_rope_kernel[(num_tokens,)](
-        kv_c,
-        k_pe,
-        q_pe,
-        weight,
-        cos,
-        sin,
-        kv_c_out,
-        k_pe_out,
-        q_pe_out,
-        kv_cache if write else q_pe_out,
-        slot_mapping if write else q_pe_out,
-        float(kv_scale),
-        kv_c.stride(0),
-        k_pe.stride(0),
-        q_pe.stride(0),
-        q_pe.stride(1),
-        q_pe_out.stride(0),
-        q_pe_out.stride(1),
-        cos.stride(0),
-        float(eps),
-        num_heads,
-        R=r,
-        HALF=dr // 2,
-        BLOCK_R=triton.next_power_of_2(r),
-        BLOCK_HALF=triton.next_power_of_2(dr // 2),
-        BLOCK_H=triton.next_power_of_2(num_heads),
-        INTERLEAVED=interleaved,
-        WRITE=write,
-        FP8=write and kv_cache.dtype == torch.float8_e4m3fn,
-        FP8_MAX=torch.finfo(torch.float8_e4m3fn).max,
-        num_warps=4,
-        **pdl_args(kv_c.device),
-    )
-    return (None, None, q_pe_out) if write else (kv_c_out, k_pe_out, q_pe_out)
+    result = (None, None, q_pe_out) if write else (kv_c_out, k_pe_out, q_pe_out)
+    args = {
+        "kv_c_ptr": kv_c,
+        "k_pe_ptr": k_pe,
+        "q_pe_ptr": q_pe,
+        "gamma_ptr": weight,
+        "cos_ptr": cos,
+        "sin_ptr": sin,
+        "kv_c_out_ptr": kv_c_out,
+        "k_pe_out_ptr": k_pe_out,
+        "q_pe_out_ptr": q_pe_out,
+        "cache_ptr": kv_cache if write else q_pe_out,
+        "slot_ptr": slot_mapping if write else q_pe_out,
+        "kv_scale": float(kv_scale),
+        "kv_c_stride": kv_c.stride(0),
+        "k_pe_stride": k_pe.stride(0),
+        "q_pe_stride_t": q_pe.stride(0),
+        "q_pe_stride_h": q_pe.stride(1),
+        "q_out_stride_t": q_pe_out.stride(0),
+        "q_out_stride_h": q_pe_out.stride(1),
+        "cs_stride": cos.stride(0),
+        "eps": float(eps),
+        "H": num_heads,
+        "R": r,
+        "HALF": dr // 2,
+        "BLOCK_R": triton.next_power_of_2(r),
+        "BLOCK_HALF": triton.next_power_of_2(dr // 2),
+        "BLOCK_H": triton.next_power_of_2(num_heads),
+        "INTERLEAVED": interleaved,
+        "WRITE": write,
+        "FP8": write and kv_cache.dtype == torch.float8_e4m3fn,
+        "FP8_MAX": torch.finfo(torch.float8_e4m3fn).max,
+        "num_warps": 4,
+    }
+    return NormRopeLaunch(args, num_tokens, result)

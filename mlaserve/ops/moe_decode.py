@@ -18,7 +18,9 @@ intermediate dim, so every (token, slot) pair is one expert of width I: the K ro
 S shared ones with weight 1.
 
     _gate_up_kernel  grid (T * (K + S), cdiv(I, BLOCK_N)): one pair, BLOCK_N intermediate rows:
-                     the gate and up dot products over H, SiLU-and-mul -> h [T * (K + S), I]
+                     the gate and up dot products over H, SiLU-and-mul -> h [T * (K + S), I];
+                     with `routing`, each routed program first selects its token's experts
+                     from the router logits itself (`routing.route_token`)
     _down_kernel     grid (T * (K + S), cdiv(H, BLOCK_N)): one pair, BLOCK_N outputs: the down
                      projection of its h row, weighted -> fp32 partials [T, K + S, H]
     _combine_kernel  grid (T, cdiv(H, 1024)): each token's K + S partials summed in a fixed order
@@ -35,6 +37,11 @@ tensor cores and no sorting: programs of one expert that run together share its 
 Past a few tokens the pairs re-read the same experts and the grouped GEMM wins; the caller
 picks by token count (`DeepseekMoE.decode_max_tokens`).
 
+Why the selection inside: at batch 1 the selection kernel is a few microseconds of latency
+between the router GEMV and the experts (2.5 us a layer on an H200, bench/RESULTS.md), while
+recomputing it in every routed program costs a few reductions over E scores, and the shared
+slots' programs start streaming their weights without it.
+
 Rounding follows the unfused path: gate and up outputs rounded to the dtype, SiLU rounded, the
 product rounded (h), each routed expert's down output rounded before its weight is applied; the
 sum is fp32, rounded once. Launches read no device value on the host: CUDA-graph safe.
@@ -50,6 +57,7 @@ import triton.language as tl
 
 from mlaserve.ops.moe_partials import MoePartials
 from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
+from mlaserve.ops.routing import Routing, route_token
 
 __all__ = [
     "DecodeTiles",
@@ -112,14 +120,19 @@ def expert_down_cols(
     return base, row_stride, col0, srow
 
 
-@triton.jit
+# split_stride (T * E, the logits' split-K stride) is not specialised: one compile for every T
+@triton.jit(do_not_specialize=["split_stride"])
 def _gate_up_kernel(
-    x_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, h_ptr,
+    x_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, h_ptr,
     s_e_stride, s_r_stride, ss_r_stride,
+    logits_ptr, bias_ptr, logits_stride, split_stride, scaling,
     H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, S: tl.constexpr,
     ROW_DIV: tl.constexpr, SHARED_ROW_DIV: tl.constexpr, HAS_SCALE: tl.constexpr,
     UNIFORM_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    ROUTE: tl.constexpr, SPLITS: tl.constexpr, G: tl.constexpr, PG: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_PG: tl.constexpr,
+    BLOCK_K_SEL: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0).to(tl.int64)
     wait_for_previous_kernel(PDL)
@@ -128,7 +141,23 @@ def _gate_up_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < INTER
     routed = slot < K
-    index = tl.where(routed, tl.load(ids_ptr + t * K + tl.minimum(slot, K - 1)), slot - K)
+    if ROUTE:
+        # The token's expert selection, from the router logits (the previous kernel's): every
+        # routed program recomputes it (a few reductions over E scores); the first program of
+        # slot 0 stores it for the down kernel. Shared slots need none.
+        index = slot - K
+        if routed:
+            sel_w, sel_ids = route_token(
+                t, logits_ptr, bias_ptr, logits_stride, split_stride, scaling, SPLITS, G, PG,
+                TOPK_GROUP, K, BLOCK_G, BLOCK_PG, BLOCK_K_SEL, METHOD, SIGMOID, HAS_BIAS, NORM,
+            )  # fmt: skip
+            k_idx = tl.arange(0, BLOCK_K_SEL)
+            index = tl.sum(tl.where(k_idx == slot, sel_ids, 0))
+            if (slot == 0) & (tl.program_id(1) == 0):
+                tl.store(wts_ptr + t * K + k_idx, sel_w, mask=k_idx < K)
+                tl.store(ids_ptr + t * K + k_idx, sel_ids, mask=k_idx < K)
+    else:
+        index = tl.where(routed, tl.load(ids_ptr + t * K + tl.minimum(slot, K - 1)), slot - K)
     base, gate_rows, up_rows, sbase, sg, su = expert_gate_up_rows(
         routed, index, offs_n, w_ptr, s_ptr, sw_ptr, ss_ptr, s_e_stride, s_r_stride, ss_r_stride,
         INTER, S, ROW_DIV, SHARED_ROW_DIV,
@@ -382,13 +411,20 @@ def moe_decode(
     block_k: tuple[int, int] | None = None,
     num_warps: int | None = None,
     combine: bool = True,
+    routing: Routing | None = None,
 ) -> torch.Tensor | MoePartials:
     """x [T, H], topk_weights [T, K] fp32, topk_ids [T, K] int64 -> y [T, H] (x's dtype).
     `block_n` / `block_k`: tiles of (gate_up, down), powers of two. With FP8 weights a block_n
     dividing 128 takes the per-column-block scales onto x's slice, and then any block_k works;
     otherwise (per-row scales, or wider tiles) block_k must divide 128. Defaults (`decode_tiles`)
     from `bench/moe_decode.py --sweep` on an H100, V2-Lite layer. `combine=False` returns the
-    per-slot partials uncombined (`MoePartials`), for the next norm to sum."""
+    per-slot partials uncombined (`MoePartials`), for the next norm to sum.
+
+    `routing`: the expert selection not yet run (`routing.plan_routing` of the router logits),
+    then run inside the first kernel, which fills its outputs: topk_weights and topk_ids must be
+    `routing.weights` and `routing.ids` (one launch per layer fewer than selecting first)."""
+    if routing is not None and (topk_weights is not routing.weights or topk_ids is not routing.ids):
+        raise ValueError("moe_decode: with `routing`, pass its own weights and ids to fill")
     num_tokens, top_k = topk_ids.shape
     hidden, inter, shared = weights.hidden, weights.inter, weights.num_shared
     if x.shape != (num_tokens, hidden) or not x.is_contiguous():
@@ -416,13 +452,21 @@ def moe_decode(
     # a missing shared scale's stand-in must be a pointer of the routed scale's type
     s13, s13_e, s13_r = scale_args(weights.w13_scale, weights.w13)
     ss13, _, ss13_r = scale_args(weights.shared_w13_scale, s13)
+    if routing is None:  # stand-ins, never read (ROUTE off)
+        sel = {"logits_ptr": wts, "bias_ptr": wts, "logits_stride": 0, "split_stride": 0}
+        sel |= {"scaling": 1.0, "SPLITS": 1, "G": 1, "PG": 1, "TOPK_GROUP": 1, "BLOCK_G": 1}
+        sel |= {"BLOCK_PG": 1, "BLOCK_K": 1, "METHOD": 0, "SIGMOID": False}
+        sel |= {"HAS_BIAS": False, "NORM": False}
+    else:  # `route_token`'s arguments; K is the kernel's own
+        sel = {k: v for k, v in routing.args.items() if k != "K"}
+    sel["BLOCK_K_SEL"] = sel.pop("BLOCK_K")
     _gate_up_kernel[(pairs, triton.cdiv(inter, block_n[0]))](
-        x, ids, weights.w13, s13, weights.shared_w13, ss13, h,
+        x, ids, wts, weights.w13, s13, weights.shared_w13, ss13, h,
         s13_e, s13_r, ss13_r,
         H=hidden, INTER=inter, K=top_k, S=shared,
         ROW_DIV=weights.row_div, SHARED_ROW_DIV=weights.shared_row_div, HAS_SCALE=has_scale,
-        UNIFORM_SCALE=uniform[0],
-        BLOCK_N=block_n[0], BLOCK_K=block_k[0], num_warps=num_warps, **pdl,
+        UNIFORM_SCALE=uniform[0], BLOCK_N=block_n[0], BLOCK_K=block_k[0],
+        ROUTE=routing is not None, **sel, num_warps=num_warps, **pdl,
     )  # fmt: skip
     s2, s2_e, s2_r = scale_args(weights.w2_scale, weights.w2)
     ss2, _, ss2_r = scale_args(weights.shared_w2_scale, s2)

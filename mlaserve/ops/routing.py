@@ -21,42 +21,29 @@ lowest expert id. One program per token; the E scores live in registers as a
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
-__all__ = ["TOPK_METHODS", "fused_select_experts"]
+__all__ = ["TOPK_METHODS", "Routing", "fused_select_experts", "plan_routing", "route_token"]
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
-@triton.jit(do_not_specialize=["split_stride"])  # T * E: one compiled kernel for every T
-def _routing_kernel(
-    logits_ptr,
-    bias_ptr,
-    w_out_ptr,
-    id_out_ptr,
-    logits_stride,
-    split_stride,
-    scaling,
-    SPLITS: tl.constexpr,
-    G: tl.constexpr,
-    PG: tl.constexpr,
-    TOPK_GROUP: tl.constexpr,
-    K: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_PG: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+@triton.jit
+def route_token(
+    t, logits_ptr, bias_ptr, logits_stride, split_stride, scaling,
+    SPLITS: tl.constexpr, G: tl.constexpr, PG: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr,
     METHOD: tl.constexpr,  # 0 greedy, 1 group_limited_greedy, 2 noaux_tc
-    SIGMOID: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    wait_for_previous_kernel(PDL)
+    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+):  # fmt: skip
+    """Token t's selection (after the PDL wait) -> (weights [BLOCK_K] fp32, ids [BLOCK_K]
+    int64; entries K.. are padding). Also run inside `moe_decode`'s first kernel."""
     g_idx = tl.arange(0, BLOCK_G)[:, None]
     j_idx = tl.arange(0, BLOCK_PG)[None, :]
     valid = (g_idx < G) & (j_idx < PG)
@@ -117,10 +104,36 @@ def _routing_kernel(
 
     if NORM:
         weights = weights / (tl.sum(weights, axis=0) + 1e-20)
-    weights = weights * scaling
+    return weights * scaling, ids
+
+
+@triton.jit(do_not_specialize=["split_stride"])  # T * E: one compiled kernel for every T
+def _routing_kernel(
+    logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, logits_stride, split_stride, scaling,
+    SPLITS: tl.constexpr, G: tl.constexpr, PG: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr,
+    METHOD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    wait_for_previous_kernel(PDL)
+    weights, ids = route_token(
+        t, logits_ptr, bias_ptr, logits_stride, split_stride, scaling, SPLITS, G, PG,
+        TOPK_GROUP, K, BLOCK_G, BLOCK_PG, BLOCK_K, METHOD, SIGMOID, HAS_BIAS, NORM,
+    )  # fmt: skip
+    k_idx = tl.arange(0, BLOCK_K)
     k_mask = k_idx < K
     tl.store(w_out_ptr + t * K + k_idx, weights, mask=k_mask)
     tl.store(id_out_ptr + t * K + k_idx, ids, mask=k_mask)
+
+
+class Routing(NamedTuple):
+    """A checked selection, not yet run: `route_token`'s arguments by parameter name, and the
+    [T, K] outputs its runner fills: weights fp32, ids int64."""
+
+    args: dict[str, object]
+    weights: torch.Tensor
+    ids: torch.Tensor
 
 
 def fused_select_experts(
@@ -137,6 +150,37 @@ def fused_select_experts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] fp32, or split-K partials [S, T, E] fp32 whose sum (in order of S)
     is the logits -> (weights [T, K] fp32, expert ids [T, K] int64)."""
+    routing = plan_routing(
+        router_logits, top_k=top_k, scoring_func=scoring_func, topk_method=topk_method,
+        n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
+        routed_scaling_factor=routed_scaling_factor, correction_bias=correction_bias,
+    )  # fmt: skip
+    num_tokens, num_experts = routing.weights.shape[0], router_logits.shape[-1]
+    if num_tokens:
+        _routing_kernel[(num_tokens,)](
+            **routing.args,
+            w_out_ptr=routing.weights,
+            id_out_ptr=routing.ids,
+            num_warps=4 if num_experts <= 512 else 8,
+            **pdl_args(router_logits.device),
+        )
+    return routing.weights, routing.ids
+
+
+def plan_routing(
+    router_logits: torch.Tensor,
+    *,
+    top_k: int,
+    scoring_func: str,
+    topk_method: str,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+    correction_bias: torch.Tensor | None = None,
+) -> Routing:
+    """`fused_select_experts`' checks and outputs, without the launch: `moe_decode` runs the
+    selection inside its first kernel. Raises ValueError on a configuration it cannot run."""
     if router_logits.dim() == 2:
         router_logits = router_logits.unsqueeze(0)
     splits, num_tokens, num_experts = router_logits.shape
@@ -151,31 +195,25 @@ def fused_select_experts(
         raise ValueError(f"n_group {n_group} / topk_group {topk_group} do not fit {num_experts}")
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
-    if num_tokens == 0:
-        return weights, ids
     per_group = num_experts // groups
     has_bias = topk_method == "noaux_tc" and correction_bias is not None
-    _routing_kernel[(num_tokens,)](
-        router_logits,
-        correction_bias if has_bias else router_logits,
-        weights,
-        ids,
-        router_logits.stride(1),
-        router_logits.stride(0),
-        float(routed_scaling_factor),
-        SPLITS=splits,
-        G=groups,
-        PG=per_group,
-        TOPK_GROUP=topk_group if groups > 1 else 1,
-        K=top_k,
-        BLOCK_G=triton.next_power_of_2(groups),
-        BLOCK_PG=triton.next_power_of_2(per_group),
-        BLOCK_K=triton.next_power_of_2(top_k),
-        METHOD=TOPK_METHODS.index(topk_method),
-        SIGMOID=scoring_func == "sigmoid",
-        HAS_BIAS=has_bias,
-        NORM=norm_topk_prob,
-        num_warps=4 if num_experts <= 512 else 8,
-        **pdl_args(router_logits.device),
-    )
-    return weights, ids
+    args = {
+        "logits_ptr": router_logits,
+        "bias_ptr": correction_bias if has_bias else router_logits,
+        "logits_stride": router_logits.stride(1),
+        "split_stride": router_logits.stride(0),
+        "scaling": float(routed_scaling_factor),
+        "SPLITS": splits,
+        "G": groups,
+        "PG": per_group,
+        "TOPK_GROUP": topk_group if groups > 1 else 1,
+        "K": top_k,
+        "BLOCK_G": triton.next_power_of_2(groups),
+        "BLOCK_PG": triton.next_power_of_2(per_group),
+        "BLOCK_K": triton.next_power_of_2(top_k),
+        "METHOD": TOPK_METHODS.index(topk_method),
+        "SIGMOID": scoring_func == "sigmoid",
+        "HAS_BIAS": has_bias,
+        "NORM": norm_topk_prob,
+    }
+    return Routing(args, weights, ids)

@@ -39,10 +39,9 @@ def test_mha_key_refuses_what_does_not_fit():
         mha_key(kv, torch.zeros(4, 8), 16)
 
 
-@pytest.mark.parametrize("device", ["cuda"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_one_compile_serves_every_context_length(device):
+def test_one_compile_serves_every_context_length():
     """The context length is not specialised: after one call, prompts of any length compile
     nothing (the GPU server test counts compiles while serving; 2049 tokens once did)."""
     from mlaserve.graph_runner.compile_watch import CompileWatch
@@ -51,8 +50,8 @@ def test_one_compile_serves_every_context_length(device):
     heads, d_n, d_v, rank, d_r = 5, 48, 32, 80, 16  # a shape no other test has
 
     def call(s: int) -> None:
-        kv = torch.zeros(s, heads * (d_n + d_v), device=device, dtype=torch.bfloat16)
-        latent = torch.zeros(s, rank + d_r, device=device, dtype=torch.bfloat16)
+        kv = torch.zeros(s, heads * (d_n + d_v), device="cuda", dtype=torch.bfloat16)
+        latent = torch.zeros(s, rank + d_r, device="cuda", dtype=torch.bfloat16)
         mha_key(kv.view(s, heads, d_n + d_v), latent[:, rank:], d_n)
 
     call(37)

@@ -97,3 +97,58 @@ def test_moe_decode_refuses_wide_steps_with_per_row_scales():
         moe_decode(
             x, weights, ids, layer_weights(kernel, scales), block_n=(256, 8), block_k=(256, 64)
         )
+
+
+# (tokens, shape, fp8, routing: (scoring, topk_method, n_group, topk_group, norm, scaling, bias))
+V2_ROUTING = ("softmax", "greedy", 1, 1, False, 1.0, False)
+V3_ROUTING = ("sigmoid", "noaux_tc", 4, 2, True, 2.5, True)
+ROUTING_CASES = [
+    gpu_case(t, shape, fp8, r)
+    for t in (1, 2, 8)
+    for shape, r in (("v2lite", V2_ROUTING), ("v3_slice", V3_ROUTING))
+    for fp8 in (False, True)
+] + [
+    cpu_case(2, "tiny", False, V2_ROUTING),
+    cpu_case(1, "default", True, ("softmax", "group_limited_greedy", 2, 1, True, 1.0, False)),
+    cpu_case(3, "tiny_noshared", False, (*V3_ROUTING[:2], 1, 1, *V3_ROUTING[4:])),
+]
+
+
+@pytest.mark.parametrize("num_tokens,shape_name,fp8,routing,device", ROUTING_CASES)
+def test_selection_inside_the_first_kernel_equals_selecting_first(
+    num_tokens, shape_name, fp8, routing, device
+):
+    """`routing=`: the gate_up kernel selects the experts from the router logits itself; the
+    weights and ids it fills and the layer's output have the bits of `fused_select_experts`
+    followed by `moe_decode` (the same selection code, the same kernels after it)."""
+    from mlaserve.ops.moe_decode import moe_decode
+    from mlaserve.ops.routing import fused_select_experts, plan_routing
+
+    shape = SHAPES[shape_name]
+    num_e, top_k, _, hidden, _ = shape
+    dtype = model_dtype(device)
+    gen = torch.Generator(device=device).manual_seed(num_tokens * 11 + num_e)
+    kernel, _, scales = make_weights(shape, fp8, dtype, device, gen)
+    layer = layer_weights(kernel, scales)
+    x = torch.randn(num_tokens, hidden, generator=gen, device=device).to(dtype)
+    logits = torch.randn(num_tokens, num_e, generator=gen, device=device) * 2
+    scoring, method, groups, topk_group, norm, scaling, bias = routing
+    kw = {
+        "top_k": top_k,
+        "scoring_func": scoring,
+        "topk_method": method,
+        "n_group": groups,
+        "topk_group": topk_group,
+        "norm_topk_prob": norm,
+        "routed_scaling_factor": scaling,
+        "correction_bias": torch.rand(num_e, generator=gen, device=device) if bias else None,
+    }
+    want_w, want_ids = fused_select_experts(logits, **kw)
+    want = moe_decode(x, want_w, want_ids, layer)
+    plan = plan_routing(logits, **kw)
+    got = moe_decode(x, plan.weights, plan.ids, layer, routing=plan)
+    assert torch.equal(plan.ids, want_ids)
+    assert torch.equal(plan.weights, want_w)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="its own weights and ids"):
+        moe_decode(x, want_w, want_ids, layer, routing=plan)

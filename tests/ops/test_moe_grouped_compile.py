@@ -42,14 +42,25 @@ for wt, scaled in (("*bf16", False), ("*fp8e4nv", True)):
         cases.append((f"down_{wt[1:]}_{bm}", M._down_kernel, sig, dn))
     # moe_decode's kernels share the expert row / column helpers with the grouped ones
     ptrs = {"ids_ptr": "*i64", "w_ptr": wt, "sw_ptr": wt, "s_ptr": "*fp32", "ss_ptr": "*fp32"}
+    select = {"wts_ptr": "*fp32", "logits_ptr": "*fp32", "bias_ptr": "*fp32"}
+    # the selection inside the gate_up kernel: off, V2-Lite's (softmax, greedy top-6 of 64) and
+    # V3's (sigmoid + bias, 8 groups, top-4 groups, top-8 of 256)
+    v2 = dict(SPLITS=1, G=1, PG=64, TOPK_GROUP=1, BLOCK_G=1, BLOCK_PG=64, BLOCK_K_SEL=8,
+              METHOD=0, SIGMOID=False, HAS_BIAS=False, NORM=False)
+    routes = {"off": dict(v2, ROUTE=False), "v2": dict(v2, ROUTE=True),
+              "v3": dict(v2, ROUTE=True, G=8, PG=32, TOPK_GROUP=4, BLOCK_G=8, BLOCK_PG=32,
+                         METHOD=2, SIGMOID=True, HAS_BIAS=True, NORM=True)}
     # both FP8 scale paths: per row (bf16's tiles) and uniform (decode_tiles' FP8 tiles)
     for uniform in (False, True) if scaled else (False,):
         tile = dict(BLOCK_N=8, BLOCK_K=2048) if uniform else dict(BLOCK_N=16, BLOCK_K=128)
-        gu = dict(H=2048, INTER=1408, K=6, S=2, ROW_DIV=128, SHARED_ROW_DIV=128,
-                  HAS_SCALE=scaled, UNIFORM_SCALE=uniform, **tile)
-        sig = signature(D._gate_up_kernel, {**ptrs, "x_ptr": "*bf16", "h_ptr": "*bf16"},
-                        constexprs=gu)
-        cases.append((f"decode_gate_up_{wt[1:]}_{uniform}", D._gate_up_kernel, sig, gu))
+        for route, sel in routes.items():
+            gu = dict(H=2048, INTER=1408, K=6 if route != "v3" else 8, S=2, ROW_DIV=128,
+                      SHARED_ROW_DIV=128, HAS_SCALE=scaled, UNIFORM_SCALE=uniform, **tile, **sel)
+            sig = signature(D._gate_up_kernel,
+                            {**ptrs, **select, "x_ptr": "*bf16", "h_ptr": "*bf16"},
+                            floats=("scaling",), constexprs=gu)
+            name = f"decode_gate_up_{wt[1:]}_{uniform}_{route}"
+            cases.append((name, D._gate_up_kernel, sig, gu))
         dn = dict(H=2048, INTER=1408, K=6, S=2, HAS_SCALE=scaled, UNIFORM_SCALE=uniform, **tile)
         sig = signature(D._down_kernel,
                         {**ptrs, "h_ptr": "*bf16", "wts_ptr": "*fp32", "part_ptr": "*fp32"},
@@ -73,4 +84,4 @@ for shared in (True, False):
 
 
 def test_grouped_moe_kernels_compile_for_sm90_and_sm100() -> None:
-    compile_for_gpus(CASES, expected=2 * 24, num_stages=3)
+    compile_for_gpus(CASES, expected=2 * 30, num_stages=3)

@@ -83,37 +83,47 @@ _V2LITE_ROUTER = dict(
 
 def _layer_chain(x, res, layer, cache, slots, cos, sin, grouped, joined):
     """One layer's PDL kernels back to back; returns (x, residual) for the next layer. `joined`:
-    W_UK's GEMV writes the joined query, instead of the q preparation."""
+    the decode prologue (W_UK's GEMV with the norm's programs) writes the joined query, instead
+    of the norm kernel and the q preparation."""
     from mlaserve.ops.gemv import gemv
-    from mlaserve.ops.head_gemv import head_gemv
+    from mlaserve.ops.mla_decode_prologue import mla_decode_prologue
     from mlaserve.ops.mla_norm_rope import mla_norm_rope
     from mlaserve.ops.moe_decode import moe_decode
     from mlaserve.ops.moe_grouped import moe_grouped
     from mlaserve.ops.q_prep import prepare_q
     from mlaserve.ops.rms_norm import add_partials_rms_norm, add_rms_norm
     from mlaserve.ops.router_logits import router_logits
-    from mlaserve.ops.routing import fused_select_experts
+    from mlaserve.ops.routing import fused_select_experts, plan_routing
 
     t = x.shape[0]
     h, res = add_rms_norm(x, res, layer.norm1, 1e-6)
     a = gemv(h, layer.w_a) if t <= 2 else h @ layer.w_a.T
     q_pe = a[:, : 16 * 64].view(t, 16, 64)
     kv_c, k_pe = a[:, 16 * 64 : 16 * 64 + 512], a[:, 16 * 64 + 512 :]
-    _, _, q_pe = mla_norm_rope(
-        kv_c, k_pe, q_pe, layer.latent_norm, 1e-6, cos, sin, False,
-        kv_cache=cache, slot_mapping=slots,
-    )  # fmt: skip
-    if joined and t <= 8:
+    if joined and t <= 8:  # as the model: the decode prologue writes the joined query
         q = torch.empty(t, 16, 576, dtype=torch.bfloat16, device="cuda")
-        head_gemv(q_pe.repeat(1, 1, 2), layer.w_uk, out=q, tail=q_pe)  # [T, 16, 576]
+        q_nope = q_pe.repeat(1, 1, 2)  # a stand-in for the q projection's [T, 16, 128]
+        mla_decode_prologue(
+            kv_c, k_pe, q_nope, q_pe, layer.latent_norm, 1e-6, cos, sin, False, layer.w_uk,
+            cache, slots, 1.0, joined=q,
+        )  # fmt: skip
     else:
+        _, _, q_pe = mla_norm_rope(
+            kv_c, k_pe, q_pe, layer.latent_norm, 1e-6, cos, sin, False,
+            kv_cache=cache, slot_mapping=slots,
+        )  # fmt: skip
         q_nope = q_pe.repeat(1, 1, 8)  # a stand-in for the absorbed query [T, 16, 512]
         q = prepare_q(q_nope, q_pe, torch.bfloat16)  # [T, 16, 576]
     h = h + q.view(t, -1)[:, : layer.hidden]  # the next norm reads both producers
     h, res = add_rms_norm(h, res, layer.norm2, 1e-6)
-    wts, ids = fused_select_experts(router_logits(h, layer.gate), **_V2LITE_ROUTER)
-    moe = moe_grouped if grouped else moe_decode
-    parts = moe(h, wts, ids, layer.moe, combine=False)
+    logits = router_logits(h, layer.gate)
+    if not grouped and t <= 4:  # as the model: the selection inside moe_decode's first kernel
+        plan = plan_routing(logits, **_V2LITE_ROUTER)
+        parts = moe_decode(h, plan.weights, plan.ids, layer.moe, combine=False, routing=plan)
+    else:
+        wts, ids = fused_select_experts(logits, **_V2LITE_ROUTER)
+        moe = moe_grouped if grouped else moe_decode
+        parts = moe(h, wts, ids, layer.moe, combine=False)
     return add_partials_rms_norm(parts.parts, res, layer.norm1, 1e-6)
 
 
@@ -173,6 +183,7 @@ def test_graph_with_pdl_matches_eager_without(pdl_env, tokens, fp8, joined):
 
 _HELD = r"""
 from mlaserve.ops import head_gemv as G
+from mlaserve.ops import mla_decode_prologue as P
 from mlaserve.ops import q_prep as Q
 
 qp = dict(R=512, DR=64, BLOCK_R=512, BLOCK_DR=64, FP8=True, FP8_MAX=448.0, PDL=True)
@@ -181,21 +192,36 @@ sig = signature(Q._prepare_q_kernel,
                 constexprs=qp)
 cases.append(("prepare_q", Q._prepare_q_kernel, sig, qp))
 hg = dict(K=128, N=512, DR=0, BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, BLOCK_DR=1, TAIL=False,
-          FP8_MAX=448.0, PDL=True)
-ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "t_ptr": "*bf16"}
+          ROPE_TAIL=False, INTERLEAVED=False, FP8_MAX=448.0, PDL=True)
+ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "t_ptr": "*bf16",
+        "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
 cases.append(("head_gemv", G._head_gemv_kernel,
               signature(G._head_gemv_kernel, ptrs, constexprs=hg), hg))
 for out in ("bf16", "fp8e4nv"):  # the joined query, in either FlashMLA q dtype
     joined = dict(hg, DR=64, BLOCK_DR=64, TAIL=True)
     sig = signature(G._head_gemv_kernel, dict(ptrs, y_ptr="*" + out), constexprs=joined)
     cases.append((f"head_gemv_joined_{out}", G._head_gemv_kernel, sig, joined))
+# the decode prologue (norm, RoPEs, KV write and W_UK in one launch), plain and joined
+norm = dict(R=512, HALF=32, BLOCK_R=512, BLOCK_HALF=32, BLOCK_H=16, WRITE=True, FP8=True)
+pro = dict(hg, **norm, COL_BLOCKS=16)
+bf = {n: "*bf16" for n in ("kv_c_ptr", "k_pe_ptr", "q_pe_ptr", "gamma_ptr", "kv_c_out_ptr",
+                           "k_pe_out_ptr", "q_pe_out_ptr")}
+pp = dict(ptrs, **bf, cache_ptr="*fp8e4nv", slot_ptr="*i64")
+sig = signature(P._prologue_kernel, pp, floats=("kv_scale", "eps"), constexprs=pro)
+cases.append(("prologue", P._prologue_kernel, sig, pro))
+for out in ("bf16", "fp8e4nv"):
+    joined = dict(pro, DR=64, BLOCK_DR=64, TAIL=True, ROPE_TAIL=True)
+    sig = signature(P._prologue_kernel, dict(pp, y_ptr="*" + out), floats=("kv_scale", "eps"),
+                    constexprs=joined)
+    cases.append((f"prologue_joined_{out}", P._prologue_kernel, sig, joined))
 """
 
 
 def test_the_kernel_before_flashmla_holds_its_dependents() -> None:
     """FlashMLA's dense SM90 decode kernel is launched with PDL but never waits for its
     predecessor (`ops/pdl.py`), so the kernel right before it, the q preparation or W_UK's GEMV
-    writing the joined query (`tail`), must not let it launch early: compiled for SM90 with
+    writing the joined query (`tail`, alone or in the decode prologue, whose norm programs
+    write the KV rows FlashMLA reads), must not let it launch early: compiled for SM90 with
     PDL, it waits (`griddepcontrol.wait`) and has no early trigger
     (`griddepcontrol.launch_dependents`). The plain GEMV keeps the usual contract and has both:
     the check reads the instructions, it does not pass on an empty PTX. Compiled ahead of time
@@ -203,8 +229,10 @@ def test_the_kernel_before_flashmla_holds_its_dependents() -> None:
     from tests.aot_compile import ptx_for_sm90
 
     ptx = ptx_for_sm90(_HELD)
-    for held in ("prepare_q", "head_gemv_joined_bf16", "head_gemv_joined_fp8e4nv"):
-        assert "griddepcontrol.wait" in ptx[held], held
-        assert "griddepcontrol.launch_dependents" not in ptx[held], held
-    assert "griddepcontrol.wait" in ptx["head_gemv"]
-    assert "griddepcontrol.launch_dependents" in ptx["head_gemv"]
+    held = ("prepare_q", "head_gemv_joined_bf16", "head_gemv_joined_fp8e4nv")
+    for kernel in (*held, "prologue_joined_bf16", "prologue_joined_fp8e4nv"):
+        assert "griddepcontrol.wait" in ptx[kernel], kernel
+        assert "griddepcontrol.launch_dependents" not in ptx[kernel], kernel
+    for kernel in ("head_gemv", "prologue"):
+        assert "griddepcontrol.wait" in ptx[kernel], kernel
+        assert "griddepcontrol.launch_dependents" in ptx[kernel], kernel

@@ -16,6 +16,7 @@ latent output o_h = sum_s p_hs c_s goes through W_UV_h, then o_proj.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -107,15 +108,22 @@ class MLAAttention(nn.Module):
         # write run as one Triton kernel (`mlaserve/ops/mla_norm_rope.py`); the torch code in
         # `forward` is its reference.
         self._norm_rope = None
+        # ... and at decode sizes, where attention takes q_latent and q_pe apart, with the W_UK
+        # GEMV below in the same launch (`mlaserve/ops/mla_decode_prologue.py`).
+        self._prologue = None
         # At decode sizes (<= HEAD_GEMV_MAX_M tokens) the absorbed W_UK / W_UV products run as
         # one Triton GEMV each (`mlaserve/ops/head_gemv.py`) instead of cuBLAS's bmm.
         self._head_gemv = None
         self._head_gemv_max_m = 0
         if fused_ops_enabled(self.kv_a_layernorm.weight.device):
             from mlaserve.ops.head_gemv import HEAD_GEMV_MAX_M, head_gemv
+            from mlaserve.ops.mla_decode_prologue import mla_decode_prologue
             from mlaserve.ops.mla_norm_rope import mla_norm_rope
 
             self._norm_rope = mla_norm_rope
+            # `MLASERVE_DECODE_PROLOGUE=0`: the two kernels apart, for A/B runs
+            if os.environ.get("MLASERVE_DECODE_PROLOGUE", "1") != "0":
+                self._prologue = mla_decode_prologue
             self._head_gemv, self._head_gemv_max_m = head_gemv, HEAD_GEMV_MAX_M
         # q's row stride in the projection output q_nope is a view of (head_gemv's warm-up)
         self._q_row_stride = (
@@ -123,6 +131,8 @@ class MLAAttention(nn.Module):
             if self.q_lora_rank is None and self.fused_qkv_a_proj_with_mqa is not None
             else self.num_heads * config.qk_head_dim
         )
+        # and the latent's [kv_c | k_pe] rows (the prologue's warm-up)
+        self._latent_row_stride = q_out + latent if self.fused_qkv_a_proj_with_mqa else latent
 
     def process_weights_after_loading(self) -> None:
         """Split kv_b_proj into the absorbed projections. Views, no copies: each head's matrix
@@ -159,51 +169,64 @@ class MLAAttention(nn.Module):
         kv_c, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         backend = batch.attn_backend
         mha = backend.mha_extend and not batch.mode.is_uniform
-        roped_in_place = False  # q_pe roped inside q's own rows: q is then the MHA query
-        if self._norm_rope is not None:
-            norm, write = self.kv_a_layernorm, {}
-            if backend.accepts_written_kv and not mha:
-                # The kernel stores the KV row itself; kv_c / k_pe come back None.
-                pool = batch.kv_pool
-                write = {
-                    "kv_cache": pool.kv_buffers[self.layer_id],
-                    "slot_mapping": batch.slot_mapping,
-                    "kv_scale": pool.k_scales[self.layer_id],
-                }
-            elif mha:  # no [q_nope | q_pe] concatenation of the whole query (prefill)
-                write, roped_in_place = {"q_pe_out": q_pe}, True
+        # Decode modes of a backend that takes the KV written: the fused kernel stores each
+        # token's cache row itself, and kv_c / k_pe come back None.
+        written = self._norm_rope is not None and backend.accepts_written_kv and not mha
+        head_gemv = self._head_gemv if 0 < num_tokens <= self._head_gemv_max_m else None
+        q_dtype = None  # the joined query's, where the backend takes one
+        if head_gemv is not None and written:
+            q_dtype = backend.joined_q_dtype(batch)
+        joined = q_dtype in (q_nope.dtype, torch.float8_e4m3fn)  # what the GEMV can write
+        width = self.kv_lora_rank + self.qk_rope_head_dim  # of a joined query
+        norm, q_latent = self.kv_a_layernorm, None
+        if written:
+            pool = batch.kv_pool
+            cache = (
+                pool.kv_buffers[self.layer_id],
+                batch.slot_mapping,
+                pool.k_scales[self.layer_id],
+            )
+            args = (norm.weight, norm.eps, cos, sin, self.rope_interleaved)
+            if head_gemv is not None and self._prologue is not None:  # + W_UK, one launch
+                if joined:  # [q_nope @ W_UK | rope(q_pe)] in the kernel's dtype
+                    q_latent = q_nope.new_empty(num_tokens, self.num_heads, width, dtype=q_dtype)
+                q_latent, q_pe = self._prologue(
+                    kv_c, k_pe, q_nope, q_pe, *args, self.w_uk, *cache, joined=q_latent
+                )
+                kv_c = k_pe = None
+            else:
+                kv_c, k_pe, q_pe = self._norm_rope(kv_c, k_pe, q_pe, *args, *cache)
+        elif self._norm_rope is not None:
+            # MHA prefill: q_pe roped inside q's own rows, so q is the MHA query, uncopied
+            out = {"q_pe_out": q_pe} if mha else {}
             kv_c, k_pe, q_pe = self._norm_rope(
-                kv_c, k_pe, q_pe, norm.weight, norm.eps, cos, sin, self.rope_interleaved, **write
+                kv_c, k_pe, q_pe, norm.weight, norm.eps, cos, sin, self.rope_interleaved, **out
             )
         else:
-            kv_c = self.kv_a_layernorm(kv_c)
+            kv_c = norm(kv_c)
             q_pe = apply_rope(q_pe, cos, sin, self.rope_interleaved)  # [T, H, d_r]
             k_pe = apply_rope(k_pe, cos, sin, self.rope_interleaved)  # [T, d_r]
 
         if mha:
-            if not roped_in_place:
+            if self._norm_rope is None:  # q_pe was roped into a new tensor
                 q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, d_n + d_r]
             o = backend.forward_extend_mha(
                 self.layer_id, q, kv_c, k_pe, self.w_uk, self.w_uv, batch
             )  # [T, H, d_v]
             return self.o_proj(o.reshape(num_tokens, self.num_heads * self.v_head_dim))
 
-        head_gemv = self._head_gemv if 0 < num_tokens <= self._head_gemv_max_m else None
-        q_dtype = None  # the joined query's, where the backend takes one
-        if head_gemv is not None and backend.accepts_written_kv and kv_c is None:
-            q_dtype = backend.joined_q_dtype(batch)
         # Absorb W_UK: [H, T, d_n] @ [H, d_n, r] -> [H, T, r]
-        if q_dtype in (q_nope.dtype, torch.float8_e4m3fn):  # what the GEMV can write
+        if joined:
             # The GEMV writes the kernel's whole query [q_nope @ W_UK | q_pe] in its dtype: no
             # separate q preparation kernel (one launch per layer fewer).
-            width = self.kv_lora_rank + self.qk_rope_head_dim
-            q = q_nope.new_empty(num_tokens, self.num_heads, width, dtype=q_dtype)
-            head_gemv(q_nope, self.w_uk, out=q, tail=q_pe)
-            o_latent = backend.forward_joined(self.layer_id, q, batch).to(q_nope.dtype)
+            if q_latent is None:  # else the prologue wrote it
+                q_latent = q_nope.new_empty(num_tokens, self.num_heads, width, dtype=q_dtype)
+                head_gemv(q_nope, self.w_uk, out=q_latent, tail=q_pe)
+            o_latent = backend.forward_joined(self.layer_id, q_latent, batch).to(q_nope.dtype)
         else:
-            if head_gemv is not None:
+            if q_latent is None and head_gemv is not None:  # else the prologue's, or bmm
                 q_latent = head_gemv(q_nope, self.w_uk)  # [T, H, r]
-            else:
+            elif q_latent is None:
                 q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
             o_latent = backend.forward(self.layer_id, q_latent, q_pe, kv_c, k_pe, batch)
         # o_latent [T, H, r] in the model dtype
@@ -218,22 +241,31 @@ class MLAAttention(nn.Module):
         return self.o_proj(o.view(num_tokens, self.num_heads * self.v_head_dim))
 
     def warm_up_kernels(self, act_dtype: torch.dtype) -> None:
-        """Compile the absorbed projections' GEMVs for every token bucket they take (q_nope as a
-        view of the q projection's rows, the latent output contiguous), before serving. W_UK's
-        also as the joined query (q_pe as `mla_norm_rope` returns it: contiguous) in each dtype
-        a backend may want it in: the cache's is unknown here, so bf16 activations compile
-        both bf16 and (where e4m3 casts compile, SM89+) fp8; others their own dtype only."""
+        """Compile the decode kernels for every token bucket they take, before serving: W_UK's
+        (in the prologue, `mla_decode_prologue`, or alone) with q_nope as a view of the q
+        projection's rows, also as the joined query, in each dtype a backend may want it in
+        (the cache's is unknown here, so bf16 activations compile both bf16 and, where e4m3
+        casts compile (SM89+), fp8; others their own dtype only); W_UV's on a contiguous
+        latent."""
         if self._head_gemv is None or self.w_uk is None:  # x takes the weights' dtype
             return
         from mlaserve.ops.head_gemv import head_gemv_warm_up
+        from mlaserve.ops.mla_decode_prologue import mla_decode_prologue_warm_up
 
         dtype, dev = self.w_uk.dtype, self.w_uk.device
-        h, d_r = self.num_heads, self.qk_rope_head_dim
+        h, d_r, r = self.num_heads, self.qk_rope_head_dim, self.kv_lora_rank
         fp8 = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 9)
         out_dtypes = (dtype, torch.float8_e4m3fn) if dtype == torch.bfloat16 and fp8 else (dtype,)
+        q_strides = (self._q_row_stride, self.qk_nope_head_dim + d_r)
+        if self._prologue is not None:
+            mla_decode_prologue_warm_up(
+                q_strides, self._latent_row_stride, (self.qk_nope_head_dim, d_r, r),
+                self.kv_a_layernorm.weight, self.w_uk, self.rope_interleaved, out_dtypes,
+                self._head_gemv_max_m,
+            )  # fmt: skip
+        # alone: for backends that take no written KV (and the joined query without prologue)
+        tail = None if self._prologue is not None else (d_r, (h * d_r, d_r))
         head_gemv_warm_up(
-            (self._q_row_stride, self.qk_nope_head_dim + d_r), h, self.w_uk,
-            self._head_gemv_max_m, tail=(d_r, (h * d_r, d_r)), out_dtypes=out_dtypes,
-        )  # fmt: skip
-        r = self.kv_lora_rank
+            q_strides, h, self.w_uk, self._head_gemv_max_m, tail=tail, out_dtypes=out_dtypes
+        )
         head_gemv_warm_up((h * r, r), h, self.w_uv, self._head_gemv_max_m)

@@ -25,7 +25,8 @@ GEMM on CUDA, graph-safe; a per-expert loop on CPU).
 
 Decode-sized batches (at most `DeepseekMoE.decode_max_tokens` tokens) skip all of that on CUDA:
 `mlaserve/ops/moe_decode.py` runs routed and shared experts together in three kernels, bf16 or
-FP8 weights (`MLASERVE_MOE_DECODE_MAX_TOKENS=0` turns it off, for A/B runs). Batches past that,
+FP8 weights, the expert selection inside the first (`MLASERVE_MOE_DECODE_MAX_TOKENS=0` turns
+it off, `MLASERVE_FUSED_ROUTING=0` selects first, for A/B runs). Batches past that,
 up to `grouped_max_tokens` (large decode batches, speculative VERIFY steps), run
 `mlaserve/ops/moe_grouped.py`: the shared experts folded in as always-selected experts, one
 alignment kernel, two tensor-core grouped GEMMs and the combine (`MLASERVE_MOE_GROUPED_MAX_TOKENS
@@ -59,6 +60,7 @@ from mlaserve.ops.moe_partials import MoePartials
 
 if TYPE_CHECKING:
     from mlaserve.ops.moe_decode import MoeDecodeWeights
+    from mlaserve.ops.routing import Routing
 
 __all__ = ["DeepseekMoE", "ExpertsImpl", "FusedExperts", "TopKRouter", "select_experts"]
 
@@ -77,6 +79,11 @@ DECODE_MAX_TOKENS = 8
 # against 477 for the sorted CUTLASS path, at 2048 1118-1195 against 690 (a 2048-token prefill
 # took 41.5 ms instead of 30.7 with them); FP8 at 512 528 against 398 (the sorted Triton path).
 GROUPED_MAX_TOKENS = 512
+# Up to this many tokens moe_decode selects the experts inside its first kernel. H100, V2-Lite,
+# graph replay (bench/RESULTS.md): bs 1 2.411 -> 2.380 and 2.416 -> 2.377 ms, bs 2 3.54 -> 3.46
+# ms; bs 4 within noise (4.956 -> 5.007), bs 8 +0.5% (every routed program recomputes its
+# token's selection: 8 tokens, 8x the programs).
+SELECT_IN_KERNEL_MAX_TOKENS = 2
 GROUPED_MAX_TOKENS_FP8 = 256
 
 
@@ -191,26 +198,37 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, K] fp32, ids [T, K] int64)"""
-        c = self.config
+        return self.select(self.logits(x), **self._selection())
+
+    def plan(self, x: torch.Tensor) -> Routing:
+        """x [T, hidden] -> the logits, and the selection not yet run (fused ops only): for
+        `moe_decode` to run inside its first kernel."""
+        from mlaserve.ops.routing import plan_routing
+
+        return plan_routing(self.logits(x), **self._selection())
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> router logits [T, E] fp32"""
         if 0 < x.shape[0] <= self.gemv_max_m:
             from mlaserve.ops.gemv import gemv
 
-            logits = gemv(x.contiguous(), self.weight, out_dtype=torch.float32)
-        elif self._router_logits is not None and x.dtype != torch.float32:
-            logits = self._router_logits(x, self.weight)
-        else:
-            logits = F.linear(x.float(), self.weight)
-        return self.select(
-            logits,
-            top_k=c.num_experts_per_tok,
-            scoring_func=c.scoring_func,
-            topk_method=c.topk_method,
-            n_group=c.n_group,
-            topk_group=c.topk_group,
-            norm_topk_prob=c.norm_topk_prob,
-            routed_scaling_factor=c.routed_scaling_factor,
-            correction_bias=self.e_score_correction_bias,
-        )
+            return gemv(x.contiguous(), self.weight, out_dtype=torch.float32)
+        if self._router_logits is not None and x.dtype != torch.float32:
+            return self._router_logits(x, self.weight)
+        return F.linear(x.float(), self.weight)
+
+    def _selection(self) -> dict:
+        c = self.config
+        return {
+            "top_k": c.num_experts_per_tok,
+            "scoring_func": c.scoring_func,
+            "topk_method": c.topk_method,
+            "n_group": c.n_group,
+            "topk_group": c.topk_group,
+            "norm_topk_prob": c.norm_topk_prob,
+            "routed_scaling_factor": c.routed_scaling_factor,
+            "correction_bias": self.e_score_correction_bias,
+        }
 
 
 class FusedExperts(nn.Module):
@@ -477,6 +495,9 @@ class DeepseekMoE(nn.Module):
         self.decode_weights: MoeDecodeWeights | None = None
         self.decode_max_tokens = 0
         self.grouped_max_tokens = 0
+        # Up to this many tokens moe_decode selects the experts inside its first kernel (one
+        # launch per layer fewer); `MLASERVE_FUSED_ROUTING=0`: never, for A/B runs.
+        self.select_in_kernel = 0
 
     def process_weights_after_loading(self) -> None:
         """Hand the loaded weights to the decode kernels (views, no copies) where they run."""
@@ -509,6 +530,8 @@ class DeepseekMoE(nn.Module):
             return
         self.decode_max_tokens = max(limit, 0)
         self.grouped_max_tokens = max(grouped, 0)
+        fused = os.environ.get("MLASERVE_FUSED_ROUTING", "1") != "0"
+        self.select_in_kernel = SELECT_IN_KERNEL_MAX_TOKENS if fused else 0
 
     def warm_up_kernels(self, act_dtype: torch.dtype) -> None:
         """Compile every variant of the grouped kernels the token counts they serve take, and
@@ -535,12 +558,19 @@ class DeepseekMoE(nn.Module):
         per-slot partials (`MoePartials`) for the next residual-add + RMSNorm to sum in its own
         launch (one kernel fewer per layer); without tensor parallelism only (the all-reduce
         wants the sum), and other paths return the tensor all the same."""
+        if self.decode_weights is not None and x.shape[0] <= self.decode_max_tokens:
+            kw = {"combine": combine or self.tp.size > 1}
+            if x.shape[0] <= self.select_in_kernel:  # the selection inside the first kernel
+                plan = self.gate.plan(x)
+                y = self._moe_decode(
+                    x, plan.weights, plan.ids, self.decode_weights, routing=plan, **kw
+                )
+            else:
+                y = self._moe_decode(x, *self.gate(x), self.decode_weights, **kw)
+            return y if isinstance(y, MoePartials) else all_reduce(y, self.tp)
         topk_weights, topk_ids = self.gate(x)
         if self.decode_weights is not None:
             kw = {"combine": combine or self.tp.size > 1}
-            if x.shape[0] <= self.decode_max_tokens:
-                y = self._moe_decode(x, topk_weights, topk_ids, self.decode_weights, **kw)
-                return y if isinstance(y, MoePartials) else all_reduce(y, self.tp)
             if x.shape[0] <= self.grouped_max_tokens and x.dtype != torch.float32:
                 y = self._moe_grouped(x, topk_weights, topk_ids, self.decode_weights, **kw)
                 return y if isinstance(y, MoePartials) else all_reduce(y, self.tp)
