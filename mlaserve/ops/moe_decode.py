@@ -453,10 +453,11 @@ def moe_decode(
     s13, s13_e, s13_r = scale_args(weights.w13_scale, weights.w13)
     ss13, _, ss13_r = scale_args(weights.shared_w13_scale, s13)
     if routing is None:  # stand-ins, never read (ROUTE off)
-        sel = {"logits_ptr": wts, "bias_ptr": wts, "logits_stride": 0, "split_stride": 0}
-        sel |= {"scaling": 1.0, "SPLITS": 1, "G": 1, "PG": 1, "TOPK_GROUP": 1, "BLOCK_G": 1}
-        sel |= {"BLOCK_PG": 1, "BLOCK_K": 1, "METHOD": 0, "SIGMOID": False}
-        sel |= {"HAS_BIAS": False, "NORM": False}
+        sel = dict(
+            logits_ptr=wts, bias_ptr=wts, logits_stride=0, split_stride=0, scaling=1.0,
+            SPLITS=1, G=1, PG=1, TOPK_GROUP=1, BLOCK_G=1, BLOCK_PG=1, BLOCK_K=1, METHOD=0,
+            SIGMOID=False, HAS_BIAS=False, NORM=False,
+        )  # fmt: skip
     else:  # `route_token`'s arguments; K is the kernel's own
         sel = {k: v for k, v in routing.args.items() if k != "K"}
     sel["BLOCK_K_SEL"] = sel.pop("BLOCK_K")

@@ -40,21 +40,28 @@ class JoinedReference(ReferenceBackend):
         return self.forward(layer_id, q[..., :r], q[..., r:], None, None, batch)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests cover it compiled")
-@pytest.mark.skipif(not triton_available(), reason="needs triton (TRITON_INTERPRET=1)")
-def test_joined_query_layer_matches_the_unjoined_path(monkeypatch) -> None:
+def _fused_layer(config, seed: int):
+    """An fp16 MLAAttention with random weights (the latent norm's around 1), loaded and warmed
+    up; built with `MLASERVE_FUSED_OPS=1` set."""
     from mlaserve.model.layers.mla import MLAAttention
 
-    monkeypatch.setenv("MLASERVE_FUSED_OPS", "1")
-    config = model_config()  # 4 heads, r 32, d_r 16, d_n 16, hidden 32; q_proj, no q_lora
     layer = MLAAttention(config, 0, params_dtype=F16)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     for p in layer.parameters():
         p.data.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
     layer.kv_a_layernorm.weight.data.add_(1.0)
     layer.process_weights_after_loading()
-    assert layer._head_gemv is not None
     layer.warm_up_kernels(F16)
+    return layer
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests cover it compiled")
+@pytest.mark.skipif(not triton_available(), reason="needs triton (TRITON_INTERPRET=1)")
+def test_joined_query_layer_matches_the_unjoined_path(monkeypatch) -> None:
+    monkeypatch.setenv("MLASERVE_FUSED_OPS", "1")
+    config = model_config()  # 4 heads, r 32, d_r 16, d_n 16, hidden 32; q_proj, no q_lora
+    layer = _fused_layer(config, seed=0)
+    assert layer._head_gemv is not None
     rope = RotaryEmbedding(config)
     caches = {}
     for name, cls in (("joined", JoinedReference), ("plain", ReferenceBackend)):
@@ -88,19 +95,12 @@ def test_decode_prologue_is_one_launch_with_the_two_kernels_bits(monkeypatch) ->
     """Where attention takes q_latent and q_pe apart (the reference backend here, FlashMLA at
     <= 2 rows), decode-sized batches run norm, RoPEs, KV write and W_UK as one launch
     (`mla_decode_prologue`), with the output bits of the two kernels run one after the other."""
-    from mlaserve.model.layers.mla import MLAAttention
     from mlaserve.ops.head_gemv import head_gemv
     from mlaserve.ops.mla_norm_rope import mla_norm_rope
 
     monkeypatch.setenv("MLASERVE_FUSED_OPS", "1")
     config = model_config()
-    layer = MLAAttention(config, 0, params_dtype=F16)
-    gen = torch.Generator().manual_seed(1)
-    for p in layer.parameters():
-        p.data.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    layer.kv_a_layernorm.weight.data.add_(1.0)
-    layer.process_weights_after_loading()
-    layer.warm_up_kernels(F16)
+    layer = _fused_layer(config, seed=1)
     fused, calls = layer._prologue, []
 
     def two_kernels(kv_c, k_pe, q_nope, q_pe, weight, eps, cos, sin, inter, w_uk, *cache, joined):

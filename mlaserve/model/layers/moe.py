@@ -79,12 +79,12 @@ DECODE_MAX_TOKENS = 8
 # against 477 for the sorted CUTLASS path, at 2048 1118-1195 against 690 (a 2048-token prefill
 # took 41.5 ms instead of 30.7 with them); FP8 at 512 528 against 398 (the sorted Triton path).
 GROUPED_MAX_TOKENS = 512
+GROUPED_MAX_TOKENS_FP8 = 256
 # Up to this many tokens moe_decode selects the experts inside its first kernel. H100, V2-Lite,
 # graph replay (bench/RESULTS.md): bs 1 2.411 -> 2.380 and 2.416 -> 2.377 ms, bs 2 3.54 -> 3.46
 # ms; bs 4 within noise (4.956 -> 5.007), bs 8 +0.5% (every routed program recomputes its
 # token's selection: 8 tokens, 8x the programs).
 SELECT_IN_KERNEL_MAX_TOKENS = 2
-GROUPED_MAX_TOKENS_FP8 = 256
 
 
 def select_experts(
@@ -558,22 +558,20 @@ class DeepseekMoE(nn.Module):
         per-slot partials (`MoePartials`) for the next residual-add + RMSNorm to sum in its own
         launch (one kernel fewer per layer); without tensor parallelism only (the all-reduce
         wants the sum), and other paths return the tensor all the same."""
-        if self.decode_weights is not None and x.shape[0] <= self.decode_max_tokens:
-            kw = {"combine": combine or self.tp.size > 1}
-            if x.shape[0] <= self.select_in_kernel:  # the selection inside the first kernel
+        num_tokens, weights = x.shape[0], self.decode_weights
+        kw = {"combine": combine or self.tp.size > 1}
+        if weights is not None and num_tokens <= self.decode_max_tokens:
+            if num_tokens <= self.select_in_kernel:  # the selection inside the first kernel
                 plan = self.gate.plan(x)
-                y = self._moe_decode(
-                    x, plan.weights, plan.ids, self.decode_weights, routing=plan, **kw
-                )
+                y = self._moe_decode(x, plan.weights, plan.ids, weights, routing=plan, **kw)
             else:
-                y = self._moe_decode(x, *self.gate(x), self.decode_weights, **kw)
+                y = self._moe_decode(x, *self.gate(x), weights, **kw)
             return y if isinstance(y, MoePartials) else all_reduce(y, self.tp)
         topk_weights, topk_ids = self.gate(x)
-        if self.decode_weights is not None:
-            kw = {"combine": combine or self.tp.size > 1}
-            if x.shape[0] <= self.grouped_max_tokens and x.dtype != torch.float32:
-                y = self._moe_grouped(x, topk_weights, topk_ids, self.decode_weights, **kw)
-                return y if isinstance(y, MoePartials) else all_reduce(y, self.tp)
+        grouped = num_tokens <= self.grouped_max_tokens and x.dtype != torch.float32
+        if weights is not None and grouped:
+            y = self._moe_grouped(x, topk_weights, topk_ids, weights, **kw)
+            return y if isinstance(y, MoePartials) else all_reduce(y, self.tp)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         y = self.experts(x, topk_weights, topk_ids, shared)
         return all_reduce(y, self.tp)  # one reduction for routed + shared partial sums
