@@ -13,12 +13,14 @@ Every (token, slot) pair is one expert of width I: K routed slots, then the S sl
 shared MLP as always-selected experts E..E+S-1 with weight 1 (shared experts folded into the
 grouped GEMM, the way TensorRT-LLM and SGLang's shared-experts fusion do it).
 
-    _align_kernel     one program: each pair's expert and its rank among the expert's pairs (an
-                      atomic counter per expert, which also gives the counts), every expert's
-                      rows padded to a multiple of BLOCK_M and laid out back to back
+    _align_kernel     one program: each pair's expert and its rank among the expert's pairs (a
+                      routed pair's from an atomic counter per expert, which also gives the
+                      counts; a shared expert's pairs are every token in order, ranked by
+                      token), every expert's rows padded to a multiple of BLOCK_M and laid out
+                      back to back
                       -> slot_pairs [num_blocks * BLOCK_M] int32 (slot -> pair),
                          padded_end [E_PAD] int32 (cumulative padded rows), counts [E_PAD]
-                      (the order of pairs inside an expert varies between runs; no result
+                      (the order of a routed expert's pairs varies between runs; no result
                       depends on it: each output row is its own row's dot products over the
                       same K order)
     _gate_up_kernel   grid (num_blocks, cdiv(I, BLOCK_N)): BLOCK_M pairs of one expert gathered
@@ -74,9 +76,14 @@ def _align_kernel(
     e = tl.load(ids_ptr + (p // SLOTS) * K + slot, mask=valid & routed, other=0).to(tl.int32)
     e = tl.where(routed, e, E + slot - K)
     bins = tl.arange(0, E_PAD)
-    tl.store(rank_ptr + bins, tl.zeros([E_PAD], dtype=tl.int32))
+    # A shared expert takes every token in order: its rank is the token, its count the tokens,
+    # so only the routed pairs count atomically (a shared expert's counter would serialise all
+    # T of its pairs on one address).
+    shared_bin = (bins >= E) & (bins < E_TOTAL)
+    tl.store(rank_ptr + bins, tl.where(shared_bin, num_pairs // SLOTS, 0).to(tl.int32))
     tl.debug_barrier()  # one program: the stores above are visible to all its threads below
-    rank = tl.atomic_add(rank_ptr + e, 1, mask=valid)  # the pair's rank within its expert
+    counted = tl.atomic_add(rank_ptr + e, 1, mask=valid & routed)  # rank within its expert
+    rank = tl.where(routed, counted, (p // SLOTS).to(tl.int32))
     tl.debug_barrier()
     counts = tl.where(bins < E_TOTAL, tl.load(rank_ptr + bins), 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -223,6 +230,12 @@ def _num_pairs_bucket(num_pairs: int) -> int:
     return max(16, triton.next_power_of_2(num_pairs))
 
 
+def _align_warps(num_pairs: int) -> int:
+    """The align kernel's warps: one program holds every pair, so more pairs get more threads
+    (each thread's atomics are issued one after another)."""
+    return 4 if num_pairs <= 256 else (8 if num_pairs <= 1024 else 16)
+
+
 def moe_grouped(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -269,7 +282,7 @@ def moe_grouped(
     _align_kernel[(1,)](
         ids, slot_pairs, padded_end, counts, rank, pairs,
         K=top_k, SLOTS=slots, E=num_experts, E_TOTAL=e_total, E_PAD=e_pad,
-        NP=_num_pairs_bucket(pairs), BLOCK_M=bm, num_warps=4, **pdl,
+        NP=_num_pairs_bucket(pairs), BLOCK_M=bm, num_warps=_align_warps(pairs), **pdl,
     )  # fmt: skip
     if block_n is None:
         block_n = (32, 32) if num_tokens <= 128 else (64, 64)
