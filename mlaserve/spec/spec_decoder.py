@@ -15,7 +15,10 @@
         still verified when its batch speculates (drafts from an incomplete cache; acceptance is
         lossless whatever the drafts), but its accept lengths do not feed the policy's estimate.
     EXTEND step (prefill chunks, maybe with decodes):
-        target forward -> sampler -> the draft over the same rows (eager) -> [draft graph]
+        target forward -> sampler -> the draft over the same rows (eager) -> [draft graph];
+        with overlap scheduling, when the policy keeps the next step plain and no refresh
+        pays, a plain engine's step instead (`plan`): no draft pass over the prompt, and the
+        requests' draft caches start stale
 
 Whether the NEXT step speculates is decided in this one (`SpecPolicy`, from the batch size, the
 number of stale caches, the running accept length and the step costs), since its drafts are
@@ -77,7 +80,7 @@ class SpecDecoder:
         # The last step's kind (spec, plain, refresh) when it was a steady-state decode step,
         # else None, and its requests.
         self._last_kind: str | None = None
-        self._batch_ids: tuple[str, ...] = ()
+        self._batch: tuple[Request, ...] = ()
         self._prev_key: tuple | None = None  # (kind, requests) of the step before, if steady
 
     def reset_stats(self) -> None:
@@ -100,18 +103,22 @@ class SpecDecoder:
         )
 
     def plan(self, sched: SchedulerOutput) -> Decision | None:
-        """Decide a DECODE step with nothing to verify before it runs, for an engine that
-        overlaps plain steps; None for any other step (`step` decides those itself). On a plain
-        decision (`Decision.plain`) the engine runs the step as an engine without speculation
-        would, overlapped with its neighbours (launched before the previous step's tokens are
-        read back), and the requests' draft caches go stale here; any other decision is handed
-        to `step`."""
+        """Decide a step with nothing to verify before it runs, for an engine that overlaps
+        plain steps; None for a DECODE step that verifies (`step` decides what follows it). On
+        a plain decision (`Decision.plain`) the engine runs the step as an engine without
+        speculation would, overlapped with its neighbours (launched before the previous step's
+        tokens are read back), and the requests' draft caches go stale here: for an EXTEND
+        step that means no draft pass over its rows (a policy that keeps decode steps plain
+        and skips the refresh would let those caches go stale one step later anyway, and the
+        pass would cost the prompt its time to first token). Any other decision is handed to
+        `step`."""
         requests = [s.request for s in sched.scheduled]
-        if sched.mode is not ForwardMode.DECODE or self._verifies(requests):
+        decode = sched.mode is ForwardMode.DECODE
+        if decode and self._verifies(requests):
             return None
         decision = self._decide(requests)
         if decision.plain:
-            self._go_plain(requests)
+            self._go_plain(requests, steady=decode)
         return decision
 
     def _verifies(self, requests: list[Request]) -> bool:
@@ -123,9 +130,12 @@ class SpecDecoder:
         for r in requests:
             if r.num_computed_tokens == 0:  # (re)computed from its prompt
                 r.draft_cache_valid = True
-            num_stale += not r.draft_cache_valid
+            elif not r.draft_cache_valid:
+                num_stale += 1
         self._last_kind = None
-        self._batch_ids = tuple(r.request_id for r in requests)
+        # The requests themselves: comparing two such tuples is by identity first (CPython),
+        # so telling a settled batch costs no per-request Python work.
+        self._batch = tuple(requests)
         return self.policy.decide(len(requests), num_stale)
 
     def step(
@@ -160,11 +170,11 @@ class SpecDecoder:
         """The wall time of the engine step that just ran (scheduling to outputs): reported to
         the policy's online costs when it was a steady-state decode step of a settled batch
         (the step before was of the same kind, over the same requests)."""
-        key = None if self._last_kind is None else (self._last_kind, self._batch_ids)
+        key = None if self._last_kind is None else (self._last_kind, self._batch)
         settled = key is not None and key == self._prev_key
         self._prev_key = key
         if settled:
-            self.policy.observe_step(self._last_kind, len(self._batch_ids), seconds)
+            self.policy.observe_step(self._last_kind, len(self._batch), seconds)
 
     # ----- EXTEND: plain target forward, then the draft over the same rows -----
     @torch.inference_mode()
@@ -280,13 +290,15 @@ class SpecDecoder:
         logits = target.logits[: target.num_rows]
         return self.runner.sample(logits, sched), [0] * len(requests)
 
-    def _go_plain(self, requests: list[Request]) -> None:
-        """A step without draft work: the requests' draft caches go stale, they hold no
-        drafts, and the step is counted as plain."""
+    def _go_plain(self, requests: list[Request], steady: bool = True) -> None:
+        """A step without draft work: the requests' draft caches go stale and they hold no
+        drafts. A decode step (`steady`) is counted as plain for the policy's online costs;
+        an EXTEND step is not a decode step's cost."""
         for r in requests:
             r.draft_cache_valid = False
-            r.draft_token_ids = []
-        self._last_kind = "plain"
+            if r.draft_token_ids:
+                r.draft_token_ids = []
+        self._last_kind = "plain" if steady else None
 
     def _verify_batch(self, requests: list[Request]) -> HostBatch:
         """VERIFY rows: each request's last token and its k drafts (q_len k+1, causal)."""

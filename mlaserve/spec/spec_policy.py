@@ -177,6 +177,9 @@ class Decision:
 FORCED_SPEC = Decision(True, "forced")
 FORCED_PLAIN = Decision(False, "forced")
 FORCED_REFRESH = Decision(False, "forced", refresh=True)
+# The steady state of a batch whose speculation does not pay: one object per refresh flag, so
+# a decision costs no allocation (`SpecPolicy` decides on every decode step's host path).
+_DOES_NOT_PAY = (Decision(False, "does_not_pay"), Decision(False, "does_not_pay", refresh=True))
 
 
 class SpecPolicy:
@@ -199,6 +202,7 @@ class SpecPolicy:
         self._doubts = 0  # decisions in a row, while speculating by cost, that it does not pay
         # The captured size of the last decision when it speculated because it pays (or held).
         self._paying: int | None = None
+        self._prior = prior_accept_length(k)  # k is fixed: computed once
         self.costs = costs
 
     # ----- costs: measured at start-up, then followed online -----
@@ -248,7 +252,7 @@ class SpecPolicy:
     # ----- accept length -----
     @property
     def prior(self) -> float:
-        return prior_accept_length(self.k)
+        return self._prior
 
     @property
     def accept_length_estimate(self) -> float:
@@ -296,17 +300,19 @@ class SpecPolicy:
             self._probe_left -= 1
             return Decision(True, "probe")
         fresh = bs - min(num_stale, bs)
-        effective = (fresh * self.accept_length_estimate + (bs - fresh)) / max(bs, 1)
+        # (every cache stale: a step emits one token whatever the estimate says)
+        effective = (fresh * self.accept_length_estimate + (bs - fresh)) / bs if fresh else 1.0
         if effective > (1.0 + SPEC_MARGIN) * break_even:
             return Decision(True, "pays")
-        held = self._paying == self._costs.size_for(bs) and fresh
-        if held and self._doubts + 1 < OFF_AFTER:
-            self._doubts += 1
-            return Decision(True, "hold")
-        if fresh and self._off_streak + 1 >= self.probe_interval(bs):
-            self._probe_left = PROBE_STEPS - 1
-            return Decision(True, "probe")
-        return Decision(False, "does_not_pay", refresh=self._refresh_pays(bs, num_stale))
+        if fresh:
+            held = self._paying == self._costs.size_for(bs)
+            if held and self._doubts + 1 < OFF_AFTER:
+                self._doubts += 1
+                return Decision(True, "hold")
+            if self._off_streak + 1 >= self.probe_interval(bs):
+                self._probe_left = PROBE_STEPS - 1
+                return Decision(True, "probe")
+        return _DOES_NOT_PAY[self._refresh_pays(bs, num_stale)]
 
     def probe_interval(self, bs: int) -> int:
         """Plain decisions between probes at `bs`: PROBE_EVERY, or more where a probe's extra

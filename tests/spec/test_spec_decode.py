@@ -289,6 +289,47 @@ def test_plain_steps_overlap_like_an_engine_without_speculation(mtp_path, refere
     assert_pages_free(llm)
 
 
+def test_a_prefill_the_policy_keeps_plain_runs_no_draft_pass(
+    mtp_path, reference, monkeypatch
+) -> None:
+    """With overlap scheduling, step costs under which speculation never pays and a refresh
+    costs half a step (data, as a GPU start-up would measure them), every step runs as a plain
+    engine's, the prefill included: the draft never runs, not even over the prompts, and the
+    caches are stale from the first step. Outputs are speculation-off's, no page stays held."""
+    _, prompts, expected = reference
+    llm = LLM(mtp_path, num_speculative_tokens=K, max_num_seqs=4, overlap_schedule=True, **CPU)
+    engine = llm.engine
+    policy = engine.spec_decoder.policy
+    policy.follow_served_steps = False
+    policy.costs = StepCosts(plain_s={4: 1.0}, spec_s={4: 9.0}, refresh_s={4: 1.5})
+    drafter = engine.spec_decoder.drafter
+    passes = []
+    for name in ("after_extend", "after_decode"):
+        real = getattr(drafter, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            passes.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(drafter, name, counted)
+    params = SamplingParams(max_tokens=len(expected[0]), temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(str(i), prompts[i], params)
+    out: dict[int, list[int]] = {}
+    engine.step()  # the prefill
+    assert engine._inflight is not None, "the prefill was not launched as a plain step"
+    assert not any(r.draft_cache_valid for r in engine.requests.values())
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[int(o.request_id)] = list(o.outputs[0].token_ids)
+    for o in engine.drain():
+        out[int(o.request_id)] = list(o.outputs[0].token_ids)
+    assert passes == []
+    assert engine.get_stats().spec_num_drafts == 0
+    assert [out[i] for i in range(3)] == expected[:3]
+    assert_pages_free(llm)
+
+
 def test_stops_in_an_overlapped_plain_step(mtp_path, reference, monkeypatch) -> None:
     """A request whose stop token comes in an overlapped plain step is already scheduled for the
     next step when that token is read back. When the next step speculates (it resolves the
