@@ -20,10 +20,12 @@ plain), and each kind's graphs are replayed right after a real step of that kind
 is a different token at its own position, and a MoE layer routes each row on its own (padding
 rows, all token 0 at position 0, route every row alike: a plain step at bs 16 then read 6
 experts instead of ~50 and looked 2.4x cheaper than it is). A plain step: the DECODE graph and
-an argmax over its logits (the greedy sampler). A speculative step: the VERIFY graph (k+1 rows
-per request), an argmax over its logits (greedy acceptance's one pass over [bs*(k+1), V]), the
-(k+1)-row DRAFT_EXTEND graph and the DRAFT graph (k tokens). Replays are idempotent: no graph
-writes the buffers it reads (the KV rows they write are rewritten alike).
+an argmax over its logits (the greedy sampler). A speculative step: the VERIFY graph on the
+requests' next VERIFY rows (each one's last token and its k drafts), an argmax over its logits
+(greedy acceptance's one pass over [bs*(k+1), V]), the (k+1)-row DRAFT_EXTEND graph on those
+argmax tokens (what greedy acceptance emits), and the DRAFT graph (k tokens). Replays are
+idempotent: no graph writes the buffers it reads (the input ids are set again each time; the KV
+rows they write are rewritten alike).
 
 Device time between CUDA events, median of `iters` back-to-back runs after one warm run.
 """
@@ -85,8 +87,12 @@ def replay_step_times(engine: Any, size: int, iters: int, prompt_len: int = 64) 
     def draft() -> None:
         drafter.graphs[("draft", 1, size)].graph.replay()
 
+    ids_buf, rows = engine.runner.buffers.input_ids, size * (k + 1)
+
     def spec() -> None:
-        replay(k + 1).argmax(dim=-1)
+        ids_buf[:rows].copy_(verify_ids)  # the VERIFY rows: [last token, d_1..d_k] per request
+        emitted = replay(k + 1).argmax(dim=-1)  # greedy acceptance's one pass over the logits
+        ids_buf[:rows].copy_(emitted)  # the emitted tokens are the draft-extend's inputs
         extend()
         draft()
 
@@ -94,7 +100,14 @@ def replay_step_times(engine: Any, size: int, iters: int, prompt_len: int = 64) 
         policy.forced = FORCED_SPEC
         _prefill(engine, ids)
         for _ in range(2):
-            engine.step()  # verify steps: the buffers now hold a real VERIFY batch
+            engine.step()  # verify steps; each request now holds k drafts
+        # A step's draft-extend overwrites the VERIFY rows' ids with the tokens it emitted
+        # (`after_decode`), and a random-weight model emits one token over and over: rows of
+        # one repeated token route alike (at bs 1 on V3-lite the VERIFY graph then took 4.05
+        # ms against 4.8 on the rows it really verifies). So the requests' next VERIFY batch
+        # is built and run as a step would, and its ids are what the VERIFY graph is timed on.
+        graphs.run_with_hidden(dec._verify_batch([engine.requests[rid] for rid in ids]))
+        verify_ids = ids_buf[:rows].clone()
         times["spec"] = time_replays(spec, iters)
         times["draft_extend"] = time_replays(extend, iters)
         times["draft"] = time_replays(draft, iters)
