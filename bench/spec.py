@@ -20,7 +20,8 @@ so accept lengths mean nothing there): per captured batch size, on the rows of r
 `step_timer.replay_step_times`), the device time of
   decode  = DECODE graph + argmax (a plain step: an engine without speculation, and a step of a
             speculative engine whose policy says no: it does no draft work),
-  spec    = VERIFY graph (k+1 rows) + argmax + DRAFT_EXTEND graph + DRAFT graph (k tokens),
+  spec    = VERIFY graph (k+1 rows: the requests' next VERIFY batch, last token + k drafts)
+            + argmax + DRAFT_EXTEND graph (on the argmax tokens) + DRAFT graph (k tokens),
   draft   = the DRAFT graph alone (top-1 + k-1 chain steps), per draft token,
 the break-even accept length spec / decode (device) and the policy's (engine steps, wall time,
 host work included), and each step's bytes floor: every non-expert weight
