@@ -30,7 +30,7 @@ try:  # Optional: absent on CPU-only installs.
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-__all__ = ["argmax_available", "fused_argmax"]
+__all__ = ["argmax_available", "fused_argmax", "row_argmax"]
 
 # Columns per stage-1 program: V = 102400 is 100 programs, so one row spreads over the GPU.
 _BLOCK = 1024
@@ -61,6 +61,17 @@ def fused_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         best, where, ids, finite, blocks, BLOCKS=triton.next_power_of_2(blocks), num_warps=4
     )
     return ids, finite
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [n, V] -> ids [n] int64: torch.argmax(x, dim=-1) on finite rows; `fused_argmax` where it
+    runs (float32 on CUDA), torch's elsewhere. For argmaxes whose finite flag no one reads: the
+    draft chain's tokens (a draft from a NaN row is verified like any other) and greedy
+    acceptance's target tokens (checked by `sampler.finite_rows`). torch's one block per row
+    took 22.6 us of each of the three in a V3-lite bs-4 draft graph on an H100."""
+    if x.dtype == torch.float32 and argmax_available(x.device):
+        return fused_argmax(x)[0]
+    return x.argmax(dim=-1)
 
 
 if triton is not None:

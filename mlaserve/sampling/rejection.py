@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 
+from mlaserve.sampling.argmax_kernel import row_argmax
 from mlaserve.sampling.random import gumbel_noise, uniform_noise
 from mlaserve.sampling.sampler import adjust_logits, filter_logits
 from mlaserve.sampling.sampling_batch import SamplingBatch
@@ -66,7 +67,7 @@ def target_probs(
     if batch.use_penalties and k1 > 1:
         batch = _with_draft_counts(batch, draft_ids)
     x = adjust_logits(logits, batch)
-    argmax = x.argmax(dim=-1).view(bs, k1) if batch.any_greedy else None
+    argmax = row_argmax(x).view(bs, k1) if batch.any_greedy else None
     if batch.all_greedy:
         return TargetDistribution(None, argmax)
     f, sorted_ids = filter_logits(x, batch)

@@ -48,6 +48,7 @@ from mlaserve.engine.model_runner import ModelRunner
 from mlaserve.engine.request import Request
 from mlaserve.engine.scheduler import SchedulerOutput
 from mlaserve.graph_runner import CudaGraphRunner, TargetOutput
+from mlaserve.sampling.argmax_kernel import row_argmax
 
 __all__ = ["Drafter", "MTPDrafter", "target_mode"]
 
@@ -141,7 +142,7 @@ class MTPDrafter:
         """Top-1 of the selected rows, then k-1 chain steps. Reads sel_hidden, sel_pos and the
         input buffers' page tables [:bs]; writes drafts_t[:, :bs]."""
         k, ps = self.k, self.runner.page_size
-        token = self.mtp.compute_logits(self.sel_hidden[:bs]).argmax(dim=-1)
+        token = row_argmax(self.mtp.compute_logits(self.sel_hidden[:bs]))
         self.drafts_t[0, :bs].copy_(token)
         if k == 1:
             return
@@ -173,7 +174,7 @@ class MTPDrafter:
             )
             self.runner.attn_backend.prepare(batch)
             hidden = self.mtp(batch.input_ids, batch.positions, hidden, batch)
-            self.drafts_t[i + 1, :bs].copy_(self.mtp.compute_logits(hidden).argmax(dim=-1))
+            self.drafts_t[i + 1, :bs].copy_(row_argmax(self.mtp.compute_logits(hidden)))
 
     # ----- a step -----
     @torch.inference_mode()

@@ -73,3 +73,19 @@ def test_fused_argmax_refuses_other_dtypes():
 
     with pytest.raises(ValueError, match="float32"):
         fused_argmax(torch.zeros(2, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("n,vocab,device", [gpu_case(n, v) for n in (1, 4, 128) for v in (129280,)])
+def test_row_argmax_takes_the_kernel_on_the_gpu(n, vocab, device, monkeypatch):
+    """`row_argmax` (the draft chain's and greedy acceptance's argmax): the kernel's columns on
+    float32 CUDA rows, which are torch's; torch's own elsewhere (bf16, CPU)."""
+    from mlaserve.sampling import argmax_kernel
+
+    calls = []
+    real = argmax_kernel.fused_argmax
+    monkeypatch.setattr(argmax_kernel, "fused_argmax", lambda x: calls.append(1) or real(x))
+    x = _logits(n, vocab, device)
+    assert torch.equal(argmax_kernel.row_argmax(x), x.argmax(dim=-1)) and calls == [1]
+    assert torch.equal(argmax_kernel.row_argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))
+    assert torch.equal(argmax_kernel.row_argmax(x.cpu()), x.cpu().argmax(dim=-1))
+    assert calls == [1]
