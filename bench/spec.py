@@ -7,8 +7,11 @@
 Part 1, the default model (its trained MTP layer, real prompts, real accept lengths): time per
 output token through `LLMEngine.step()` (all graphed) with speculation off and on (k = 1, 2, 3),
 at batch sizes 1, 4, 16, 32. "on" is what the engine does (the cost policy decides per step);
-"forced" overrides the policy (FORCED_SPEC), so every decode step speculates; the rounds of off,
-on and forced are interleaved, medians reported. TPOT is per request, averaged over the batch:
+"forced" overrides the policy (FORCED_SPEC), so every decode step speculates. Each round runs,
+per k, an off run and an on run back to back (which goes first alternates), then a forced one;
+the on/off and forced/off ratios are medians over rounds of each round's ratio to its own off
+run (the host's speed drifts between runs far apart by more than the 3% the policy is held
+to), the TPOT columns medians of the runs. TPOT is per request, averaged over the batch:
 (last token time - first token time) / (tokens - 1), as vLLM and SGLang report it; the batch
 column is the batch's decode-phase wall time per token, which waits for the request whose drafts
 were accepted least. Each (bs, k) first runs once "on" unmeasured (the policy's estimate starts
@@ -122,6 +125,11 @@ def _window_summary(policy, kind: str, bs: int) -> str:
     return f"{kind} start-up {first * 1e3:.3f} ms, {seen}"
 
 
+def _ratios(run: tuple, off: tuple) -> tuple[float, float]:
+    """(per-request TPOT ratio, batch TPOT ratio) of a run over the off run beside it."""
+    return run[0] / off[0], run[1] / off[1]
+
+
 def part1(new_tokens: int, rounds: int) -> list[dict]:
     kw = {"max_num_seqs": 32, "num_pages": 1024, "cuda_graph_batch_sizes": BATCH_SIZES}
     rows = []
@@ -129,9 +137,16 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
     for k in (1, 2, 3):
         engines[k] = LLM(num_speculative_tokens=k, **kw)
     for bs in BATCH_SIZES:
-        # rounds interleaved (off, then each k on and forced), so host noise hits all alike;
-        # each run -> (per-request TPOT, batch TPOT, accept length)
+        # rounds interleaved (per k: off and on in a pair, then forced), so host noise hits
+        # all alike; each run -> (per-request TPOT, batch TPOT, accept length)
         off, on, forced = [], {k: [] for k in (1, 2, 3)}, {k: [] for k in (1, 2, 3)}
+        # per round, each "on" and "forced" run over the "off" run next to it (per request
+        # TPOT, then batch): the host's speed drifts by more than the 3% asked between runs
+        # far apart, so ratios are taken within a pair and their median reported
+        paired: dict[str, dict[int, list[tuple[float, float]]]] = {
+            "on": {k: [] for k in (1, 2, 3)},
+            "forced": {k: [] for k in (1, 2, 3)},
+        }
         decided: dict[int, Counter] = {k: Counter() for k in (1, 2, 3)}  # the "on" runs'
         # One unmeasured "on" run per k first: the policy's estimate is per engine and learns
         # over its first verified requests (from the prior; see spec_policy.py); what is
@@ -139,14 +154,19 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
         for k in (1, 2, 3):
             first = tpot_ms(engines[k], bs, new_tokens)[0]
             print(f"bs {bs} k {k} first on-run (learning): TPOT {first:.3f} ms", flush=True)
-        for _ in range(rounds):
-            off.append(tpot_ms(engines["off"], bs, new_tokens))
+        for r in range(rounds):
             for k in (1, 2, 3):
                 llm = engines[k]
                 policy = llm.engine.spec_decoder.policy
                 before = Counter(policy.decisions)
-                on[k].append(tpot_ms(llm, bs, new_tokens))
+                if (r + k) % 2:  # alternate which of the pair runs first
+                    on[k].append(tpot_ms(llm, bs, new_tokens))
+                    off.append(tpot_ms(engines["off"], bs, new_tokens))
+                else:
+                    off.append(tpot_ms(engines["off"], bs, new_tokens))
+                    on[k].append(tpot_ms(llm, bs, new_tokens))
                 decided[k].update(policy.decisions - before)
+                paired["on"][k].append(_ratios(on[k][-1], off[-1]))
                 if policy.costs is not None:  # what the decisions were made from
                     print(
                         f"bs {bs} k {k} on-run: accept estimate "
@@ -160,9 +180,17 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
                 policy.forced = FORCED_SPEC  # every step speculates
                 forced[k].append(tpot_ms(llm, bs, new_tokens))
                 policy.forced = None
+                paired["forced"][k].append(_ratios(forced[k][-1], off[-1]))
 
         def med(runs: list[tuple], i: int) -> float:
             return round(statistics.median(r[i] for r in runs), 4)
+
+        for k in (1, 2, 3):
+            print(
+                f"bs {bs} k {k} on/off per round: "
+                + " ".join(f"{a:.3f}" for a, _ in paired["on"][k]),
+                flush=True,
+            )
 
         for k in (1, 2, 3):
             costs = engines[k].engine.spec_decoder.policy.costs
@@ -174,6 +202,11 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
                     "tpot_off_ms": med(off, 0),
                     "tpot_on_ms": med(on[k], 0),
                     "tpot_forced_ms": med(forced[k], 0),
+                    # medians of the per-round paired ratios (per request, batch)
+                    "on_over_off": med(paired["on"][k], 0),
+                    "forced_over_off": med(paired["forced"][k], 0),
+                    "batch_on_over_off": med(paired["on"][k], 1),
+                    "batch_forced_over_off": med(paired["forced"][k], 1),
                     "batch_tpot_off_ms": med(off, 1),
                     "batch_tpot_on_ms": med(on[k], 1),
                     "batch_tpot_forced_ms": med(forced[k], 1),
@@ -188,7 +221,8 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
             )
     print(
         "\ndefault model: TPOT (ms, per request, averaged) speculation off / on (policy) / "
-        "forced; batch = the batch's wall time per token (waits for its slowest request)"
+        "forced, medians over rounds; the ratios are medians of each round's ratio to the off "
+        "run beside it; batch = the batch's wall time per token (waits for its slowest request)"
     )
     print(
         " bs  k    off      on   forced  on/off forced/off | batch on/off forced/off |"
@@ -196,12 +230,11 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
     )
     for r in rows:
         decisions = " ".join(f"{key}={n}" for key, n in r["on_decisions"].items())
-        off_ms, batch_off = r["tpot_off_ms"], r["batch_tpot_off_ms"]
         print(
-            f"{r['bs']:3d} {r['k']:2d} {off_ms:7.3f} {r['tpot_on_ms']:7.3f} "
-            f"{r['tpot_forced_ms']:7.3f} {r['tpot_on_ms'] / off_ms:6.2f}x "
-            f"{r['tpot_forced_ms'] / off_ms:9.2f}x |"
-            f" {r['batch_tpot_on_ms'] / batch_off:11.2f}x {r['batch_tpot_forced_ms'] / batch_off:9.2f}x"
+            f"{r['bs']:3d} {r['k']:2d} {r['tpot_off_ms']:7.3f} {r['tpot_on_ms']:7.3f} "
+            f"{r['tpot_forced_ms']:7.3f} {r['on_over_off']:6.3f}x "
+            f"{r['forced_over_off']:9.2f}x |"
+            f" {r['batch_on_over_off']:11.3f}x {r['batch_forced_over_off']:9.2f}x"
             f" | {r['accept_length'] or 0:6.2f} {r['break_even'] or 0:11.2f}  {decisions}"
         )
     return rows
@@ -307,7 +340,7 @@ def main() -> None:
         help="also part 2 (step costs) on the default model: its draft step vs its decode step",
     )
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--k", type=int, default=3)
     args = ap.parse_args()
     result = {"device": torch.cuda.get_device_name()}

@@ -53,6 +53,10 @@ class SchedulerOutput:
     # Requests that got a slot this step (new, or resumed after preemption): their per-slot
     # device state (SamplingSlots.admit) must be written before this step samples.
     admitted: list[Request] = field(default_factory=list)
+    # Two outputs with the same id schedule the same requests in the same order (every running
+    # request, none of them admitted or preempted since): what lets a steady step skip
+    # per-request work. None: a batch not known to equal any other.
+    batch_id: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +105,8 @@ class Scheduler:
         self._num_finished_waiting = 0
         self._num_finished_running = 0
         self.num_preemptions = 0  # since start-up
+        self._batch_id = 0  # `SchedulerOutput.batch_id`: a new one whenever the batch changes
+        self._last_whole = False  # whether the last output scheduled the whole running list
 
     # ----- queue management -----
     def add(self, request: Request) -> None:
@@ -133,19 +139,22 @@ class Scheduler:
         self._free_slot(request)
         request.status = RequestStatus.FINISHED
 
-    def _drop_finished(self) -> None:
-        if self._num_finished_running:
+    def _drop_finished(self) -> bool:
+        """-> whether the running list changed."""
+        dropped = bool(self._num_finished_running)
+        if dropped:
             self.running = [r for r in self.running if not r.is_finished]
             self._num_finished_running = 0
         while self.waiting and self.waiting[0].is_finished:
             self.waiting.popleft()
             self._num_finished_waiting -= 1
+        return dropped
 
     # ----- scheduling -----
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        self._drop_finished()
+        changed = self._drop_finished()
 
         # 1) Running requests, oldest first; preempt the newest when pages run out.
         i = 0
@@ -187,6 +196,13 @@ class Scheduler:
             out.admitted.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+        # The same batch as the last output's: both scheduled the whole running list (no request
+        # left out by the budget or a pending last token), and the list did not change since.
+        whole = len(out.scheduled) == len(self.running)
+        if not (whole and self._last_whole) or changed or out.preempted or out.admitted:
+            self._batch_id += 1
+        self._last_whole = whole
+        out.batch_id = self._batch_id
         return out
 
     def after_step(self, out: SchedulerOutput, num_accepted: list[int] | None = None) -> None:

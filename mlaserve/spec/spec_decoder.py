@@ -59,6 +59,10 @@ __all__ = ["SpecDecoder"]
 logger = logging.getLogger(__name__)
 
 LOG_INTERVAL_S = 30.0  # the periodic acceptance log line
+# Settled plain steps' wall times go to the policy in groups of this many: on a small model a
+# plain step's host work is its time, and one call per step cost ~1-3% of it (cold caches:
+# 11-19 us of a step on the CPU machine; bench/RESULTS.md).
+OBSERVE_EVERY = 8
 
 
 class SpecDecoder:
@@ -78,10 +82,15 @@ class SpecDecoder:
         self.stats = SpecStats(k)
         self._last_log = time.monotonic()
         # The last step's kind (spec, plain, refresh) when it was a steady-state decode step,
-        # else None, and its requests.
+        # else None, and its batch: its size and `SchedulerOutput.batch_id`.
         self._last_kind: str | None = None
-        self._batch: tuple[Request, ...] = ()
-        self._prev_key: tuple | None = None  # (kind, requests) of the step before, if steady
+        self._batch_size = 0
+        self._batch_id: int | None = None
+        self._prev_key: tuple | None = None  # (kind, batch id) of the step before, if steady
+        self._pending: list[float] = []  # settled plain steps' seconds not yet given the policy
+        # The batch id of the last step when it was a plain decode step (every request's draft
+        # cache stale, no drafts): the next step of that batch needs no per-request work.
+        self._plain_batch: int | None = None
 
     def reset_stats(self) -> None:
         """Forget what throwaway steps (the start-up cost measurement) taught: counters, the
@@ -112,30 +121,42 @@ class SpecDecoder:
         and skips the refresh would let those caches go stale one step later anyway, and the
         pass would cost the prompt its time to first token). Any other decision is handed to
         `step`."""
+        if sched.batch_id is not None and sched.batch_id == self._plain_batch:
+            # The requests of the last step, a plain decode step: all decoding, every cache
+            # stale, no drafts. On a small model a step's host work is its time, and the
+            # per-request loops below cost a plain step 2-4% of it (bench/RESULTS.md).
+            decision = self.policy.repeat()
+            if decision is None:
+                n = len(sched.scheduled)
+                decision = self.policy.decide(n, n)
+            if decision.plain:
+                self._last_kind = "plain"
+                return decision
+            self._plain_batch = self._last_kind = None  # (`_decide`'s work, less the count)
+            return decision
         requests = [s.request for s in sched.scheduled]
         decode = sched.mode is ForwardMode.DECODE
         if decode and self._verifies(requests):
             return None
-        decision = self._decide(requests)
+        decision = self._decide(requests, sched.batch_id)
         if decision.plain:
-            self._go_plain(requests, steady=decode)
+            self._go_plain(requests, sched.batch_id if decode else None)
         return decision
 
     def _verifies(self, requests: list[Request]) -> bool:
         return all(len(r.draft_token_ids) == self.k for r in requests)
 
-    def _decide(self, requests: list[Request]) -> Decision:
-        """The policy's decision for a decode step of `requests` (counted)."""
+    def _decide(self, requests: list[Request], batch_id: int | None) -> Decision:
+        """The policy's decision for a decode step of `requests` (counted); `batch_id`: theirs
+        (`SchedulerOutput.batch_id`)."""
         num_stale = 0
         for r in requests:
             if r.num_computed_tokens == 0:  # (re)computed from its prompt
                 r.draft_cache_valid = True
             elif not r.draft_cache_valid:
                 num_stale += 1
-        self._last_kind = None
-        # The requests themselves: comparing two such tuples is by identity first (CPython),
-        # so telling a settled batch costs no per-request Python work.
-        self._batch = tuple(requests)
+        self._last_kind = self._plain_batch = None
+        self._batch_size, self._batch_id = len(requests), batch_id
         return self.policy.decide(len(requests), num_stale)
 
     def step(
@@ -154,7 +175,7 @@ class SpecDecoder:
             # A DECODE forward whatever the decision (which only says what follows it): start
             # it first, so the decision's host work runs beside it, as a plain engine's would.
             target = self.graphs.run_with_hidden(self.runner.build_host_batch(sched))
-        decision = decision or self._decide(requests)
+        decision = decision or self._decide(requests, sched.batch_id)
         if decode:
             if target is not None and decision.plain:
                 return self._plain(sched, requests, target)
@@ -170,11 +191,26 @@ class SpecDecoder:
         """The wall time of the engine step that just ran (scheduling to outputs): reported to
         the policy's online costs when it was a steady-state decode step of a settled batch
         (the step before was of the same kind, over the same requests)."""
-        key = None if self._last_kind is None else (self._last_kind, self._batch)
-        settled = key is not None and key == self._prev_key
+        kind, batch_id = self._last_kind, self._batch_id
+        key = None if kind is None or batch_id is None else (kind, batch_id)
+        if key is not None and key == self._prev_key:  # settled
+            if kind != "plain":
+                self.policy.observe_step(kind, self._batch_size, seconds)
+            else:
+                pending = self._pending
+                pending.append(seconds)
+                if len(pending) >= OBSERVE_EVERY:
+                    self._flush_observed()
+        elif self._pending:
+            self._flush_observed()
         self._prev_key = key
-        if settled:
-            self.policy.observe_step(self._last_kind, len(self._batch), seconds)
+
+    def _flush_observed(self) -> None:
+        """Hand the settled plain steps' wall times held since the last flush to the policy:
+        in groups of OBSERVE_EVERY steps, one sort of its window each instead of one per step
+        (a speculative step is dearer, and its own host work larger: it reports each step)."""
+        self.policy.observe_steps("plain", self._batch_size, self._pending)
+        self._pending = []
 
     # ----- EXTEND: plain target forward, then the draft over the same rows -----
     @torch.inference_mode()
@@ -286,19 +322,21 @@ class SpecDecoder:
         """No draft work at all: exactly a plain engine's step (its host batch fast path, its
         forward, sampling and read-back), so speculation off costs what an engine without it
         does. The draft caches go stale."""
-        self._go_plain(requests)
+        self._go_plain(requests, sched.batch_id)
         logits = target.logits[: target.num_rows]
         return self.runner.sample(logits, sched), [0] * len(requests)
 
-    def _go_plain(self, requests: list[Request], steady: bool = True) -> None:
+    def _go_plain(self, requests: list[Request], decode_batch: int | None) -> None:
         """A step without draft work: the requests' draft caches go stale and they hold no
-        drafts. A decode step (`steady`) is counted as plain for the policy's online costs;
-        an EXTEND step is not a decode step's cost."""
+        drafts. A decode step (`decode_batch`: its batch id) is counted as plain for the
+        policy's online costs, and the next step of the same batch takes `plan`'s fast path;
+        an EXTEND step (None) is not a decode step's cost."""
         for r in requests:
             r.draft_cache_valid = False
             if r.draft_token_ids:
                 r.draft_token_ids = []
-        self._last_kind = "plain" if steady else None
+        self._last_kind = "plain" if decode_batch is not None else None
+        self._plain_batch = decode_batch
 
     def _verify_batch(self, requests: list[Request]) -> HostBatch:
         """VERIFY rows: each request's last token and its k drafts (q_len k+1, causal)."""

@@ -77,6 +77,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -188,10 +189,13 @@ class SpecPolicy:
     ) -> None:
         self.k = k
         self.disable_batch_size = disable_batch_size
-        self.decisions: Counter[tuple[bool, str]] = Counter()
-        # Set to override every decision (the start-up cost measurement, tests): FORCED_SPEC,
-        # FORCED_PLAIN or FORCED_REFRESH.
-        self.forced: Decision | None = None
+        self._decisions: Counter[tuple[bool, str]] = Counter()
+        # What a decision is made from changes (costs, `forced`, observations): a new epoch, and
+        # `repeat` no longer stands for `decide`.
+        self._epoch = 0
+        self._last: tuple[Decision, int] | None = None  # the last decision, its epoch
+        self._repeats = 0  # `repeat`s of the last decision not yet counted in `_decisions`
+        self._forced: Decision | None = None
         # Follow the served steps' wall times (`observe_step`); off where costs are given as
         # data (tests, what-if runs).
         self.follow_served_steps = True
@@ -205,6 +209,23 @@ class SpecPolicy:
         self._prior = prior_accept_length(k)  # k is fixed: computed once
         self.costs = costs
 
+    @property
+    def forced(self) -> Decision | None:
+        """Set to override every decision (the start-up cost measurement, tests): FORCED_SPEC,
+        FORCED_PLAIN or FORCED_REFRESH; None: the policy decides."""
+        return self._forced
+
+    @forced.setter
+    def forced(self, decision: Decision | None) -> None:
+        self._forced = decision
+        self._epoch += 1
+
+    @property
+    def decisions(self) -> Counter[tuple[bool, str]]:
+        """Decisions made, by (speculate, reason): `decide`'s and `repeat`'s."""
+        self._count_repeats()
+        return self._decisions
+
     # ----- costs: measured at start-up, then followed online -----
     @property
     def costs(self) -> StepCosts | None:
@@ -215,6 +236,7 @@ class SpecPolicy:
     def costs(self, costs: StepCosts | None) -> None:
         """Start from `costs` (kept as `startup_costs`); the live copy is updated in place."""
         self.startup_costs = costs
+        self._epoch += 1
         self._costs = None
         self._windows: dict[tuple[str, int], deque[float]] = {}
         if costs is not None:
@@ -226,10 +248,14 @@ class SpecPolicy:
         requests. Ignored without start-up costs or past the measured sizes, and for refresh
         steps: whether to refresh is judged by the start-up ratio alone (`_refresh_pays`), so a
         served refresh cost would drive nothing."""
+        self.observe_steps(kind, bs, (seconds,))
+
+    def observe_steps(self, kind: str, bs: int, seconds: Iterable[float]) -> None:
+        """`observe_step` for several steps of one kind and size, oldest first."""
         if kind not in STEP_KINDS:
             raise ValueError(f"observe_step: kind must be one of {STEP_KINDS}, got {kind!r}")
         costs = self._costs
-        if costs is None or kind == "refresh" or not self.follow_served_steps or not seconds > 0:
+        if costs is None or kind == "refresh" or not self.follow_served_steps:
             return
         table = costs.plain_s if kind == "plain" else costs.spec_s
         size = costs.size_for(bs)
@@ -239,8 +265,11 @@ class SpecPolicy:
         if window is None:
             window = deque([table[size]] * STARTUP_WEIGHT, maxlen=COST_WINDOW)
             self._windows[(kind, size)] = window
-        window.append(seconds)
-        table[size] = sorted(window)[len(window) // 4]  # the lower quartile
+        window.extend(s for s in seconds if s > 0)
+        cost = sorted(window)[len(window) // 4]  # the lower quartile
+        if cost != table[size]:
+            table[size] = cost
+            self._epoch += 1
 
     def cost_window(self, kind: str, bs: int) -> list[float]:
         """The seconds the current `kind` cost at bs's size is the lower quartile of: the
@@ -260,9 +289,11 @@ class SpecPolicy:
 
     def reset_observations(self) -> None:
         """Back to the prior: no accept lengths observed, no probe under way."""
+        self._count_repeats()
         self._sum = self._weight = 0.0
         self._off_streak = self._probe_left = self._doubts = 0
         self._paying = None
+        self._epoch += 1
 
     def observe(self, accept_lens: list[int]) -> None:
         """Accept lengths (1..k+1) of requests one speculative step verified (fresh caches)."""
@@ -270,19 +301,45 @@ class SpecPolicy:
         for n in accept_lens:
             self._sum = self._sum * decay + n
             self._weight = self._weight * decay + 1.0
+        if accept_lens:
+            self._epoch += 1
 
     # ----- the decision -----
     def decide(self, bs: int, num_stale: int = 0) -> Decision:
         """Whether a decode step of `bs` requests, `num_stale` of them with stale draft caches,
         speculates (counted)."""
+        self._count_repeats()
         d = self._decide(bs, num_stale)
-        self.decisions[(d.speculate, d.reason)] += 1
+        self._decisions[(d.speculate, d.reason)] += 1
         self._off_streak = 0 if d.speculate else self._off_streak + 1
         # (pays and hold need measured costs)
         self._paying = self._costs.size_for(bs) if d.reason in ("pays", "hold") else None
         if d.reason != "hold":
             self._doubts = 0
+        # Only a plain decision for a batch whose every cache is stale repeats as it was made
+        # (with a fresh cache a decision off also counts towards the next probe).
+        self._last = (d, self._epoch) if d.plain and num_stale >= bs else None
         return d
+
+    def repeat(self) -> Decision | None:
+        """`decide` again with the arguments of the last call, when its batch had every cache
+        stale, its decision was plain (no draft work) and nothing it was made from has changed
+        since (costs, observations, `forced`): that decision (counted), else None. What a plain step of an unchanged batch
+        costs the host: on a small model a step's host work is its time, and `decide`'s cold
+        caches took 8-18 us of a ~400 us step on the CPU machine (bench/RESULTS.md)."""
+        last = self._last
+        if last is None or last[1] != self._epoch:
+            return None
+        self._repeats += 1
+        return last[0]
+
+    def _count_repeats(self) -> None:
+        """Count the repeated decisions: plain ones, each another decision off."""
+        if self._repeats:
+            d = self._last[0]
+            self._decisions[(d.speculate, d.reason)] += self._repeats
+            self._off_streak += self._repeats
+            self._repeats = 0
 
     def _decide(self, bs: int, num_stale: int) -> Decision:
         if self.forced is not None:

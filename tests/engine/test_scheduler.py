@@ -114,3 +114,72 @@ def test_lookahead_pages_are_reserved_before_the_step_and_count_in_admission() -
     # The verify step accepted 2 drafts: they were computed too.
     sched.after_step(out, num_accepted=[2])
     assert a.num_computed_tokens == 5 + 1 + 2
+
+
+def test_batch_id_is_the_same_exactly_when_the_batch_is() -> None:
+    """`SchedulerOutput.batch_id`: two outputs in a row with the same id schedule the same
+    requests in the same order, and a steady decode batch keeps its id (what the speculative
+    decoder's plain fast path relies on). Random arrivals, finishes, aborts, preemptions (few
+    pages), budgets that leave requests out, and running requests skipped for a pending last
+    token (overlap scheduling)."""
+    import random
+
+    rng = random.Random(0)
+    for trial in range(20):
+        sched = Scheduler(
+            PageAllocator(rng.choice([12, 40, 200])),
+            page_size=4,
+            max_num_seqs=rng.choice([2, 4, 8]),
+            max_num_batched_tokens=rng.choice([6, 16, 64]),
+        )
+        prev, kept = None, 0
+        for step in range(60):
+            if rng.random() < 0.2:
+                sched.add(make(f"{trial}-{step}", rng.randint(1, 12)))
+            running = [r for r in sched.running if not r.is_finished]
+            if running and rng.random() < 0.1:
+                sched.finish(rng.choice(running))  # finished or aborted
+            skipped = None
+            if running and rng.random() < 0.1:  # its last token still on the device
+                skipped = rng.choice([r for r in running if not r.is_finished] or [None])
+                if skipped is not None:
+                    skipped.max_tokens, skipped.num_pending_tokens = skipped.num_output_tokens, 1
+            out = run_step(sched)
+            if skipped is not None:
+                skipped.num_pending_tokens = 0
+                sched.finish(skipped)
+            batch = [s.request for s in out.scheduled]
+            if prev is not None and out.batch_id == prev[0]:
+                assert batch == prev[1] and all(a is b for a, b in zip(batch, prev[1]))
+                kept += 1
+            prev = (out.batch_id, batch)
+    assert kept >= 20  # and steady stretches keep their id (40 with this seed)
+
+
+def test_a_steady_decode_batch_keeps_its_id() -> None:
+    sched = Scheduler(PageAllocator(100), page_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    for rid in "ab":
+        sched.add(make(rid, 3))
+    ids = [run_step(sched).batch_id for _ in range(4)]
+    assert ids[0] == ids[1] == ids[2] == ids[3]  # the prefill, then the same two decoding
+    sched.add(make("c", 3))
+    assert run_step(sched).batch_id != ids[0]  # an arrival
+    again = run_step(sched).batch_id
+    sched.finish(sched.running[0])
+    assert run_step(sched).batch_id != again  # a finish
+
+
+def test_a_batch_left_short_then_whole_again_gets_a_new_id() -> None:
+    """A step that leaves a running request out (here: its last token pending on the device)
+    and the next, which schedules it again with nothing else changed, are different batches."""
+    sched = Scheduler(PageAllocator(100), page_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    for rid in "ab":
+        sched.add(make(rid, 3))
+    whole = run_step(sched).batch_id
+    b = sched.running[1]
+    max_tokens, b.max_tokens, b.num_pending_tokens = b.max_tokens, b.num_output_tokens, 1
+    short = run_step(sched)
+    assert [s.request.request_id for s in short.scheduled] == ["a"] and short.batch_id != whole
+    b.max_tokens, b.num_pending_tokens = max_tokens, 0
+    again = run_step(sched)
+    assert len(again.scheduled) == 2 and again.batch_id != short.batch_id

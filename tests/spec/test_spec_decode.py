@@ -11,6 +11,7 @@ import torch
 
 from mlaserve import LLM, SamplingParams, llm_engine
 from mlaserve.spec import StepCosts
+from mlaserve.spec.spec_decoder import OBSERVE_EVERY
 from mlaserve.spec.spec_policy import FORCED_PLAIN, FORCED_REFRESH, FORCED_SPEC
 from tests.spec.oracle_drafter import OracleDrafter
 
@@ -295,7 +296,9 @@ def test_a_prefill_the_policy_keeps_plain_runs_no_draft_pass(
     """With overlap scheduling, step costs under which speculation never pays and a refresh
     costs half a step (data, as a GPU start-up would measure them), every step runs as a plain
     engine's, the prefill included: the draft never runs, not even over the prompts, and the
-    caches are stale from the first step. Outputs are speculation-off's, no page stays held."""
+    caches are stale from the first step. Outputs are speculation-off's, no page stays held.
+    Once the batch is steady, its plain steps do no per-request work in the decoder and the
+    policy repeats its decision (`SpecPolicy.repeat`), each still counted."""
     _, prompts, expected = reference
     llm = LLM(mtp_path, num_speculative_tokens=K, max_num_seqs=4, overlap_schedule=True, **CPU)
     engine = llm.engine
@@ -304,6 +307,11 @@ def test_a_prefill_the_policy_keeps_plain_runs_no_draft_pass(
     policy.costs = StepCosts(plain_s={4: 1.0}, spec_s={4: 9.0}, refresh_s={4: 1.5})
     drafter = engine.spec_decoder.drafter
     passes = []
+    full = []  # the decoder's per-request decisions
+    real_decide = engine.spec_decoder._decide
+    monkeypatch.setattr(
+        engine.spec_decoder, "_decide", lambda *a: full.append(1) or real_decide(*a)
+    )
     for name in ("after_extend", "after_decode"):
         real = getattr(drafter, name)
 
@@ -328,6 +336,10 @@ def test_a_prefill_the_policy_keeps_plain_runs_no_draft_pass(
     assert engine.get_stats().spec_num_drafts == 0
     assert [out[i] for i in range(3)] == expected[:3]
     assert_pages_free(llm)
+    # the prefill and the first decode step decide per request; the rest repeat
+    steps = len(expected[0])
+    assert len(full) == 2 and steps > 8
+    assert engine.get_stats().spec_decisions == {"off:does_not_pay": steps}
 
 
 def test_stops_in_an_overlapped_plain_step(mtp_path, reference, monkeypatch) -> None:
@@ -436,7 +448,8 @@ def test_served_steps_update_the_costs(mtp_path, reference) -> None:
 def test_only_settled_batches_feed_the_costs(mtp_path, reference) -> None:
     """A decode step's wall time reaches the policy only when the step before was of the same
     kind over the same requests: the first steps after a prefill or an arrival are slower than
-    settled ones and would make speculation look dearer than it is."""
+    settled ones and would make speculation look dearer than it is. Speculative steps report
+    each step, plain ones in groups of OBSERVE_EVERY."""
     _, prompts, _ = reference
     llm = LLM(mtp_path, num_speculative_tokens=K, max_num_seqs=2, **CPU)
     engine = llm.engine
@@ -444,7 +457,7 @@ def test_only_settled_batches_feed_the_costs(mtp_path, reference) -> None:
     policy.costs = StepCosts(plain_s={2: 1.0}, spec_s={2: 1.0})
     policy.forced = FORCED_SPEC
     seen: list[tuple[str, int]] = []
-    policy.observe_step = lambda kind, bs, seconds: seen.append((kind, bs))
+    policy.observe_steps = lambda kind, bs, seconds: seen.extend((kind, bs) for _ in seconds)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     engine.add_request("a", prompts[2], params)
     engine.step()  # a's prefill
@@ -463,7 +476,10 @@ def test_only_settled_batches_feed_the_costs(mtp_path, reference) -> None:
     engine.step()  # verifies the drafts both hold, drafts none: a switch, not counted
     engine.step()  # the first plain step
     engine.step()
-    assert seen[3:] == [("plain", 2)]
+    assert seen[3:] == []  # held until OBSERVE_EVERY settled plain steps
+    for _ in range(OBSERVE_EVERY - 1):
+        engine.step()
+    assert seen[3:] == [("plain", 2)] * OBSERVE_EVERY
     for rid in ("a", "b"):
         engine.abort_request(rid)
     assert_pages_free(llm)

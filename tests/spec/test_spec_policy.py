@@ -265,3 +265,58 @@ def test_reset_observations_returns_to_the_prior() -> None:
     assert policy.accept_length_estimate > 3.5
     policy.reset_observations()
     assert policy.accept_length_estimate == pytest.approx(policy.prior)
+
+
+def test_repeat_is_decide_for_an_all_stale_batch() -> None:
+    """`repeat` stands for `decide(bs, bs)` again (an unchanged batch, every cache stale) while
+    nothing the decision was made from changes: the same decision, counted alike, and the
+    decisions off it counts lead to the next probe as decide's do. Two policies, one deciding
+    every step and one repeating where it can, through served costs that move the break-even
+    across 1 / (1 + margin) (spec dearer, then cheaper than plain), `forced`, a fresh batch."""
+    costs = StepCosts(plain_s={4: 1.0}, spec_s={4: 2.0})
+    twins = SpecPolicy(K, costs), SpecPolicy(K, costs)
+    deciding, repeating = twins
+    schedule = [("plain", 1.0)] * 40 + [("plain", 3.0)] * 60 + [("plain", 1.0)] * 60
+    repeated, reasons = 0, set()
+    for i, (kind, seconds) in enumerate(schedule):
+        if i == 70:
+            for p in twins:
+                p.forced = FORCED_PLAIN
+        if i == 80:
+            for p in twins:
+                p.forced = None
+        expected = deciding.decide(4, num_stale=4)
+        reasons.add(expected.reason)
+        got = repeating.repeat()
+        repeated += got is not None
+        assert (got or repeating.decide(4, num_stale=4)) == expected, i
+        for p in twins:
+            p.observe_step(kind, 4, seconds)
+    assert 100 < repeated < len(schedule)  # repeats where it can; decides where costs moved
+    assert reasons == {"does_not_pay", "pays", "forced"}
+    assert repeating.decisions == deciding.decisions
+    # decisions off counted by repeat lead to the same probe for a batch with fresh caches
+    for p in twins:  # break-even 1.3: a probe every PROBE_EVERY decisions off
+        p.costs = StepCosts(plain_s={4: 1.0}, spec_s={4: 1.3})
+        p.observe([1] * 2000)  # L_hat ~ 1: off by cost
+    for _ in range(PROBE_EVERY * 2):
+        deciding.decide(4, 4)
+        assert repeating.repeat() is not None or repeating.decide(4, 4)
+    fresh = [(p.decide(4, num_stale=0).reason, p.decide(4, num_stale=0).reason) for p in twins]
+    assert fresh[0] == fresh[1] == ("probe", "probe")
+    assert repeating.decisions == deciding.decisions
+
+
+def test_repeat_only_after_a_plain_all_stale_decision() -> None:
+    policy = SpecPolicy(K, COSTS)
+    assert policy.repeat() is None  # nothing decided yet
+    assert policy.decide(4, num_stale=0).speculate  # the prior pays at bs 4
+    assert policy.repeat() is None
+    policy.observe([1] * 2000)
+    assert not policy.decide(16, num_stale=15).speculate  # one fresh cache: not repeatable
+    assert policy.repeat() is None
+    d = policy.decide(16, num_stale=16)
+    assert policy.repeat() is d and policy.repeat() is d
+    assert policy.decisions[(False, "does_not_pay")] == 4
+    policy.costs = COSTS  # new costs: decide again
+    assert policy.repeat() is None
