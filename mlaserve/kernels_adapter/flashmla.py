@@ -15,7 +15,7 @@ captures and re-runs on replay. One schedule per forward, shared by all layers.
 
 Only uniform batches (DECODE / VERIFY / DRAFT_EXTEND, q_len <= 8) use the kernel: the batch's
 stated mode decides, never its shapes. Those of at most `small_batch_max_rows()` query rows
-(bs * q_len, a host int fixed per captured graph; 2 unless `MLASERVE_MLA_DECODE_ROWS` says
+(bs * q_len, a host int fixed per captured graph; 4 unless `MLASERVE_MLA_DECODE_ROWS` says
 otherwise) go to the Triton split-KV kernel of `ops/mla_decode.py` instead. With fused ops the
 others take a joined query (`joined_q_dtype`, `forward_joined`): at decode sizes the layer's
 W_UK GEMV writes q in the kernel's dtype itself, so `ops/q_prep.py` does not run
@@ -57,8 +57,12 @@ PAGE_SIZE = 64
 # 2.013 ms with the Triton kernel against 2.040 with FlashMLA, bs 2 2.923 against 2.970 (its
 # split kernel 8.8 us and combine 2.2 us a layer, against 9.0 + 3.1 us). On an H100 an earlier
 # version lost at bs 1 (2.619 against 2.591 ms), before the per-layer cost of the kernels around
-# it changed; bench/RESULTS.md.
-SMALL_BATCH_MAX_ROWS = 2
+# it changed; bench/RESULTS.md. At 4 rows (a bs-1 VERIFY or DRAFT_EXTEND with k = 3, a bs-4
+# decode) FlashMLA took 10.7 + 2.6 us a layer (H200, V3-lite, PDL off) against the Triton
+# kernel's 5.7 + 2.0 at one row; the V3-lite graphs with 4 (two runs each, H200, 2026-11-26):
+# bs-1 speculative step 4.846 / 4.854 -> 4.682 / 4.705 ms, bs-4 decode 4.179 / 4.181 -> 4.059 /
+# 4.057, bs-4 speculative step 8.288 / 8.320 -> 8.238 / 8.234, bs-1 decode unchanged.
+SMALL_BATCH_MAX_ROWS = 4
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 

@@ -70,9 +70,11 @@ def test_flashmla_takes_joined_queries_for_the_batches_it_attends(monkeypatch) -
 @pytest.mark.skipif(not flashmla.flashmla_available(), reason="needs an SM90 GPU, sgl-flash-mla")
 @pytest.mark.parametrize("q_len", [1, 3])
 @pytest.mark.parametrize("kv_dtype", [BF16, FP8], ids=["bf16", "fp8"])
-def test_forward_joined_equals_forward(kv_dtype: torch.dtype, q_len: int) -> None:
+def test_forward_joined_equals_forward(kv_dtype: torch.dtype, q_len: int, monkeypatch) -> None:
     """W_UK's GEMV writing the joined query, then `forward_joined`, gives the bits of the GEMV
-    then `forward` (q preparation inside) over the same cache and batch, at V2-Lite's heads."""
+    then `forward` (q preparation inside) over the same cache and batch, at V2-Lite's heads
+    (FlashMLA's batches: none goes to the small-batch Triton kernel here)."""
+    monkeypatch.setenv("MLASERVE_MLA_DECODE_ROWS", "0")
     from mlaserve.ops.head_gemv import HEAD_GEMV_MAX_M, head_gemv
 
     rank, rope, heads = DIMS
