@@ -114,12 +114,9 @@ def _window_summary(policy, kind: str, bs: int) -> str:
     startup = policy.startup_costs
     size = startup.size_for(bs)
     first = (startup.spec_s if kind == "spec" else startup.plain_s)[size]
-    window = policy.cost_window(kind, bs)
-    head = 0  # the start-up figure's copies lead the window until pushed out
-    while head < len(window) and window[head] == first:
-        head += 1
-    served = window[head:]
-    seen = f"served n={len(served)}"
+    now = (policy.costs.spec_s if kind == "spec" else policy.costs.plain_s)[size]
+    served = policy.served_steps(kind, bs)
+    seen = f"now {now * 1e3:.3f}, served n={len(served)}"
     if served:
         seen += f" median {statistics.median(served) * 1e3:.3f} max {max(served) * 1e3:.3f}"
     return f"{kind} start-up {first * 1e3:.3f} ms, {seen}"

@@ -18,6 +18,15 @@ garbage-collection pause, the host scheduler) and comes in stretches: on an H100
 32 served speculative steps at bs 1 swung between 0.88 and 1.28 ms from one run to the next,
 which moved the break-even across the accept length and the decision with it.
 
+A served cost below its start-up figure says the start-up rounds ran slow (noise only adds
+time), and the other kind's figure, measured in the same rounds, is taken as slow by the same
+factor: its start-up copies count scaled down (never up) until its own served steps outvote them.
+A policy that serves one kind observes nothing of the other, so without this a start-up slowed
+by the host set the break-even for good: on an H200 (default model, k = 2, bs 1) the start-up
+rounds read plain 0.72 / spec 1.60 ms where serving took 0.38 / 0.96, the served spec cost over
+the start-up plain one put the break-even at 1.3 against the true 2.5, and the policy speculated
+every step at 1.75x the TPOT of speculation off.
+
 Accept length. L_hat is a running estimate: a prior of `PRIOR_WEIGHT` pseudo-steps at the accept
 length of a chain whose every position is accepted with probability `PRIOR_RATE`
 (1 + p + ... + p^k: 2.95 for p = 0.8, k = 3), plus the observed lengths with exponential
@@ -105,6 +114,16 @@ OFF_AFTER = 8  # speculating: turn off after this many decisions in a row that i
 COST_WINDOW = 32  # served steps an online cost is the lower quartile of
 STARTUP_WEIGHT = 4  # served steps the start-up measurement counts as, until outvoted
 STEP_KINDS = ("spec", "plain", "refresh")
+
+
+def _window(seed: float, served) -> list[float]:
+    """The start-up figure's STARTUP_WEIGHT copies, less those the served steps pushed out of a
+    COST_WINDOW window, then the served steps (at most COST_WINDOW, newest kept)."""
+    return [seed] * max(0, min(STARTUP_WEIGHT, COST_WINDOW - len(served))) + list(served)
+
+
+def _lower_quartile(window: list[float]) -> float:
+    return sorted(window)[len(window) // 4]
 
 
 def prior_accept_length(k: int, rate: float = PRIOR_RATE) -> float:
@@ -238,7 +257,10 @@ class SpecPolicy:
         self.startup_costs = costs
         self._epoch += 1
         self._costs = None
-        self._windows: dict[tuple[str, int], deque[float]] = {}
+        # per (kind, size): the served steps' seconds, and what the start-up figure counts as
+        # (itself, or scaled down with the other kind's; module doc)
+        self._served: dict[tuple[str, int], deque[float]] = {}
+        self._seed: dict[tuple[str, int], float] = {}
         if costs is not None:
             refresh = dict(costs.refresh_s) if costs.refresh_s is not None else None
             self._costs = StepCosts(dict(costs.plain_s), dict(costs.spec_s), refresh)
@@ -257,26 +279,55 @@ class SpecPolicy:
         costs = self._costs
         if costs is None or kind == "refresh" or not self.follow_served_steps:
             return
-        table = costs.plain_s if kind == "plain" else costs.spec_s
         size = costs.size_for(bs)
         if size is None:
             return
-        window = self._windows.get((kind, size))
-        if window is None:
-            window = deque([table[size]] * STARTUP_WEIGHT, maxlen=COST_WINDOW)
-            self._windows[(kind, size)] = window
-        window.extend(s for s in seconds if s > 0)
-        cost = sorted(window)[len(window) // 4]  # the lower quartile
-        if cost != table[size]:
-            table[size] = cost
+        served = self._served.get((kind, size))
+        if served is None:
+            served = self._served[(kind, size)] = deque(maxlen=COST_WINDOW)
+        served.extend(s for s in seconds if s > 0)
+        changed = self._update(kind, size)
+        # A served cost below the start-up figure means the start-up rounds ran slow by that
+        # factor (noise only adds time): the other kind's figure, measured in the same rounds,
+        # counts as scaled down alike.
+        startup = self._startup(kind, size)
+        own = _lower_quartile(_window(startup, served))  # this kind's own evidence alone
+        other = "spec" if kind == "plain" else "plain"
+        seed = self._startup(other, size) * min(1.0, own / startup)
+        if seed != self._seed.get((other, size)):
+            self._seed[(other, size)] = seed
+            changed |= self._update(other, size)
+        if changed:
             self._epoch += 1
+
+    def _startup(self, kind: str, size: int) -> float:
+        startup = self.startup_costs
+        return (startup.plain_s if kind == "plain" else startup.spec_s)[size]
+
+    def _update(self, kind: str, size: int) -> bool:
+        """Recompute the live cost of `kind` at `size` -> whether it changed."""
+        table = self._costs.plain_s if kind == "plain" else self._costs.spec_s
+        cost = _lower_quartile(self.cost_window(kind, size))
+        if cost == table[size]:
+            return False
+        table[size] = cost
+        return True
 
     def cost_window(self, kind: str, bs: int) -> list[float]:
         """The seconds the current `kind` cost at bs's size is the lower quartile of: the
-        start-up figure (`STARTUP_WEIGHT` times, until pushed out) and the served steps since,
-        oldest first."""
+        start-up figure (`STARTUP_WEIGHT` times, until pushed out; scaled down where the other
+        kind's served steps say the start-up ran slow) and the served steps since, oldest
+        first."""
         size = self._costs.size_for(bs) if self._costs is not None else None
-        return list(self._windows.get((kind, size), ()))
+        if size is None:
+            return []
+        seed = self._seed.get((kind, size), self._startup(kind, size))
+        return _window(seed, self._served.get((kind, size), ()))
+
+    def served_steps(self, kind: str, bs: int) -> list[float]:
+        """The served steps' seconds in `kind`'s window at bs's size, oldest first."""
+        size = self._costs.size_for(bs) if self._costs is not None else None
+        return list(self._served.get((kind, size), ()))
 
     # ----- accept length -----
     @property

@@ -320,3 +320,28 @@ def test_repeat_only_after_a_plain_all_stale_decision() -> None:
     assert policy.decisions[(False, "does_not_pay")] == 4
     policy.costs = COSTS  # new costs: decide again
     assert policy.repeat() is None
+
+
+def test_a_slow_startup_scales_the_unserved_kind_down() -> None:
+    """The start-up rounds ran 1.67x slow (both kinds; the H200 case in the module doc): while
+    only speculative steps are served, their cost falls to what serving shows and the plain
+    figure falls with it, so the break-even stays the start-up ratio (2.23) instead of dropping
+    to served spec / start-up plain (1.33), and an accept length of 1.6 does not pay. Scaling
+    never goes up: slower served steps leave the other kind's figure alone."""
+    slow = StepCosts(plain_s={1: 0.72e-3}, spec_s={1: 1.604e-3})
+    policy = SpecPolicy(K, slow)
+    for _ in range(COST_WINDOW):
+        policy.observe_step("spec", 1, 0.96e-3)
+    assert policy.costs.spec_s[1] == pytest.approx(0.96e-3)
+    assert policy.costs.plain_s[1] == pytest.approx(0.72e-3 * 0.96 / 1.604)
+    assert policy.costs.break_even(1) == pytest.approx(1.604 / 0.72)
+    policy.observe([2] * 30 + [1] * 20)  # L_hat ~ 1.6
+    assert policy.decide(1, num_stale=0).reason == "does_not_pay"
+    for _ in range(COST_WINDOW):  # its own served steps outvote the scaled figure
+        policy.observe_step("plain", 1, 0.38e-3)
+    assert policy.costs.plain_s[1] == pytest.approx(0.38e-3)
+    assert policy.costs.break_even(1) == pytest.approx(0.96 / 0.38)
+    dearer = SpecPolicy(K, slow)
+    for _ in range(COST_WINDOW):
+        dearer.observe_step("spec", 1, 3e-3)
+    assert dearer.costs.plain_s[1] == pytest.approx(0.72e-3)
