@@ -88,6 +88,7 @@ class SpecDecoder:
         self._batch_id: int | None = None
         self._prev_key: tuple | None = None  # (kind, batch id) of the step before, if steady
         self._pending: list[float] = []  # settled plain steps' seconds not yet given the policy
+        self._pending_size = 0  # and their batch size
         # The batch id of the last step when it was a plain decode step (every request's draft
         # cache stale, no drafts): the next step of that batch needs no per-request work.
         self._plain_batch: int | None = None
@@ -199,6 +200,7 @@ class SpecDecoder:
             else:
                 pending = self._pending
                 pending.append(seconds)
+                self._pending_size = self._batch_size
                 if len(pending) >= OBSERVE_EVERY:
                     self._flush_observed()
         elif self._pending:
@@ -209,7 +211,9 @@ class SpecDecoder:
         """Hand the settled plain steps' wall times held since the last flush to the policy:
         in groups of OBSERVE_EVERY steps, one sort of its window each instead of one per step
         (a speculative step is dearer, and its own host work larger: it reports each step)."""
-        self.policy.observe_steps("plain", self._batch_size, self._pending)
+        # (the batch size of the steps held: a flush on a change of batch runs after `_decide`
+        # has taken the new batch's)
+        self.policy.observe_steps("plain", self._pending_size, self._pending)
         self._pending = []
 
     # ----- EXTEND: plain target forward, then the draft over the same rows -----

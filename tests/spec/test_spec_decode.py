@@ -483,6 +483,11 @@ def test_only_settled_batches_feed_the_costs(mtp_path, reference) -> None:
     for _ in range(OBSERVE_EVERY - 1):
         engine.step()
     assert seen[3:] == [("plain", 2)] * OBSERVE_EVERY
+    engine.step()
+    engine.step()  # two more settled plain steps of {a, b}, held
+    engine.abort_request("b")
+    engine.step()  # a alone: the held steps go to the policy as {a, b}'s
+    assert seen[3 + OBSERVE_EVERY :] == [("plain", 2)] * 2
     for rid in ("a", "b"):
         engine.abort_request(rid)
     assert_pages_free(llm)
