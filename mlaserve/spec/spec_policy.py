@@ -99,6 +99,7 @@ __all__ = [
     "Decision",
     "SpecPolicy",
     "StepCosts",
+    "lower_quartile",
     "prior_accept_length",
 ]
 
@@ -122,8 +123,9 @@ def _window(seed: float, served) -> list[float]:
     return [seed] * max(0, min(STARTUP_WEIGHT, COST_WINDOW - len(served))) + list(served)
 
 
-def _lower_quartile(window: list[float]) -> float:
-    return sorted(window)[len(window) // 4]
+def lower_quartile(seconds: list[float]) -> float:
+    """The lower quartile of step times: noise only adds time (module doc)."""
+    return sorted(seconds)[len(seconds) // 4]
 
 
 def prior_accept_length(k: int, rate: float = PRIOR_RATE) -> float:
@@ -291,7 +293,7 @@ class SpecPolicy:
         # factor (noise only adds time): the other kind's figure, measured in the same rounds,
         # counts as scaled down alike.
         startup = self._startup(kind, size)
-        own = _lower_quartile(_window(startup, served))  # this kind's own evidence alone
+        own = lower_quartile(_window(startup, served))  # this kind's own evidence alone
         other = "spec" if kind == "plain" else "plain"
         seed = self._startup(other, size) * min(1.0, own / startup)
         if seed != self._seed.get((other, size)):
@@ -307,7 +309,7 @@ class SpecPolicy:
     def _update(self, kind: str, size: int) -> bool:
         """Recompute the live cost of `kind` at `size` -> whether it changed."""
         table = self._costs.plain_s if kind == "plain" else self._costs.spec_s
-        cost = _lower_quartile(self.cost_window(kind, size))
+        cost = lower_quartile(self.cost_window(kind, size))
         if cost == table[size]:
             return False
         table[size] = cost
@@ -375,9 +377,10 @@ class SpecPolicy:
     def repeat(self) -> Decision | None:
         """`decide` again with the arguments of the last call, when its batch had every cache
         stale, its decision was plain (no draft work) and nothing it was made from has changed
-        since (costs, observations, `forced`): that decision (counted), else None. What a plain step of an unchanged batch
-        costs the host: on a small model a step's host work is its time, and `decide`'s cold
-        caches took 8-18 us of a ~400 us step on the CPU machine (bench/RESULTS.md)."""
+        since (costs, observations, `forced`): that decision (counted), else None. What a plain
+        step of an unchanged batch costs the host: on a small model a step's host work is its
+        time, and `decide`'s cold caches took 8-18 us of a ~400 us step on the CPU machine
+        (bench/RESULTS.md)."""
         last = self._last
         if last is None or last[1] != self._epoch:
             return None

@@ -43,7 +43,13 @@ from typing import Any
 import torch
 
 from mlaserve.spec.mtp_drafter import target_mode
-from mlaserve.spec.spec_policy import FORCED_PLAIN, FORCED_REFRESH, FORCED_SPEC, StepCosts
+from mlaserve.spec.spec_policy import (
+    FORCED_PLAIN,
+    FORCED_REFRESH,
+    FORCED_SPEC,
+    StepCosts,
+    lower_quartile,
+)
 
 __all__ = ["measure_engine_step_costs", "replay_step_times", "time_replays"]
 
@@ -180,7 +186,7 @@ def measure_engine_step_costs(engine: Any, steps: int = 10, rounds: int = 5) -> 
                         engine.step()
                         times[kind].setdefault(size, []).append(time.perf_counter() - t0)
     plain_s, spec_s, refresh_s = (
-        {b: sorted(t)[len(t) // 4] for b, t in times[kind].items()}  # the lower quartile
+        {b: lower_quartile(t) for b, t in times[kind].items()}
         for kind in ("plain", "spec", "refresh")
     )
     return StepCosts(plain_s=plain_s, spec_s=spec_s, refresh_s=refresh_s)
