@@ -21,10 +21,12 @@ Part 2, a V2-Lite-sized DeepSeek-V3-architecture checkpoint with one MTP layer (
 so accept lengths mean nothing there): per captured batch size, on the rows of real requests
 (random 64-token prompts, each row its own token and position, so each routes on its own;
 `step_timer.replay_step_times`), the device time of
-  decode  = DECODE graph + argmax (a plain step: an engine without speculation, and a step of a
-            speculative engine whose policy says no: it does no draft work),
+  decode  = DECODE graph, its greedy argmax inside (a plain step: an engine without
+            speculation, and a step of a speculative engine whose policy says no: it does no
+            draft work),
   spec    = VERIFY graph (k+1 rows: the requests' next VERIFY batch, last token + k drafts)
-            + argmax + DRAFT_EXTEND graph (on the argmax tokens) + DRAFT graph (k tokens),
+            + argmax (greedy acceptance's) + DRAFT_EXTEND graph (on the argmax tokens) + DRAFT
+            graph (k tokens),
   draft   = the DRAFT graph alone (top-1 + k-1 chain steps), per draft token,
 the break-even accept length spec / decode (device) and the policy's (engine steps, wall time,
 host work included), and each step's bytes floor: every non-expert weight

@@ -386,11 +386,12 @@ class LLMEngine:
     def _launch(self, scheduled: SchedulerOutput, prev: _InFlight | None) -> _InFlight:
         """Forward and sample on the device; the sampled tokens stay pending there."""
         host = self.runner.build_host_batch(scheduled, prev.sample.feed if prev else None)
-        logits = self.graphs.run(host)
+        target = self.graphs.run_with_hidden(host)
+        logits = target.logits[: target.num_rows]
         if host.prompt_spans:
             for scored in self.runner.prompt_logprobs(logits, host):
                 self._record_prompt_logprobs(scored)
-        sample = self.runner.sample_async(logits, scheduled, self.grammar)
+        sample = self.runner.sample_async(logits, scheduled, self.grammar, target.greedy)
         self.scheduler.after_step(scheduled)
         for row, r in enumerate(scheduled.sampled_requests):
             r.num_pending_tokens += 1

@@ -9,11 +9,13 @@ from mlaserve.sampling_params import RequestOutputKind, SamplingParams
 from tests.device_ops import DeviceOps, uncounted
 
 
-def test_a_steady_greedy_decode_step_runs_nine_device_ops(small_engine: LLMEngine) -> None:
+def test_a_steady_greedy_decode_step_runs_eight_device_ops(small_engine: LLMEngine) -> None:
     """Outside the forward: the input split (token rows, length rows, table-row gather; no page
-    is appended at this step), the sampling batch's steps, argmax, the finite check, and the
-    read-back. On CUDA the staging row's host->device copy adds one (a CPU small_engine needs none).
-    The code before this test came in ran 19 here."""
+    is appended at this step), argmax, the finite check, and the read-back; an all-greedy
+    batch uploads no steps (no row draws noise). On CUDA the staging row's host->device copy
+    adds one (a CPU small_engine needs none), and a DECODE graph's own argmax replaces the
+    argmax, the finite check and the `where` (tests/graph_runner's GPU test counts that
+    path). The code before this test came in ran 19 here."""
     greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)  # fmt: skip
     for i in range(3):
@@ -34,7 +36,6 @@ def test_a_steady_greedy_decode_step_runs_nine_device_ops(small_engine: LLMEngin
     assert dict(counted.ops) == {
         "copy_": 3,  # token rows, length rows, the read-back (device -> host)
         "index_select": 1,  # the batch's page-table rows
-        "to": 1,  # the sampling batch's steps (host -> device)
         "argmax": 1,
         "gather": 1,  # the finite check of greedy rows: the chosen logit ...
         "isfinite": 1,  # ... is finite

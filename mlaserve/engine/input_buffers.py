@@ -12,6 +12,10 @@ int64 token arrays are rows of one device tensor and the two int32 length arrays
 another, laid out as in the staging row, so the split is two copies (each a kernel launch on
 CUDA), not six. Rows are 256-byte aligned, as separate allocations would be.
 
+A CUDA graph may replay the split itself (`split`, captured at the start of the graph; `fill`
+with `split=False` then stages and uploads only): on a small model a decode step is host-bound,
+and the split's three launches were ~30-40 us of its host time on the H100 host.
+
 A decode step's shapes repeat, so the views a `ForwardBatch` hands out (and the upload's
 source and destination views) are built once per shape and reused: a view is a Python object
 over the same storage, and creating ~20 of them per step was a sizeable part of its host work.
@@ -123,6 +127,9 @@ class InputBuffers:
         self._host_np = [h.numpy() for h in self._host]
         self._turn = 0
         self._dev = zeros(self._staging_len, dtype=torch.int64) if pin else None
+        # The device staging row's input-id row: where `fill(split=False)` resolves future ids
+        # (the split that a graph replays copies them on with the rest).
+        self._dev_ids = self._groups(self._dev)[0][0] if pin else None
         # The staging rows' groups (token rows, length rows, the page-table part) as arrays,
         # where `fill` writes them, and as tensors: the upload's sources, per turn (the host
         # rows on CPU; the device row, either turn, on CUDA).
@@ -141,9 +148,14 @@ class InputBuffers:
         pad_to: int | None = None,
         max_seq_len: int,
         q_len: int | None = None,
+        split: bool = True,
         **batch_kwargs,
     ) -> ForwardBatch:
         """Copy a step's inputs into the buffers; returns a ForwardBatch of views.
+
+        `split=False` (CUDA only): stage and upload, but leave the device-side split to a CUDA
+        graph that replays `split(batch)` before its forward; the views hold the previous
+        step's values until it does.
 
         `pad_to`: the captured batch size this step replays in (uniform modes only); rows past
         `host.num_seqs` are padding. `q_len`: the uniform tokens per sequence (default: the
@@ -169,6 +181,8 @@ class InputBuffers:
                 f"batch of {num_seqs} seqs (padded to {bs}) / {num_tokens} tokens exceeds the "
                 f"buffers ({self.max_num_seqs} seqs / {self.max_num_tokens} tokens)"
             )
+        if not split and self._dev is None:
+            raise ValueError("fill(split=False): the split is left to a CUDA graph; this is CPU")
         real_tokens = len(host.input_ids)
         uniform = mode.is_uniform
         n_logits = num_tokens if uniform else len(host.logits_indices)
@@ -192,9 +206,12 @@ class InputBuffers:
         n_writes = self._stage_page_table(host, table, bs)
 
         views = self._views(num_tokens, n_logits, bs)
-        self._upload(views, n_writes)
+        self._upload(n_writes)
+        if split:
+            self._split(views)
         if host.future_ids is not None:
-            _resolve_future_ids(views.input_ids[:real_tokens], host)
+            ids = views.input_ids if split else self._dev_ids
+            _resolve_future_ids(ids[:real_tokens], host)
         self._turn ^= 1
         return ForwardBatch(
             mode=mode,
@@ -214,6 +231,16 @@ class InputBuffers:
             q_lens_host=None if uniform else list(host.q_lens),
             **batch_kwargs,
         )
+
+    def split(self, batch: ForwardBatch) -> None:
+        """The device-side split of the uploaded staging row into `batch`'s buffers (token rows,
+        length rows, the gather of its page-table rows): what `fill` runs after its upload, for
+        a CUDA graph to capture ahead of its forward and replay after `fill(split=False)`.
+        `batch`: one `fill` returned (its shape picks the views)."""
+        if self._dev is None:
+            raise ValueError("split: a CUDA graph's split reads the CUDA staging row; this is CPU")
+        views = self._views(batch.num_tokens, batch.logits_indices.shape[0], batch.bs)
+        self._split(views)
 
     def pad_tokens(self, start: int, end: int) -> None:
         """Token rows start..end-1 become padding (token 0, position 0, KV write slot 0): the
@@ -290,19 +317,25 @@ class InputBuffers:
         self.last_page_writes = k
         return k
 
-    def _upload(self, views: _ShapeViews, n_writes: int) -> None:
-        """One host->device copy of the staging row's used prefix, then device-side splits:
-        the token rows, the length rows (with the int32 cast), the changed page-table entries
-        (only when some changed), and the gather of the batch's table rows."""
+    def _upload(self, n_writes: int) -> None:
+        """One host->device copy of the staging row's used prefix, then the changed page-table
+        entries into the persistent table (only when some changed; before the split's gather,
+        wherever that runs)."""
         turn, smax = self._turn, self.max_num_seqs
         if self._dev is not None:
             used = self._table_off + smax + 2 * n_writes
             self._dev[:used].copy_(self._host[turn][:used], non_blocking=True)
-        views.tokens.copy_(views.src_tokens[turn])
-        views.lens.copy_(views.src_lens[turn])
         if n_writes:
             writes = self._sources[turn][2][smax : smax + 2 * n_writes].view(2, n_writes)
             self._page_rows.view(-1).index_copy_(0, writes[0], writes[1].to(torch.int32))
+
+    def _split(self, views: _ShapeViews) -> None:
+        """The token rows, the length rows (with the int32 cast), and the gather of the batch's
+        table rows. (On CUDA both turns' sources are the one device staging row, so a graph
+        that captured this reads whichever turn uploaded last.)"""
+        turn = self._turn
+        views.tokens.copy_(views.src_tokens[turn])
+        views.lens.copy_(views.src_lens[turn])
         torch.index_select(self._page_rows, 0, views.src_rows[turn], out=views.block_tables)
 
 

@@ -26,7 +26,7 @@ from mlaserve.engine.scheduler import SchedulerOutput
 from mlaserve.kernels_adapter import get_backend_class, resolve_backend_name
 from mlaserve.kv_cache import MLAKVPool
 from mlaserve.model import load_kv_scales, load_model
-from mlaserve.sampling import Sampler, SamplerOutput, SamplingSlots
+from mlaserve.sampling import GreedyRows, Sampler, SamplerOutput, SamplingSlots
 
 __all__ = ["ModelRunner", "PendingSample", "ReadBack", "StepResult"]
 
@@ -147,6 +147,13 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self._ids_host = [torch.empty(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._ids_ready = [torch.cuda.Event() if pin else None for _ in range(2)]
+        # The device's index, so the read-back finds its stream without torch's current-device
+        # lookup (~20 us of a host-bound step on the H100 host: it checks CUDA's availability).
+        self._device_index = (
+            (self.device.index if self.device.index is not None else torch.cuda.current_device())
+            if pin
+            else None
+        )
         self._ids_turn = 0
         self.num_host_waits = 0  # how often a step waited on the device (tests count it)
         logger.info(
@@ -254,15 +261,18 @@ class ModelRunner:
         pad_to: int | None = None,
         max_seq_len: int | None = None,
         q_len: int | None = None,
+        split: bool = True,
     ) -> ForwardBatch:
         """`max_seq_len`: the bound on seq_lens the backend may use; eager steps pass the exact
         host-side maximum, a CUDA graph its fixed capture bound (max_model_len). `pad_to`: the
         captured batch size a uniform batch replays in (`q_len` states its width when the host
-        batch is padding alone)."""
+        batch is padding alone). `split=False`: for a graph that replays the inputs' device-side
+        split itself (`InputBuffers.split`)."""
         return self.buffers.fill(
             host,
             pad_to=pad_to,
             q_len=q_len,
+            split=split,
             max_seq_len=max_seq_len or max(host.seq_lens),
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
@@ -312,7 +322,7 @@ class ModelRunner:
         host.copy_(values, non_blocking=True)
         event = self._ids_ready[turn]
         if event is not None:
-            event.record()
+            event.record(torch.cuda.current_stream(self._device_index))
         return ReadBack(self, host, event)
 
     def admit(self, sched: SchedulerOutput) -> None:
@@ -323,20 +333,29 @@ class ModelRunner:
             )
 
     def sample(
-        self, logits: torch.Tensor, sched: SchedulerOutput, grammar: GrammarBackend | None = None
+        self,
+        logits: torch.Tensor,
+        sched: SchedulerOutput,
+        grammar: GrammarBackend | None = None,
+        greedy: GreedyRows | None = None,
     ) -> StepResult:
         """`sample_async`, then its result (the step's one host sync)."""
-        return self.sample_async(logits, sched, grammar).result()
+        return self.sample_async(logits, sched, grammar, greedy).result()
 
     @torch.inference_mode()
     def sample_async(
-        self, logits: torch.Tensor, sched: SchedulerOutput, grammar: GrammarBackend | None = None
+        self,
+        logits: torch.Tensor,
+        sched: SchedulerOutput,
+        grammar: GrammarBackend | None = None,
+        greedy: GreedyRows | None = None,
     ) -> PendingSample:
         """One token per request that reached its last known token (rows of `logits`, in
         scheduling order). Per-request sampling state lives in device slots, written once when
         the scheduler admits a request; a step uploads only slot indices and steps. Returns
         before the tokens reach the host: `.result()` waits for them, and `.feed` is what a
-        next forward may read on the device meanwhile (overlap scheduling)."""
+        next forward may read on the device meanwhile (overlap scheduling). `greedy`: the
+        graph's argmax of the logits rows (`TargetOutput.greedy`), from row 0."""
         slots = self.sampling_slots
         self.admit(sched)
         sampling = sched.sampled_requests
@@ -350,12 +369,18 @@ class ModelRunner:
             def mask(x: torch.Tensor) -> None:
                 grammar.apply(x, matchers)
 
-        out = self.sampler(logits[: len(sampling)], sb, mask)  # prompt-logprob rows come after
+        n = len(sampling)
+        greedy = greedy.head(n) if greedy is not None else None
+        out = self.sampler(logits[:n], sb, mask, greedy)  # prompt-logprob rows come after
         slots.record(sb.slots, out.token_ids)
         # The sampled ids, -1 on rows whose logits were not finite (one device op and one [n]
-        # copy carry both). A next forward reads the sampler's ids themselves: argmaxes, so in
-        # the vocabulary even on a non-finite row (whose request then ends with its error).
-        ids = torch.where(out.finite, out.token_ids, -1)
+        # copy carry both; the graph made them when its argmax was taken). A next forward
+        # reads the sampler's ids themselves: argmaxes, so in the vocabulary even on a
+        # non-finite row (whose request then ends with its error).
+        if greedy is not None and out.token_ids is greedy.token_ids:
+            ids = greedy.read
+        else:
+            ids = torch.where(out.finite, out.token_ids, -1)
         return PendingSample(self.start_read_back(ids), out)
 
 

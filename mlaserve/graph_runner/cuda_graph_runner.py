@@ -37,6 +37,7 @@ from mlaserve.engine.forward_batch import ForwardBatch, ForwardMode
 from mlaserve.engine.input_buffers import HostBatch
 from mlaserve.engine.model_runner import ModelRunner
 from mlaserve.graph_runner.piecewise_graph_runner import PiecewiseGraphRunner, PiecewiseReport
+from mlaserve.sampling import GreedyRows, greedy_rows
 
 __all__ = ["CaptureReport", "CudaGraphRunner", "TargetOutput"]
 
@@ -63,6 +64,9 @@ class TargetOutput:
     batch: ForwardBatch  # the forward's inputs (views of the runner's input buffers)
     num_rows: int  # real logits rows: num_seqs * q_len (uniform) or len(logits_indices)
     graphed: bool  # replayed from a CUDA graph (a draft graph may read `hidden` in place)
+    # A DECODE graph's argmax of its logits rows (every padded row), taken inside the graph:
+    # the sampler's whole work for an all-greedy batch (`Sampler`); None elsewhere.
+    greedy: GreedyRows | None = None
 
 
 @dataclass
@@ -70,6 +74,11 @@ class _Graph:
     graph: torch.cuda.CUDAGraph | None  # None when replays run eagerly (use_graphs=False)
     logits: torch.Tensor | None  # the graph's static output, [bs * q_len, vocab] fp32
     hidden: torch.Tensor | None = None  # [bs * q_len, hidden]: what a draft model reads
+    greedy: GreedyRows | None = None  # DECODE: the argmax of `logits`, in the graph
+    # DECODE: the graph starts with the inputs' device-side split (`InputBuffers.split`), so a
+    # replay's `fill` only uploads. Not VERIFY: the start-up cost measurement writes a VERIFY
+    # graph's input ids in place before replaying it (`spec/step_timer.py`).
+    splits_inputs: bool = False
 
 
 class CudaGraphRunner:
@@ -164,11 +173,20 @@ class CudaGraphRunner:
             return _Graph(graph=None, logits=None)
         batch = self.dummy_batch(mode, q_len, bs)
         graph = torch.cuda.CUDAGraph()
+        greedy = None
+        decode = mode is ForwardMode.DECODE
         with torch.cuda.graph(graph, pool=self.pool):
+            if decode:  # three launches of host time less per step (`input_buffers.py`)
+                self.runner.buffers.split(batch)
             logits, hidden = self.runner.forward_with_hidden(batch)
+            if decode:
+                # ~3 us of GPU time a step whether or not the batch is greedy; it saves an
+                # all-greedy batch the sampler's launches, the step's largest host cost on a
+                # small model (`sampler.py`)
+                greedy = greedy_rows(logits)
         if self.pool is None:
             self.pool = graph.pool()
-        return _Graph(graph=graph, logits=logits, hidden=hidden)
+        return _Graph(graph, logits, hidden, greedy, splits_inputs=decode)
 
     def _free_memory(self) -> int:
         """Device memory not yet reserved by this process's caching allocator (graph pools are
@@ -216,8 +234,9 @@ class CudaGraphRunner:
             rows = logits.shape[0]
             return TargetOutput(logits, hidden, batch, rows, graphed=False)
         q_len = host.q_lens[0]
-        batch = self.runner.make_batch(host, pad_to=size, max_seq_len=self.bound)
         entry = self.graphs.get((host.mode, q_len, size))
+        split = entry is None or entry.graph is None or not entry.splits_inputs
+        batch = self.runner.make_batch(host, pad_to=size, max_seq_len=self.bound, split=split)
         rows = host.num_seqs * q_len
         if entry is None or entry.graph is None:
             # Not captured (yet), or use_graphs=False: the same padded batch, run eagerly.
@@ -226,4 +245,4 @@ class CudaGraphRunner:
             return TargetOutput(logits, hidden, batch, rows, graphed=False)
         entry.graph.replay()
         self.num_replays += 1
-        return TargetOutput(entry.logits, entry.hidden, batch, rows, graphed=True)
+        return TargetOutput(entry.logits, entry.hidden, batch, rows, True, entry.greedy)

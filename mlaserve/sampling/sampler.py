@@ -9,7 +9,11 @@ Pipeline, per row (each stage runs only if some row in the batch needs it):
 
 An all-greedy batch in which nobody asks for logprobs and no row is below min_tokens costs
 one argmax (no upcast of float32 logits, no log-softmax, no ranks): on CUDA the two kernels of
-`argmax_kernel.py`, which also give the finite check; elsewhere torch's argmax.
+`argmax_kernel.py`, which also give the finite check; elsewhere torch's argmax. A DECODE CUDA
+graph runs those kernels itself, on its static logits (`greedy_rows`), and hands their outputs
+over as `GreedyRows`: such a batch then launches nothing here. On a small model a decode step
+is host-bound, and the two Triton launches, their four buffers and the read-back's `where`
+took ~115 us of a ~390 us bs-1 step on the H100 host (bench/RESULTS.md).
 
 Reported log-probs are vLLM's default "raw logprobs": the model's own distribution, before
 penalties, temperature and filtering, so they do not depend on the sampling settings. The
@@ -33,11 +37,13 @@ from mlaserve.sampling.sampling_batch import SamplingBatch
 TOPK_INSTEAD_OF_SORT = 1024
 
 __all__ = [
+    "GreedyRows",
     "Sampler",
     "SamplerOutput",
     "adjust_logits",
     "filter_logits",
     "finite_rows",
+    "greedy_rows",
     "raw_logprobs",
     "sample",
 ]
@@ -59,20 +65,53 @@ class SamplerOutput(NamedTuple):
     finite: torch.Tensor | None = None
 
 
+class GreedyRows(NamedTuple):
+    """Greedy sampling of float32 logits rows, done where the logits were made (inside the
+    CUDA graph whose static output they are, by `greedy_rows`). What `Sampler` returns for an
+    all-greedy batch whose logits need no adjustment, without launching anything."""
+
+    token_ids: torch.Tensor  # [n] int64: the argmax of each row (in the vocabulary even on
+    # a non-finite row: a next forward may read it as its input id)
+    finite: torch.Tensor  # [n] bool: every logit of the row is finite
+    read: torch.Tensor  # [n] int64: token_ids, -1 where not finite (what the host reads back)
+
+    def head(self, n: int) -> GreedyRows:
+        """The first n rows (a graph's static outputs cover its padded rows too)."""
+        return GreedyRows(self.token_ids[:n], self.finite[:n], self.read[:n])
+
+
+def greedy_rows(logits: torch.Tensor) -> GreedyRows | None:
+    """`GreedyRows` of logits [n, V] float32, from the fused argmax; None where that does not
+    run (not CUDA: the sampler's own argmax is as cheap as anything done ahead there).
+    Graph-capturable: no host reads."""
+    if logits.dtype != torch.float32 or not argmax_available(logits.device):
+        return None
+    token_ids, finite = fused_argmax(logits)
+    return GreedyRows(token_ids, finite, torch.where(finite, token_ids, -1))
+
+
 class Sampler:
     def __call__(
         self,
         logits: torch.Tensor,
         batch: SamplingBatch,
         token_mask: Callable[[torch.Tensor], None] | None = None,
+        greedy: GreedyRows | None = None,
     ) -> SamplerOutput:
         """logits: [n, V] (float32; other float dtypes are upcast). Returns one token per row.
         `token_mask` (structured output) sets disallowed logits to -inf in place, after the
-        penalties; the finite check and the logprobs still read the raw logits."""
+        penalties; the finite check and the logprobs still read the raw logits. `greedy`: the
+        argmax of these very rows, computed ahead (`greedy_rows`); taken when the batch is all
+        greedy and nothing adjusts its logits, so the token ids returned are then its tensors."""
         if logits.dim() != 2 or logits.shape != (batch.num_rows, batch.vocab_size):
             raise ValueError(
                 f"logits: expected shape ({batch.num_rows}, {batch.vocab_size}), "
                 f"got {tuple(logits.shape)}"
+            )
+        if greedy is not None and greedy.token_ids.shape[0] != batch.num_rows:
+            raise ValueError(
+                f"greedy: {greedy.token_ids.shape[0]} rows computed ahead for a batch of "
+                f"{batch.num_rows}"
             )
         logits = logits.float()
         x = adjust_logits(logits, batch)
@@ -80,7 +119,9 @@ class Sampler:
             if x is logits:
                 x = x.clone()
             token_mask(x)
-        if batch.all_greedy and x is logits and argmax_available(x.device):
+        if batch.all_greedy and x is logits and greedy is not None:
+            token_ids, finite = greedy.token_ids, greedy.finite
+        elif batch.all_greedy and x is logits and argmax_available(x.device):
             # unadjusted logits: the kernel's finite flag is finite_rows' answer
             token_ids, finite = fused_argmax(x)
         else:

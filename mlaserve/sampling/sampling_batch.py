@@ -31,7 +31,9 @@ class SamplingBatch:
     top_ps: torch.Tensor  # [n] float32; 1.0 where disabled
     min_ps: torch.Tensor  # [n] float32; 0.0 where disabled
     seeds: torch.Tensor  # [n] int64; the seed's low 64 bits, two's complement
-    steps: torch.Tensor  # [n] int64; tokens the request had generated before this one
+    # [n] int64; tokens the request had generated before this one (only noise reads them: a
+    # `SamplingSlots` batch of greedy rows alone holds zeros)
+    steps: torch.Tensor
     # Penalties; None when no row in the batch uses them.
     repetition_penalties: torch.Tensor | None  # [n] float32
     frequency_penalties: torch.Tensor | None  # [n] float32

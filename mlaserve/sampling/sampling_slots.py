@@ -52,6 +52,9 @@ class _Rows:
     index: torch.Tensor  # [n] int64 device: the slots (the batch's `slots`)
     penalised: bool  # some row uses a penalty: the output counts are gathered per step
     bans: list[tuple[int, int, tuple[int, ...]]]  # (row, min_tokens, ids banned below it)
+    # Every row greedy, no penalty, no min_tokens ban: nothing in the batch changes from step
+    # to step (no row draws noise, so no step is read), and the template is every step's batch.
+    fixed: bool
 
 
 def _uses_penalties(p: SamplingParams) -> bool:
@@ -186,6 +189,8 @@ class SamplingSlots:
             if len(self._rows) >= _MAX_ROW_ORDERS:
                 self._rows.clear()
             rows = self._rows[key] = self._gather_rows(key)
+        if rows.fixed:  # a greedy decode batch: no upload, no copy (its host work is its time)
+            return rows.template
 
         if n > self._staging[0].shape[0]:  # a verify batch has k + 1 rows per slot
             pin = self.device.type == "cuda"
@@ -230,6 +235,13 @@ class SamplingSlots:
             _, mask = self.reserve_penalties()
             prompt_mask = mask[index]
         v = self.vocab_size
+        switches = host_switches(params, v)
+        bans = [
+            (row, p.min_tokens, self._bans[slot])
+            for row, (slot, p) in enumerate(zip(slots, params, strict=True))
+            if p.min_tokens > 0 and self._bans[slot]
+        ]
+        fixed = switches["all_greedy"] and not (use_rep or use_freq or bans)
         template = SamplingBatch(
             vocab_size=v,
             temperatures=floats[:, _TEMP],
@@ -238,7 +250,8 @@ class SamplingSlots:
             top_ps=floats[:, _TOP_P],
             min_ps=floats[:, _MIN_P],
             seeds=ints[:, _SEED],
-            steps=index,  # replaced per step
+            # replaced per step; zeros in a fixed batch, where no row draws noise to read them
+            steps=torch.zeros_like(index) if fixed else index,
             repetition_penalties=floats[:, _REP] if use_rep else None,
             frequency_penalties=floats[:, _FREQ] if use_freq else None,
             presence_penalties=floats[:, _PRES] if use_freq else None,
@@ -247,14 +260,9 @@ class SamplingSlots:
             banned_rows=None,
             banned_tokens=None,
             slots=index,
-            **host_switches(params, v),
+            **switches,
         )
-        bans = [
-            (row, p.min_tokens, self._bans[slot])
-            for row, (slot, p) in enumerate(zip(slots, params, strict=True))
-            if p.min_tokens > 0 and self._bans[slot]
-        ]
-        return _Rows(template, index, use_rep or use_freq, bans)
+        return _Rows(template, index, use_rep or use_freq, bans, fixed)
 
     def verify_batch(self, slots: Sequence[int], steps: Sequence[int], k: int) -> SamplingBatch:
         """The batch of a speculative verify with k draft tokens per request: k + 1 rows per

@@ -328,7 +328,7 @@ class SpecDecoder:
         does. The draft caches go stale."""
         self._go_plain(requests, sched.batch_id)
         logits = target.logits[: target.num_rows]
-        return self.runner.sample(logits, sched), [0] * len(requests)
+        return self.runner.sample(logits, sched, greedy=target.greedy), [0] * len(requests)
 
     def _go_plain(self, requests: list[Request], decode_batch: int | None) -> None:
         """A step without draft work: the requests' draft caches go stale and they hold no

@@ -22,10 +22,10 @@ prefilled and decoded through `LLMEngine.step()` with the policy forced (specula
 plain), and each kind's graphs are replayed right after a real step of that kind. So every row
 is a different token at its own position, and a MoE layer routes each row on its own (padding
 rows, all token 0 at position 0, route every row alike: a plain step at bs 16 then read 6
-experts instead of ~50 and looked 2.4x cheaper than it is). A plain step: the DECODE graph and
-an argmax over its logits (the greedy sampler). A speculative step: the VERIFY graph on the
-requests' next VERIFY rows (each one's last token and its k drafts), an argmax over its logits
-(greedy acceptance's one pass over [bs*(k+1), V]), the (k+1)-row DRAFT_EXTEND graph on those
+experts instead of ~50 and looked 2.4x cheaper than it is). A plain step: the DECODE graph,
+whose own argmax is the greedy sampler's work. A speculative step: the VERIFY graph on the
+requests' next VERIFY rows (each one's last token and its k drafts), the argmax over its logits
+(greedy acceptance's `row_argmax` over [bs*(k+1), V]), the (k+1)-row DRAFT_EXTEND graph on those
 argmax tokens (what greedy acceptance emits), and the DRAFT graph (k tokens). Replays are
 idempotent: no graph writes the buffers it reads (the input ids are set again each time; the KV
 rows they write are rewritten alike).
@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from mlaserve.sampling.argmax_kernel import row_argmax
 from mlaserve.spec.mtp_drafter import target_mode
 from mlaserve.spec.spec_policy import (
     FORCED_PLAIN,
@@ -100,7 +101,7 @@ def replay_step_times(engine: Any, size: int, iters: int, prompt_len: int = 64) 
 
     def spec() -> None:
         ids_buf[:rows].copy_(verify_ids)  # the VERIFY rows: [last token, d_1..d_k] per request
-        emitted = replay(k + 1).argmax(dim=-1)  # greedy acceptance's one pass over the logits
+        emitted = row_argmax(replay(k + 1))  # greedy acceptance's one pass over the logits
         ids_buf[:rows].copy_(emitted)  # the emitted tokens are the draft-extend's inputs
         extend()
         draft()
@@ -123,7 +124,7 @@ def replay_step_times(engine: Any, size: int, iters: int, prompt_len: int = 64) 
         policy.forced = FORCED_PLAIN
         for _ in range(2):
             engine.step()  # the first still verifies the drafts it holds; then plain
-        times["decode"] = time_replays(lambda: replay(1).argmax(dim=-1), iters)
+        times["decode"] = time_replays(lambda: replay(1), iters)  # (the graph samples)
     return times
 
 

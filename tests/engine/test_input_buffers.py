@@ -157,3 +157,16 @@ def test_the_buffers_are_separate_aligned_rows() -> None:
     )
     assert all(a.is_contiguous() for a in arrays + lens)
     assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))  # no overlap
+
+
+def test_leaving_the_split_to_a_graph_needs_cuda() -> None:
+    """`fill(split=False)` stages for a CUDA graph that replays the split itself; on CPU there
+    is no device staging row for it to read, and asking is a clear error, not a stale batch."""
+    buffers = InputBuffers(max_num_seqs=4, max_num_tokens=16, max_pages_per_seq=4,
+                           device=torch.device("cpu"))  # fmt: skip
+    host = HostBatch(ForwardMode.DECODE, [5], [3], [3], [4], [1], [[1]], [])
+    with pytest.raises(ValueError, match="split"):
+        buffers.fill(host, max_seq_len=4, split=False, kv_pool=None, attn_backend=None)
+    batch = buffers.fill(host, max_seq_len=4, kv_pool=None, attn_backend=None)
+    with pytest.raises(ValueError, match="split"):
+        buffers.split(batch)

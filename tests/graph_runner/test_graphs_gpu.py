@@ -123,6 +123,36 @@ def test_steady_state_graphed_decode_never_syncs() -> None:
     assert engine.runner.num_host_waits - waits == 8
 
 
+def test_a_greedy_decode_step_runs_three_ops_outside_its_graph(monkeypatch) -> None:
+    """A steady all-greedy decode step splits its inputs and samples inside its DECODE graph:
+    outside it only the staging row's upload, the previous tokens into that row, and the
+    read-back run (no split, argmax, finite check or `where`, no steps upload, no Triton
+    launch), and the tokens read back are the argmax of the graph's logits. Three requests
+    replay in the bs-4 graph, so a padded row is there too."""
+    from mlaserve.engine.forward_batch import ForwardMode
+    from mlaserve.sampling import sampler
+    from tests.device_ops import DeviceOps
+
+    engine = graphed_llm("reference", "bf16").engine
+    add_requests(engine, [40, 50, 60], max_tokens=40)
+    for _ in range(4):
+        engine.step()
+    launches = []
+    monkeypatch.setattr(sampler, "fused_argmax", lambda x: launches.append(x) or (None, None))
+    with DeviceOps() as counted:
+        outputs = engine.step()
+    assert len(outputs) == 3 and launches == []
+    # the staging row up, the previous tokens into it, the read-back (no page is appended)
+    assert dict(counted.ops) == {"copy_": 3}
+    logits = engine.graphs.graphs[(ForwardMode.DECODE, 1, 4)].logits[:3]
+    expected = logits.argmax(dim=-1).tolist()
+    pending = engine._inflight
+    assert pending is not None and pending.sample.read_back.wait() == expected
+    monkeypatch.undo()
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def test_graph_memory_is_reported(caplog) -> None:
     if not flashmla_available():
         pytest.skip("flashmla needs an SM90 GPU and sgl-flash-mla")
