@@ -27,6 +27,16 @@ rounds read plain 0.72 / spec 1.60 ms where serving took 0.38 / 0.96, the served
 the start-up plain one put the break-even at 1.3 against the true 2.5, and the policy speculated
 every step at 1.75x the TPOT of speculation off.
 
+A kind's served steps expire when the other kind has been observed `EXPIRE_AFTER` times at that
+size since its last one: its cost falls back to its (scaled) start-up figure. Served steps of a
+kind are what pushes the policy off it when they run slow, and a policy that then serves only
+the other kind never sees them again: on an H100 (default model, k = 2, bs 1) one stretch of 32
+plain steps at 1.9 ms, against 0.26 ms everywhere else, put the break-even at 0.6 and the
+policy speculated every step after it, at 3x the TPOT of speculation off. The price, where one
+kind really does run slower than at start-up: every EXPIRE_AFTER steps of the other, a few
+decisions (the hysteresis, and until ~16 of its own steps outvote the start-up figure again)
+serve the wrong kind.
+
 Accept length. L_hat is a running estimate: a prior of `PRIOR_WEIGHT` pseudo-steps at the accept
 length of a chain whose every position is accepted with probability `PRIOR_RATE`
 (1 + p + ... + p^k: 2.95 for p = 0.8, k = 3), plus the observed lengths with exponential
@@ -90,6 +100,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 __all__ = [
+    "EXPIRE_AFTER",
     "FORCED_PLAIN",
     "FORCED_REFRESH",
     "FORCED_SPEC",
@@ -113,6 +124,7 @@ REFRESH_MAX_OVERHEAD = 0.02  # keep draft caches fresh while off if it costs <= 
 SPEC_MARGIN = 0.05  # speculate only where the accept length clears the break-even by this much
 OFF_AFTER = 8  # speculating: turn off after this many decisions in a row that it does not pay
 COST_WINDOW = 32  # served steps an online cost is the lower quartile of
+EXPIRE_AFTER = 2 * COST_WINDOW  # a kind's served steps expire after this many of the other's
 STARTUP_WEIGHT = 4  # served steps the start-up measurement counts as, until outvoted
 STEP_KINDS = ("spec", "plain", "refresh")
 
@@ -263,6 +275,8 @@ class SpecPolicy:
         # (itself, or scaled down with the other kind's; module doc)
         self._served: dict[tuple[str, int], deque[float]] = {}
         self._seed: dict[tuple[str, int], float] = {}
+        # per (kind, size): the other kind's steps observed since this kind's last one
+        self._unseen: Counter[tuple[str, int]] = Counter()
         if costs is not None:
             refresh = dict(costs.refresh_s) if costs.refresh_s is not None else None
             self._costs = StepCosts(dict(costs.plain_s), dict(costs.spec_s), refresh)
@@ -287,18 +301,24 @@ class SpecPolicy:
         served = self._served.get((kind, size))
         if served is None:
             served = self._served[(kind, size)] = deque(maxlen=COST_WINDOW)
-        served.extend(s for s in seconds if s > 0)
+        new = [s for s in seconds if s > 0]
+        served.extend(new)
+        other = "spec" if kind == "plain" else "plain"
+        self._unseen[(kind, size)] = 0
+        self._unseen[(other, size)] += len(new)
+        stale = self._served.get((other, size))
+        if stale and self._unseen[(other, size)] >= EXPIRE_AFTER:
+            stale.clear()  # (module doc: an unobserved kind's slow stretch must not stay)
         changed = self._update(kind, size)
         # A served cost below the start-up figure means the start-up rounds ran slow by that
         # factor (noise only adds time): the other kind's figure, measured in the same rounds,
         # counts as scaled down alike.
         startup = self._startup(kind, size)
         own = lower_quartile(_window(startup, served))  # this kind's own evidence alone
-        other = "spec" if kind == "plain" else "plain"
         seed = self._startup(other, size) * min(1.0, own / startup)
         if seed != self._seed.get((other, size)):
             self._seed[(other, size)] = seed
-            changed |= self._update(other, size)
+        changed |= self._update(other, size)
         if changed:
             self._epoch += 1
 

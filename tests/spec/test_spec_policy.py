@@ -9,6 +9,7 @@ import pytest
 
 from mlaserve.spec.spec_policy import (
     COST_WINDOW,
+    EXPIRE_AFTER,
     FORCED_PLAIN,
     FORCED_REFRESH,
     FORCED_SPEC,
@@ -345,3 +346,30 @@ def test_a_slow_startup_scales_the_unserved_kind_down() -> None:
     for _ in range(COST_WINDOW):
         dearer.observe_step("spec", 1, 3e-3)
     assert dearer.costs.plain_s[1] == pytest.approx(0.72e-3)
+
+
+def test_an_unobserved_kinds_slow_stretch_expires() -> None:
+    """The H100 case in the module doc (default model, k = 2, bs 1): a stretch of 32 plain steps
+    at 7x their cost makes speculation look paying; the policy then serves only speculative
+    steps, and after EXPIRE_AFTER of them the plain steps it no longer sees expire, its plain
+    cost is the start-up figure again and it turns back to plain (after the hysteresis)."""
+    policy = SpecPolicy(2, StepCosts(plain_s={1: 0.26e-3}, spec_s={1: 0.84e-3}))
+    policy.observe([2] * 30 + [1] * 30)  # L_hat ~ 1.6 against a break-even of 3.2
+    assert policy.decide(1).reason == "does_not_pay"
+    policy.observe_steps("plain", 1, [1.9e-3] * COST_WINDOW)
+    assert policy.costs.plain_s[1] == pytest.approx(1.9e-3)
+    assert policy.decide(1).reason == "pays"
+    for _ in range(EXPIRE_AFTER - 1):
+        policy.observe_step("spec", 1, 0.84e-3)
+    assert policy.costs.plain_s[1] == pytest.approx(1.9e-3)
+    assert policy.repeat() is None  # (a speculating decision is never repeated)
+    assert policy.decide(1).reason == "pays"
+    policy.observe_step("spec", 1, 0.84e-3)
+    assert policy.costs.plain_s[1] == pytest.approx(0.26e-3)
+    reasons = [policy.decide(1).reason for _ in range(OFF_AFTER)]
+    assert reasons == ["hold"] * (OFF_AFTER - 1) + ["does_not_pay"]
+    # plain steps observed again reset the count: spec steps expire nothing before EXPIRE_AFTER
+    policy.observe_steps("plain", 1, [0.26e-3] * 8)
+    for _ in range(EXPIRE_AFTER - 1):
+        policy.observe_step("spec", 1, 0.84e-3)
+    assert policy.served_steps("plain", 1) == [0.26e-3] * 8
