@@ -307,7 +307,8 @@ class SpecPolicy:
         self._unseen[(kind, size)] = 0
         self._unseen[(other, size)] += len(new)
         stale = self._served.get((other, size))
-        if stale and self._unseen[(other, size)] >= EXPIRE_AFTER:
+        expired = bool(stale) and self._unseen[(other, size)] >= EXPIRE_AFTER
+        if expired:
             stale.clear()  # (module doc: an unobserved kind's slow stretch must not stay)
         changed = self._update(kind, size)
         # A served cost below the start-up figure means the start-up rounds ran slow by that
@@ -316,9 +317,9 @@ class SpecPolicy:
         startup = self._startup(kind, size)
         own = lower_quartile(_window(startup, served))  # this kind's own evidence alone
         seed = self._startup(other, size) * min(1.0, own / startup)
-        if seed != self._seed.get((other, size)):
+        if expired or seed != self._seed.get((other, size)):  # the other's window changed
             self._seed[(other, size)] = seed
-        changed |= self._update(other, size)
+            changed |= self._update(other, size)
         if changed:
             self._epoch += 1
 
