@@ -71,7 +71,7 @@ TILES = [
 ]
 # grouped kernels: (block_n, num_warps, num_stages, block_m, block_k; None: the default)
 GROUPED_TILES = [
-    (None, 4, 3, None, None),  # the launcher's defaults
+    (None, 4, None, None, None),  # the launcher's defaults
     ((64, 64), 4, 3, None, None),
     ((32, 32), 4, 3, None, None),
     ((64, 64), 4, 4, None, None),

@@ -32,8 +32,12 @@ grouped GEMM, the way TensorRT-LLM and SGLang's shared-experts fusion do it).
 A GEMM block finds its expert from `padded_end` (the experts whose padded rows end at or before
 it), so no block -> expert map is written, and blocks past the last expert's rows exit at once.
 Each expert's weight tile is read once per BLOCK_M of its rows (the pairs of `moe_decode` read it
-once per pair). Weights in FP8 are widened in registers and rescaled per 128-wide K block
-(W8A16: the activations are never quantised).
+once per pair). FP8 weights stay W8A16 (the activations are never quantised), but meet them in
+fp16: each activation row of a K step is scaled by a power of two into f16's range, which holds
+a bf16 value exactly (`_f16_rows`), so e4m3 -> f16 is the weights' only conversion (one
+instruction per two values; e4m3 -> bf16 takes three) and the tensor cores multiply f16. The
+products are the bf16 path's, bit for bit; the power of two and the block scale are applied to
+each 128-wide K block's fp32 partial sum.
 
 Why not `torch._grouped_mm` plus glue (the path past `max_tokens`): at these sizes the layer is
 bound by reading the touched experts' weights, and the sort, gather, SiLU, unsort, weighted sum
@@ -97,6 +101,19 @@ def _align_kernel(
 
 
 @triton.jit
+def _f16_rows(a):
+    """a [M, K] bf16 -> (f16 [M, K], fp32 scale [M]) with a == f16 * scale exactly: each row
+    scaled by a power of two that puts its max magnitude in [2^14, 2^15) (a bf16's 8 significant
+    bits fit f16's 11; only values 2^28 below the row's max lose bits, as f16 subnormals)."""
+    a32 = a.to(tl.float32)
+    e = (tl.max(tl.abs(a32), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.maximum(e, 15)  # a zero row stays zero under any scale
+    inv = ((268 - e) << 23).to(tl.float32, bitcast=True)  # 2^(141 - e)
+    scale = ((e - 14) << 23).to(tl.float32, bitcast=True)  # 2^(e - 141)
+    return (a32 * inv[:, None]).to(tl.float16), scale
+
+
+@triton.jit
 def _block_rows(
     slot_pairs_ptr, padded_end_ptr, counts_ptr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr
 ):
@@ -148,15 +165,12 @@ def _gate_up_kernel(
             wg = tl.load(base + gate_rows[None, :] * H + offs_k[:, None], mask=m, other=0.0)
             wu = tl.load(base + up_rows[None, :] * H + offs_k[:, None], mask=m, other=0.0)
             if HAS_SCALE:  # BLOCK_K divides 128: one scale column per step
+                a16, a_scale = _f16_rows(a)
                 kb = k0 // 128
-                acc_g += (
-                    tl.dot(a, wg.to(a.dtype))
-                    * tl.load(sbase + sg + kb, mask=mask_n, other=0.0)[None, :]
-                )
-                acc_u += (
-                    tl.dot(a, wu.to(a.dtype))
-                    * tl.load(sbase + su + kb, mask=mask_n, other=0.0)[None, :]
-                )
+                sg_k = tl.load(sbase + sg + kb, mask=mask_n, other=0.0)
+                su_k = tl.load(sbase + su + kb, mask=mask_n, other=0.0)
+                acc_g += tl.dot(a16, wg.to(tl.float16)) * (a_scale[:, None] * sg_k[None, :])
+                acc_u += tl.dot(a16, wu.to(tl.float16)) * (a_scale[:, None] * su_k[None, :])
             else:
                 acc_g += tl.dot(a, wg)
                 acc_u += tl.dot(a, wu)
@@ -203,10 +217,9 @@ def _down_kernel(
                 other=0.0,
             )
             if HAS_SCALE:
-                acc += (
-                    tl.dot(a, w.to(a.dtype))
-                    * tl.load(srow + k0 // 128, mask=mask_n, other=0.0)[None, :]
-                )
+                a16, a_scale = _f16_rows(a)
+                w_k = tl.load(srow + k0 // 128, mask=mask_n, other=0.0)
+                acc += tl.dot(a16, w.to(tl.float16)) * (a_scale[:, None] * w_k[None, :])
             else:
                 acc = tl.dot(a, w, acc)
         slot = pairs % SLOTS
@@ -246,15 +259,16 @@ def moe_grouped(
     block_n: tuple[int, int] | None = None,
     block_k: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     combine: bool = True,
 ) -> torch.Tensor | MoePartials:
     """x [T, H], topk_weights [T, K] fp32, topk_ids [T, K] int64 -> y [T, H] (x's dtype).
-    `block_m` overrides `moe_grouped_block_m` (tests); `block_k` the K step (by default 128, 64
-    in bf16 past 128 tokens; with FP8 it must divide 128); `block_n`: tiles of (gate_up, down),
-    by default 32 up to 128 tokens, 64 beyond (`bench/moe_decode.py --sweep` on an H100, V2-Lite
-    layer: 32 was 1-8% faster up to 128 tokens in bf16 and FP8, and 2x slower in FP8 at 256).
-    `combine=False` returns the per-slot partials uncombined (`MoePartials`)."""
+    `block_m` overrides `moe_grouped_block_m` (tests); `block_n` the tiles of (gate_up, down),
+    `block_k` the K step (with FP8 it must divide 128), `num_stages` the pipeline depth; by
+    default the tiles `bench/moe_decode.py --sweep` measured best on an H100 (V2-Lite layer,
+    8-256 tokens): FP8 (64, 128) x 128, 3 stages; bf16 (64, 64) x 128 in 4 stages up to 128
+    tokens, x 64 in 3 beyond. `combine=False` returns the per-slot partials uncombined
+    (`MoePartials`)."""
     num_tokens, top_k = topk_ids.shape
     hidden, inter, shared = weights.hidden, weights.inter, weights.num_shared
     if x.shape != (num_tokens, hidden) or not x.is_contiguous():
@@ -284,12 +298,12 @@ def moe_grouped(
         K=top_k, SLOTS=slots, E=num_experts, E_TOTAL=e_total, E_PAD=e_pad,
         NP=_num_pairs_bucket(pairs), BLOCK_M=bm, num_warps=_align_warps(pairs), **pdl,
     )  # fmt: skip
-    if block_n is None:
-        block_n = (32, 32) if num_tokens <= 128 else (64, 64)
     has_scale = weights.quantized
-    # K steps of 128: FP8 always (one scale column per step), bf16 with the narrow tiles (4-5%
-    # faster than 64 at 16-128 tokens on an H200, bench/RESULTS.md; slower with 64-wide ones)
-    block_k = block_k or (128 if has_scale or num_tokens <= 128 else 64)
+    small = num_tokens <= 128
+    if block_n is None:
+        block_n = (64, 128) if has_scale else (64, 64)
+    block_k = block_k or (128 if has_scale or small else 64)
+    num_stages = num_stages or (3 if has_scale or not small else 4)
     if has_scale and 128 % block_k:
         raise ValueError(f"moe_grouped: block_k {block_k} must divide 128 for FP8 block scales")
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
@@ -335,7 +349,7 @@ def moe_grouped_warm_up(
             _num_pairs_bucket(pairs),
             moe_grouped_block_m(pairs, e_total),
             pairs % 16 == 0,
-            t <= 128,  # the default block_n and block_k
+            t <= 128,  # the default block_k and stages
         )
         if key in seen:
             continue

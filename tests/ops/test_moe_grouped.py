@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from mlaserve.ops.moe_grouped import _f16_rows
 from tests.ops.cases import cpu_case, gpu_case, model_dtype
 from tests.ops.moe_cases import (
     SHAPES,
@@ -93,3 +96,34 @@ def test_block_m_grows_with_rows_per_expert():
     assert moe_grouped_block_m(64 * 8, 66) == 16  # V2-Lite bs 64: ~8 rows per expert
     assert moe_grouped_block_m(256 * 8, 66) == 32
     assert moe_grouped_block_m(256 * 8, 9) == 64
+
+
+@triton.jit
+def _f16_rows_kernel(a_ptr, q_ptr, s_ptr, K: tl.constexpr, M: tl.constexpr):
+    offs = tl.arange(0, M)[:, None] * K + tl.arange(0, K)[None, :]
+    q, s = _f16_rows(tl.load(a_ptr + offs))
+    tl.store(q_ptr + offs, q)
+    tl.store(s_ptr + tl.arange(0, M), s)
+
+
+@pytest.mark.parametrize("device", [cpu_case(), gpu_case()])
+def test_f16_rows_hold_every_bf16_row_exactly(device):
+    """The FP8 path meets its activations in f16: each row times a power of two must be exact
+    (f16 * scale == a bit for bit), whatever the row's magnitude, zero rows included."""
+    gen = torch.Generator(device=device).manual_seed(3)
+    m, k = 16, 128
+    # rows spanning 2^-100 .. 2^100, each with values 2^20 apart inside it
+    mags = 2.0 ** torch.linspace(-100, 100, m, device=device)[:, None]
+    spread = 2.0 ** (torch.rand(m, k, generator=gen, device=device) * -20)
+    sign = torch.where(torch.rand(m, k, generator=gen, device=device) < 0.5, -1.0, 1.0)
+    dtype = model_dtype(device)
+    if dtype == torch.float16:  # fp16's range under the interpreter
+        mags = 2.0 ** torch.linspace(-4, 14, m, device=device)[:, None]
+        spread = 2.0 ** (torch.rand(m, k, generator=gen, device=device) * -8)
+    a = (mags * spread * sign).to(dtype)
+    a[5] = 0
+    q = torch.empty(m, k, dtype=torch.float16, device=device)
+    s = torch.empty(m, dtype=torch.float32, device=device)
+    _f16_rows_kernel[(1,)](a, q, s, K=k, M=m)
+    assert torch.equal(q.float() * s[:, None], a.float())
+    assert q.float().abs().amax(dim=1)[[i for i in range(m) if i != 5]].min() >= 2**14
