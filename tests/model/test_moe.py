@@ -166,7 +166,7 @@ def test_routing_matches_transformers(gating: str) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU suites run the compiled kernels")
-@pytest.mark.parametrize("num_tokens", [1, 3, 16, 17])
+@pytest.mark.parametrize("num_tokens", [1, 3, 4, 16, 17])
 def test_decode_kernels_take_small_batches(num_tokens: int, monkeypatch) -> None:
     """With fused ops on (the interpreter here), batches of up to DECODE_MAX_TOKENS tokens run
     `ops/moe_decode.py` (routed + shared in three kernels), larger ones up to the grouped limit

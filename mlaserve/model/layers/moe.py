@@ -68,12 +68,16 @@ logger = logging.getLogger(__name__)
 
 ExpertsImpl = Literal["auto", "grouped_mm", "loop", "dense"]
 
-# Up to this many tokens the decode kernels run instead of the sorted grouped GEMM. On an H100 at
-# the V2-Lite shape the layer microbench wins at every count measured, 1..16 (bench/moe_decode.py:
-# bf16 1.85x at 1 token, 1.12x at 16; FP8 2.9x / 1.14x), but in the whole model 16 tokens lost
-# (V3-lite decode at bs 16: 5.99 -> 9.19 ms): with concentrated routing each pair's GEMV re-reads
-# experts that the grouped GEMM reads once per tile of tokens. Up to 8, every in-model run won.
-DECODE_MAX_TOKENS = 8
+# Up to this many tokens the decode kernels (one GEMV per (token, expert) pair) run; past it the
+# grouped kernels. One V2-Lite layer on an H100, kernels alone (bench/RESULTS.md, 2026-11-26
+# seventh session, after the grouped kernels' wider tiles): bf16 decode / grouped 113.6 / 118.9
+# us at 3 tokens, 143.4 / 140.5 at 4, 194.6 / 191.6 at 6, 232.3 / 224.7 at 8; FP8 79.2 / 91.1
+# at 4, 107.0 / 105.4 at 6, 141.7 / 141.4 at 8. In the whole model the grouped kernels gain
+# more than alone: with concentrated routing each pair's GEMV re-reads experts that the grouped
+# GEMM reads once per tile of tokens (V3-lite decode at bs 16 took 9.19 ms with the decode
+# kernels, 5.99 with the grouped ones).
+DECODE_MAX_TOKENS = 3
+DECODE_MAX_TOKENS_FP8 = 8
 # Up to this many tokens the grouped MoE kernels run (past DECODE_MAX_TOKENS): bf16 and FP8
 # weights. One V2-Lite layer on an H200 (bench/moe_decode.py): bf16 at 512 tokens 368-401 us
 # against 477 for the sorted CUTLASS path, at 2048 1118-1195 against 690 (a 2048-token prefill
@@ -504,8 +508,10 @@ class DeepseekMoE(nn.Module):
         weight = self.experts.gate_up_proj
         if not fused_ops_enabled(weight.device) or weight.dtype == torch.float32:
             return
-        limit = int(os.environ.get("MLASERVE_MOE_DECODE_MAX_TOKENS", DECODE_MAX_TOKENS))
-        default = GROUPED_MAX_TOKENS_FP8 if self.experts.quant is not None else GROUPED_MAX_TOKENS
+        fp8 = self.experts.quant is not None
+        decode_max = DECODE_MAX_TOKENS_FP8 if fp8 else DECODE_MAX_TOKENS
+        limit = int(os.environ.get("MLASERVE_MOE_DECODE_MAX_TOKENS", decode_max))
+        default = GROUPED_MAX_TOKENS_FP8 if fp8 else GROUPED_MAX_TOKENS
         grouped = int(os.environ.get("MLASERVE_MOE_GROUPED_MAX_TOKENS", default))
         if limit <= 0 and grouped <= 0:
             return
