@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -189,7 +190,8 @@ def test_decode_kernels_take_small_batches(num_tokens: int, monkeypatch) -> None
     layer._moe_decode = lambda *a, **kw: calls.append("decode") or decode(*a, **kw)
     layer._moe_grouped = lambda *a, **kw: calls.append("grouped") or grouped(*a, **kw)
     got = layer(x).float()
-    if num_tokens <= moe_module.DECODE_MAX_TOKENS:
+    assert layer.decode_max_tokens == moe_module.DECODE_MAX_TOKENS  # small experts
+    if num_tokens <= layer.decode_max_tokens:
         assert calls == ["decode"]
     else:
         assert calls == (["grouped"] if num_tokens <= 16 else [])
@@ -203,6 +205,33 @@ def test_decode_kernels_take_small_batches(num_tokens: int, monkeypatch) -> None
         assert torch.equal(partial.total().float(), got)
     else:
         assert torch.equal(partial.float(), got)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU suites run the compiled kernels")
+def test_bf16_layers_bound_by_their_expert_bytes_switch_to_grouped_kernels_sooner(
+    monkeypatch,
+) -> None:
+    """Experts of >= BYTES_BOUND_EXPERT_BYTES (gate_up + down) in a 16-bit dtype take the grouped
+    kernels past DECODE_MAX_TOKENS_BYTES_BOUND tokens; small ones keep the decode kernels to
+    DECODE_MAX_TOKENS (their layer is launch latency, and the decode kernels launch once less)."""
+    pytest.importorskip("triton")
+    from mlaserve.model.layers import moe as moe_module
+
+    monkeypatch.setenv("MLASERVE_FUSED_OPS", "1")
+    config = make_config("softmax_greedy")
+    big = dataclasses.replace(config, hidden_size=512, moe_intermediate_size=512)
+    for cfg, want in (
+        (config, moe_module.DECODE_MAX_TOKENS),
+        (big, moe_module.DECODE_MAX_TOKENS_BYTES_BOUND),
+    ):
+        layer = DeepseekMoE(cfg, params_dtype=torch.float16)
+        expert = layer.experts.gate_up_proj[0].numel() + layer.experts.down_proj[0].numel()
+        assert (2 * expert >= moe_module.BYTES_BOUND_EXPERT_BYTES) == (cfg is big)
+        layer.process_weights_after_loading()
+        assert layer.decode_max_tokens == want
+    monkeypatch.setenv("MLASERVE_MOE_DECODE_MAX_TOKENS", "5")  # the override wins
+    layer.process_weights_after_loading()
+    assert layer.decode_max_tokens == 5
 
 
 def test_decode_kernels_can_be_turned_off(monkeypatch) -> None:

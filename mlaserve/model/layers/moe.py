@@ -69,15 +69,19 @@ logger = logging.getLogger(__name__)
 ExpertsImpl = Literal["auto", "grouped_mm", "loop", "dense"]
 
 # Up to this many tokens the decode kernels (one GEMV per (token, expert) pair) run; past it the
-# grouped kernels. One V2-Lite layer on an H100, kernels alone (bench/RESULTS.md, 2026-11-26
-# seventh session, after the grouped kernels' wider tiles): bf16 decode / grouped 113.6 / 118.9
-# us at 3 tokens, 143.4 / 140.5 at 4, 194.6 / 191.6 at 6, 232.3 / 224.7 at 8; FP8 79.2 / 91.1
-# at 4, 107.0 / 105.4 at 6, 141.7 / 141.4 at 8. In the whole model the grouped kernels gain
-# more than alone: with concentrated routing each pair's GEMV re-reads experts that the grouped
-# GEMM reads once per tile of tokens (V3-lite decode at bs 16 took 9.19 ms with the decode
-# kernels, 5.99 with the grouped ones).
-DECODE_MAX_TOKENS = 3
-DECODE_MAX_TOKENS_FP8 = 8
+# grouped kernels. On an H100 (bench/RESULTS.md, 2026-11-26 seventh session, after the grouped
+# kernels' wider tiles):
+# - V2-Lite layer (17 MB an expert in bf16), kernels alone, decode / grouped: bf16 113.6 / 118.9
+#   us at 3 tokens, 143.4 / 140.5 at 4, 194.6 / 191.6 at 6, 232.3 / 224.7 at 8; FP8 79.2 / 91.1
+#   at 4, 107.0 / 105.4 at 6, 141.7 / 141.4 at 8. In the whole model the grouped kernels gain
+#   more than alone (a pair's GEMV re-reads what the grouped GEMM reads once per tile of tokens):
+#   V3-lite's bs-1 speculative step (a 4-token VERIFY) 5.781 -> 5.576 ms.
+# - The default model (98 KB an expert: every kernel is launch latency), graphed decode step
+#   with the decode kernels up to 3 / up to 8 tokens: bs 4 0.396 / 0.367 ms, bs 8 0.507 / 0.481.
+# So bf16 layers bound by their weight bytes switch after 3 tokens, the others after 8.
+DECODE_MAX_TOKENS = 8
+DECODE_MAX_TOKENS_BYTES_BOUND = 3  # bf16 / fp16 experts of >= BYTES_BOUND_EXPERT_BYTES
+BYTES_BOUND_EXPERT_BYTES = 1 << 20  # one expert's gate_up + down
 # Up to this many tokens the grouped MoE kernels run (past DECODE_MAX_TOKENS): bf16 and FP8
 # weights. One V2-Lite layer on an H200 (bench/moe_decode.py): bf16 at 512 tokens 368-401 us
 # against 477 for the sorted CUTLASS path, at 2048 1118-1195 against 690 (a 2048-token prefill
@@ -509,7 +513,11 @@ class DeepseekMoE(nn.Module):
         if not fused_ops_enabled(weight.device) or weight.dtype == torch.float32:
             return
         fp8 = self.experts.quant is not None
-        decode_max = DECODE_MAX_TOKENS_FP8 if fp8 else DECODE_MAX_TOKENS
+        expert_bytes = sum(
+            p[0].numel() * p.element_size() for p in (weight, self.experts.down_proj)
+        )
+        bytes_bound = not fp8 and expert_bytes >= BYTES_BOUND_EXPERT_BYTES
+        decode_max = DECODE_MAX_TOKENS_BYTES_BOUND if bytes_bound else DECODE_MAX_TOKENS
         limit = int(os.environ.get("MLASERVE_MOE_DECODE_MAX_TOKENS", decode_max))
         default = GROUPED_MAX_TOKENS_FP8 if fp8 else GROUPED_MAX_TOKENS
         grouped = int(os.environ.get("MLASERVE_MOE_GROUPED_MAX_TOKENS", default))
