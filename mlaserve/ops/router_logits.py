@@ -79,15 +79,27 @@ _WIDE_BLOCK_E, _WIDE_BLOCK_K = 64, 64
 _PROGRAMS_TARGET = 128  # about one per SM of an H100 (132)
 _WIDE_PROGRAMS = 4 * _PROGRAMS_TARGET  # wide tiles split K up to this many programs
 _MAX_WIDE_SPLITS = 8
+# Decode-sized batches take wide tiles with K split up to this many ways (one 128-wide step a
+# program at V2-Lite's 2048) where the gate's bytes per program stay under _LATENCY_BYTES: such
+# a launch is a chain of latencies, and a wide tile reads each x row once for 64 experts.
+_MAX_SMALL_SPLITS = 16
+_LATENCY_BYTES = 32 << 10
 
 
 def _tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, int]:
-    """(BLOCK_E, BLOCK_K, K splits). Narrow tiles with K splits (a power of two dividing the K
-    blocks' count) so that the launch has about _PROGRAMS_TARGET programs: a handful of tokens
-    would otherwise stream the whole gate through a few SMs (V2-Lite at 32 tokens: 8 programs,
-    19 us, vs 3 kernels and 11 us for torch's). Wide tiles once they alone give half that many
-    programs, with K split (up to _MAX_WIDE_SPLITS ways) while the launch stays within
-    _WIDE_PROGRAMS: V2-Lite at 2048 tokens takes 4 splits of 8 steps, at 8192 none."""
+    """(BLOCK_E, BLOCK_K, K splits), splits a power of two dividing the K blocks' count.
+    - Prefill-sized batches: wide tiles once they alone give half _PROGRAMS_TARGET programs,
+      with K split (up to _MAX_WIDE_SPLITS ways) while the launch stays within _WIDE_PROGRAMS:
+      V2-Lite at 2048 tokens takes 4 splits of 8 steps, at 8192 none.
+    - Decode-sized batches of a small gate: wide tiles of 128-wide steps, K split up to
+      _MAX_SMALL_SPLITS ways within _WIDE_PROGRAMS, where that leaves <= _LATENCY_BYTES of the
+      gate a program. V2-Lite's gate (512 KB) with the selection after it, H100, us, narrow ->
+      these: 6.09 -> 5.20 at 32 tokens, 7.20 -> 5.29 at 64, 9.40 -> 6.07 at 128 (a bs-32
+      VERIFY), 14.68 -> 7.69 at 256 (bench/RESULTS.md).
+    - Otherwise (a large gate, V3's 7.3 MB, at a few tokens): narrow tiles with K splits, so
+      that the launch has about _PROGRAMS_TARGET programs: a handful of tokens would otherwise
+      stream the whole gate through a few SMs (V2-Lite at 32 tokens unsplit: 8 programs, 19
+      us, vs 3 kernels and 11 us for torch's)."""
     t_tiles = triton.cdiv(num_tokens, _BLOCK_T)
     wide = t_tiles * triton.cdiv(num_experts, _WIDE_BLOCK_E)
     if 2 * wide >= _PROGRAMS_TARGET:
@@ -100,8 +112,17 @@ def _tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, in
         ):
             splits *= 2
         return _WIDE_BLOCK_E, _WIDE_BLOCK_K, splits
-    tiles = t_tiles * triton.cdiv(num_experts, _BLOCK_E)
     num_kb = triton.cdiv(hidden, _BLOCK_K)
+    splits = 1
+    while (
+        splits < _MAX_SMALL_SPLITS
+        and wide * splits * 2 <= _WIDE_PROGRAMS
+        and num_kb % (splits * 2) == 0
+    ):
+        splits *= 2
+    if num_experts * hidden * 4 <= _LATENCY_BYTES * wide * splits:
+        return _WIDE_BLOCK_E, _BLOCK_K, splits
+    tiles = t_tiles * triton.cdiv(num_experts, _BLOCK_E)
     splits = 1
     while tiles * splits * 2 <= _PROGRAMS_TARGET and num_kb % (splits * 2) == 0:
         splits *= 2

@@ -18,7 +18,7 @@ from tests.ops.cases import cpu_case, gpu_case, model_dtype
 SHAPES = {"v2lite": (64, 2048), "v3": (256, 7168), "default": (8, 256), "tiny": (12, 160)}
 CASES = [
     gpu_case(t, shape)
-    for t in (9, 17, 32, 64, 257, 1000, 2048, 4100)
+    for t in (9, 17, 32, 64, 128, 257, 1000, 2048, 4100)
     for shape in ("v2lite", "v3", "default")
 ] + [cpu_case(5, "tiny"), cpu_case(33, "default"), cpu_case(1009, "tiny")]
 
@@ -49,7 +49,13 @@ def test_router_logits_refuses_a_non_fp32_gate():
 def test_prefill_sized_batches_take_wide_tiles_split_while_few():
     from mlaserve.ops.router_logits import _tiles, router_logits_variants
 
-    assert _tiles(1, 64, 2048)[2] > 1  # decode sizes: narrow, split
+    # decode sizes: a small gate (V2-Lite's 512 KB) wide, in one 128-wide step a program; a
+    # large one (V3's 7.3 MB) narrow and split while few tokens leave too few programs
+    assert _tiles(1, 64, 2048) == _tiles(128, 64, 2048) == (64, 128, 16)
+    assert _tiles(512, 64, 2048) == (64, 128, 16)
+    assert _tiles(16, 256, 7168) == (16, 128, 8)
+    assert _tiles(64, 256, 7168) == (16, 128, 2)
+    assert _tiles(128, 256, 7168) == (64, 128, 8)
     assert _tiles(1024, 64, 2048) == (64, 64, 8)  # 64 wide tiles
     assert _tiles(2048, 64, 2048) == (64, 64, 4)
     assert _tiles(8192, 64, 2048) == (64, 64, 1)  # 512 tiles: enough programs unsplit
