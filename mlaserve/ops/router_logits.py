@@ -83,7 +83,7 @@ _MAX_WIDE_SPLITS = 8
 # program at V2-Lite's 2048) where the gate's bytes per program stay under _LATENCY_BYTES: such
 # a launch is a chain of latencies, and a wide tile reads each x row once for 64 experts.
 _MAX_SMALL_SPLITS = 16
-_LATENCY_BYTES = 32 << 10
+_LATENCY_BYTES = 128 << 10
 
 
 def _tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, int]:
@@ -94,8 +94,10 @@ def _tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, in
     - Decode-sized batches of a small gate: wide tiles of 128-wide steps, K split up to
       _MAX_SMALL_SPLITS ways within _WIDE_PROGRAMS, where that leaves <= _LATENCY_BYTES of the
       gate a program. V2-Lite's gate (512 KB) with the selection after it, H100, us, narrow ->
-      these: 6.09 -> 5.20 at 32 tokens, 7.20 -> 5.29 at 64, 9.40 -> 6.07 at 128 (a bs-32
-      VERIFY), 14.68 -> 7.69 at 256 (bench/RESULTS.md).
+      these: 6.19 -> 5.43 at 32 tokens, 7.29 -> 5.37 at 64, 9.60 -> 6.40 at 128 (a bs-32
+      VERIFY), 15.07 -> 7.72 at 256; V3's 7.3 MB gate from 32 tokens: 27.2 -> 24.5 at 32, 43.4
+      -> 25.4 at 64, 80.8 -> 36.9 at 128, where at 9 and 16 tokens (229 KB a program) the
+      wide tiles took 23.6 us against 16.0 (bench/RESULTS.md).
     - Otherwise (a large gate, V3's 7.3 MB, at a few tokens): narrow tiles with K splits, so
       that the launch has about _PROGRAMS_TARGET programs: a handful of tokens would otherwise
       stream the whole gate through a few SMs (V2-Lite at 32 tokens unsplit: 8 programs, 19
