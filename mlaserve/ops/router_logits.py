@@ -106,29 +106,23 @@ def _tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, in
     wide = t_tiles * triton.cdiv(num_experts, _WIDE_BLOCK_E)
     if 2 * wide >= _PROGRAMS_TARGET:
         num_kb = triton.cdiv(hidden, _WIDE_BLOCK_K)
-        splits = 1
-        while (
-            splits < _MAX_WIDE_SPLITS
-            and wide * splits * 2 <= _WIDE_PROGRAMS
-            and num_kb % (splits * 2) == 0
-        ):
-            splits *= 2
-        return _WIDE_BLOCK_E, _WIDE_BLOCK_K, splits
+        return _WIDE_BLOCK_E, _WIDE_BLOCK_K, _splits(wide, num_kb, _WIDE_PROGRAMS, _MAX_WIDE_SPLITS)
     num_kb = triton.cdiv(hidden, _BLOCK_K)
-    splits = 1
-    while (
-        splits < _MAX_SMALL_SPLITS
-        and wide * splits * 2 <= _WIDE_PROGRAMS
-        and num_kb % (splits * 2) == 0
-    ):
-        splits *= 2
+    splits = _splits(wide, num_kb, _WIDE_PROGRAMS, _MAX_SMALL_SPLITS)
     if num_experts * hidden * 4 <= _LATENCY_BYTES * wide * splits:
         return _WIDE_BLOCK_E, _BLOCK_K, splits
     tiles = t_tiles * triton.cdiv(num_experts, _BLOCK_E)
+    return _BLOCK_E, _BLOCK_K, _splits(tiles, num_kb, _PROGRAMS_TARGET, num_kb)
+
+
+def _splits(tiles: int, num_kb: int, max_programs: int, max_splits: int) -> int:
+    """The K splits of `tiles` tiles over `num_kb` K blocks: the largest power of two that
+    divides num_kb, is at most max_splits and keeps tiles * splits <= max_programs (1 at
+    least)."""
     splits = 1
-    while tiles * splits * 2 <= _PROGRAMS_TARGET and num_kb % (splits * 2) == 0:
+    while splits < max_splits and tiles * splits * 2 <= max_programs and num_kb % (splits * 2) == 0:
         splits *= 2
-    return _BLOCK_E, _BLOCK_K, splits
+    return splits
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
