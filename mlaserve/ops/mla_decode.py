@@ -13,6 +13,9 @@ and a small combine kernel, both launched with PDL (`ops/pdl.py`).
     block_tables [bs, max_pages] int32, last dim contiguous; token n of sequence b is row
                                 n % page of page block_tables[b, n // page]
     seq_lens     [bs] int32     KV length of each sequence, this step's q_len tokens included
+                                (seq_lens, block_tables and k_scale are read before the PDL
+                                wait: the kernel launched right before this one must not
+                                write them, `ops/pdl.py`; the decode prologue does not)
     returns      [T, H, r]      q_nope's dtype (into `out` when given: any strides with a
                                 contiguous last dim)
 
@@ -319,26 +322,30 @@ def _mla_split_kernel(
     qn_rows = qn_ptr + t * qn_st + hh * qn_sh
     qp_rows = qp_ptr + t * qp_st + hh * qp_sh
 
-    wait_for_previous_kernel(PDL)  # q, seq_lens, page tables, k_scale and the KV are its outputs
+    # The lengths and page tables are the step's inputs, written before the first layer, and
+    # k_scale is the layer's constant: none is the previous kernel's (the decode prologue's),
+    # so they are read before the wait (`ops/pdl.py`), and the first page ids with them: after
+    # the wait a program's first keys are one load away instead of three dependent ones.
     seq_len = tl.load(seq_lens_ptr + b)
     chunk = _chunk_len(seq_len, num_splits, BLOCK_N, MIN_CHUNK)
     start = s * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    bt_row = bt_ptr + b.to(tl.int64) * bt_sb
+    page = _block_pages(bt_row, start, end, PAGE, BLOCK_N)  # none for an empty split
+    scale = qk_scale  # softmax_scale * log2(e): exp2 below
+    out_scale = 1.0
+    if FP8:
+        k_scale = tl.load(k_scale_ptr)
+        scale = scale * k_scale
+        out_scale = k_scale
+    wait_for_previous_kernel(PDL)  # q and this step's KV rows are the previous kernel's output
     if start < seq_len:  # else: an empty split, nothing loaded or stored (the combine skips it)
-        end = tl.minimum(start + chunk, seq_len)
-        scale = qk_scale  # softmax_scale * log2(e): exp2 below
-        out_scale = 1.0
-        if FP8:
-            k_scale = tl.load(k_scale_ptr)
-            scale = scale * k_scale
-            out_scale = k_scale
         # the last key row i sees; -1 for rows past q_len * H (they see nothing)
         last = tl.where(mask_m, seq_len - q_len + qi, -1)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        bt_row = bt_ptr + b.to(tl.int64) * bt_sb
         # The next block's page ids load with this block's keys (one dependent load less a step)
-        page = _block_pages(bt_row, start, end, PAGE, BLOCK_N)
         if WHILE_LOOP:  # the interpreter: its scalars cannot bound a `range` (see _use_while)
             n0 = start
             while n0 < end:
@@ -394,9 +401,9 @@ def _mla_combine_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     ws_row = (t.to(tl.int64) * H + h) * num_splits
 
-    wait_for_previous_kernel(PDL)  # the partials are the split kernel's output
-    seq_len = tl.load(seq_lens_ptr + t // q_len)
+    seq_len = tl.load(seq_lens_ptr + t // q_len)  # a step input: before the wait, as above
     valid = offs_s < tl.cdiv(seq_len, _chunk_len(seq_len, num_splits, BLOCK_N, MIN_CHUNK))
+    wait_for_previous_kernel(PDL)  # the partials are the split kernel's output
     lse = tl.load(lse_ptr + ws_row + offs_s, mask=valid, other=float("-inf"))
     part = tl.load(
         part_ptr + (ws_row + offs_s)[:, None] * R + offs_r[None, :],

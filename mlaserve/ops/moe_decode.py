@@ -22,7 +22,11 @@ S shared ones with weight 1.
                      with `routing`, each routed program first selects its token's experts
                      from the router logits itself (`routing.route_token`)
     _down_kernel     grid (T * (K + S), cdiv(H, BLOCK_N)): one pair, BLOCK_N outputs: the down
-                     projection of its h row, weighted -> fp32 partials [T, K + S, H]
+                     projection of its h row, weighted -> fp32 partials [T, K + S, H]; with
+                     `routing` it selects again itself, and its weight tile loads before its
+                     PDL wait (only h is the previous kernel's output), as do the shared
+                     slots' tiles in the gate_up kernel: under PDL each kernel's first bytes
+                     stream while the kernel before it finishes
     _combine_kernel  grid (T, cdiv(H, 1024)): each token's K + S partials summed in a fixed order
                      (deterministic, unlike atomics), rounded once -> y
 
@@ -135,18 +139,22 @@ def _gate_up_kernel(
     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0).to(tl.int64)
-    wait_for_previous_kernel(PDL)
     t = pair // (K + S)
     slot = pair % (K + S)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < INTER
     routed = slot < K
-    if ROUTE:
-        # The token's expert selection, from the router logits (the previous kernel's): every
-        # routed program recomputes it (a few reductions over E scores); the first program of
-        # slot 0 stores it for the down kernel. Shared slots need none.
-        index = slot - K
-        if routed:
+    # A routed program's expert comes from the previous kernel (the router logits, or the
+    # selection's ids): it waits first. A shared slot's weights are constants: its programs
+    # issue their first weight loads before the wait (`ops/pdl.py`), so under PDL the shared
+    # experts stream while the router's last programs run.
+    index = slot - K
+    if routed:
+        wait_for_previous_kernel(PDL)
+        if ROUTE:
+            # The token's expert selection, from the router logits: every routed program
+            # recomputes it (a few reductions over E scores); the first program of slot 0
+            # stores it (the down kernel recomputes it too, before its wait).
             sel_w, sel_ids = route_token(
                 t, logits_ptr, bias_ptr, logits_stride, split_stride, scaling, SPLITS, G, PG,
                 TOPK_GROUP, K, BLOCK_G, BLOCK_PG, BLOCK_K_SEL, METHOD, SIGMOID, HAS_BIAS, NORM,
@@ -156,8 +164,8 @@ def _gate_up_kernel(
             if (slot == 0) & (tl.program_id(1) == 0):
                 tl.store(wts_ptr + t * K + k_idx, sel_w, mask=k_idx < K)
                 tl.store(ids_ptr + t * K + k_idx, sel_ids, mask=k_idx < K)
-    else:
-        index = tl.where(routed, tl.load(ids_ptr + t * K + tl.minimum(slot, K - 1)), slot - K)
+        else:
+            index = tl.load(ids_ptr + t * K + slot)
     base, gate_rows, up_rows, sbase, sg, su = expert_gate_up_rows(
         routed, index, offs_n, w_ptr, s_ptr, sw_ptr, ss_ptr, s_e_stride, s_r_stride, ss_r_stride,
         INTER, S, ROW_DIV, SHARED_ROW_DIV,
@@ -170,8 +178,6 @@ def _gate_up_kernel(
     m = mask_n[:, None] & (offs_k < H)[None, :]
     wg_next = tl.load(g_ptrs, mask=m, other=0.0)
     wu_next = tl.load(u_ptrs, mask=m, other=0.0)
-    x_row = x_ptr + t * H
-    x_next = tl.load(x_row + offs_k, mask=offs_k < H, other=0.0)
     if UNIFORM_SCALE:
         # Every row of this program lies in one 128-row scale block (BLOCK_N divides 128, the
         # gate and up halves start on block edges): its scales are one per K column block,
@@ -185,6 +191,10 @@ def _gate_up_kernel(
         kb = offs_k // 128
         sg_next = tl.load(sbase + sg0 + kb, mask=offs_k < H, other=0.0)
         su_next = tl.load(sbase + su0 + kb, mask=offs_k < H, other=0.0)
+    if not routed:
+        wait_for_previous_kernel(PDL)  # x is an earlier kernel's output
+    x_row = x_ptr + t * H
+    x_next = tl.load(x_row + offs_k, mask=offs_k < H, other=0.0)
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -215,23 +225,44 @@ def _gate_up_kernel(
     tl.store(h_ptr + pair * INTER + offs_n, out.to(dtype), mask=mask_n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_stride"])
 def _down_kernel(
     h_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, part_ptr,
     s_e_stride, s_r_stride, ss_r_stride,
+    logits_ptr, bias_ptr, logits_stride, split_stride, scaling,
     H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, S: tl.constexpr,
     HAS_SCALE: tl.constexpr, UNIFORM_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROUTE: tl.constexpr, SPLITS: tl.constexpr, G: tl.constexpr, PG: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_PG: tl.constexpr,
+    BLOCK_K_SEL: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0).to(tl.int64)
-    wait_for_previous_kernel(PDL)
     t = pair // (K + S)
     slot = pair % (K + S)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
     routed = slot < K
-    weight = tl.where(routed, tl.load(wts_ptr + t * K + tl.minimum(slot, K - 1)), 1.0)
-    index = tl.where(routed, tl.load(ids_ptr + t * K + tl.minimum(slot, K - 1)), slot - K)
+    # Only h is the previous kernel's output. The selection is two launches back (the
+    # selection kernel's ids and weights; with ROUTE the router logits, recomputed here as the
+    # gate_up kernel does) and the weights are constants: all are read before the wait
+    # (`ops/pdl.py`), so under PDL a program streams its weight tile while the gate_up
+    # kernel's last programs run.
+    index = slot - K
+    weight = 1.0
+    if routed:
+        if ROUTE:
+            sel_w, sel_ids = route_token(
+                t, logits_ptr, bias_ptr, logits_stride, split_stride, scaling, SPLITS, G, PG,
+                TOPK_GROUP, K, BLOCK_G, BLOCK_PG, BLOCK_K_SEL, METHOD, SIGMOID, HAS_BIAS, NORM,
+            )  # fmt: skip
+            k_idx = tl.arange(0, BLOCK_K_SEL)
+            index = tl.sum(tl.where(k_idx == slot, sel_ids, 0))
+            weight = tl.sum(tl.where(k_idx == slot, sel_w, 0.0))
+        else:
+            index = tl.load(ids_ptr + t * K + slot)
+            weight = tl.load(wts_ptr + t * K + slot)
     base, row_stride, col0, srow = expert_down_cols(
         routed, index, offs_n, w_ptr, s_ptr, sw_ptr, ss_ptr, s_e_stride, s_r_stride, ss_r_stride,
         H, INTER, S,
@@ -240,14 +271,15 @@ def _down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     rows = base + offs_n[:, None].to(tl.int64) * row_stride + col0 + offs_k[None, :]
     w_next = tl.load(rows, mask=mask_n[:, None] & (offs_k < INTER)[None, :], other=0.0)
-    h_row = h_ptr + pair * INTER
-    h_next = tl.load(h_row + offs_k, mask=offs_k < INTER, other=0.0)
     if UNIFORM_SCALE:  # BLOCK_N divides 128: the program's rows share their scale row
         _, _, _, s0 = expert_down_cols(
             routed, index, tl.program_id(1) * BLOCK_N, w_ptr, s_ptr, sw_ptr, ss_ptr, s_e_stride,
             s_r_stride, ss_r_stride, H, INTER, S,
         )  # fmt: skip
         s_next = tl.load(s0 + offs_k // 128, mask=offs_k < INTER, other=0.0)
+    wait_for_previous_kernel(PDL)  # h is the gate_up kernel's output
+    h_row = h_ptr + pair * INTER
+    h_next = tl.load(h_row + offs_k, mask=offs_k < INTER, other=0.0)
     part = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         w = w_next.to(tl.float32)
@@ -476,8 +508,8 @@ def moe_decode(
         h, ids, wts, weights.w2, s2, weights.shared_w2, ss2, part,
         s2_e, s2_r, ss2_r,
         H=hidden, INTER=inter, K=top_k, S=shared, HAS_SCALE=has_scale,
-        UNIFORM_SCALE=uniform[1],
-        BLOCK_N=block_n[1], BLOCK_K=block_k[1], num_warps=num_warps, **pdl,
+        UNIFORM_SCALE=uniform[1], BLOCK_N=block_n[1], BLOCK_K=block_k[1],
+        ROUTE=routing is not None, **sel, num_warps=num_warps, **pdl,
     )  # fmt: skip
     if not combine:
         return MoePartials(part.view(num_tokens, top_k + shared, hidden), x.dtype)

@@ -17,7 +17,12 @@ contract every kernel launched with PDL keeps:
   Stores before the wait could overwrite a buffer the previous kernel still reads (the caching
   allocator reuses freed activations), and a program that skipped the wait could let the grid
   end before its predecessor: the next kernel's wait would then not cover the predecessor.
-  Weights and other load-time constants may be read before it;
+  Weights and other load-time constants may be read before it, and so may what a kernel two
+  or more launches back wrote (the step's inputs, a selection the kernel in between reads):
+  the previous kernel let this one launch only after its own wait, when its predecessor had
+  finished and its writes were visible. Only the immediate predecessor's output needs the
+  wait, so a kernel that reads early states which inputs, and its callers keep the writer of
+  those out of the launch right before it;
 - right after its own wait it lets the next kernel launch (`launch_dependents`). Our kernels are
   one wave at decode sizes, so the next one's programs only take resident slots that are free
   anyway. (Waiting without this early trigger, the next kernel launches as the previous one's

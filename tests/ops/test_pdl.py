@@ -236,3 +236,42 @@ def test_the_kernel_before_flashmla_holds_its_dependents() -> None:
     for kernel in ("head_gemv", "prologue"):
         assert "griddepcontrol.wait" in ptx[kernel], kernel
         assert "griddepcontrol.launch_dependents" in ptx[kernel], kernel
+
+
+_EARLY = r"""
+from mlaserve.ops import mla_decode as A
+from mlaserve.ops import moe_decode as D
+
+ptrs = {"ids_ptr": "*i64", "w_ptr": "*fp8e4nv", "sw_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+        "ss_ptr": "*fp32", "wts_ptr": "*fp32", "logits_ptr": "*fp32", "bias_ptr": "*fp32",
+        "h_ptr": "*bf16", "part_ptr": "*fp32"}
+sel = dict(SPLITS=1, G=1, PG=64, TOPK_GROUP=1, BLOCK_G=1, BLOCK_PG=64, BLOCK_K_SEL=8,
+           METHOD=0, SIGMOID=False, HAS_BIAS=False, NORM=False, PDL=True)
+for route in (False, True):
+    dn = dict(H=2048, INTER=1408, K=6, S=2, HAS_SCALE=True, UNIFORM_SCALE=True, BLOCK_N=8,
+              BLOCK_K=2048, ROUTE=route, **sel)
+    sig = signature(D._down_kernel, ptrs, floats=("scaling",), constexprs=dn)
+    cases.append((f"moe_down_route_{route}", D._down_kernel, sig, dn))
+sp = dict(H=16, R=512, DR=64, PAGE=64, BLOCK_M=16, BLOCK_N=16, BLOCK_R=512, BLOCK_D=512,
+          BLOCK_DR=64, MIN_CHUNK=16, FP8=True, DIRECT=False, DOT_PREC="ieee", WHILE_LOOP=False,
+          PDL=True)
+sig = signature(A._mla_split_kernel, {"qn_ptr": "*bf16", "qp_ptr": "*bf16", "kv_ptr": "*fp8e4nv",
+                "k_scale_ptr": "*fp32", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
+                "part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16"},
+                floats=("qk_scale",), constexprs=sp)
+cases.append(("mla_split", A._mla_split_kernel, sig, sp))
+"""
+
+
+def test_kernels_read_constants_and_older_outputs_before_their_wait() -> None:
+    """The MoE decode's down kernel loads its selection and weight tile, and the split-KV
+    attention its lengths, page ids and k_scale, before `griddepcontrol.wait` (what the PTX
+    says, compiled for SM90 with PDL), so under PDL those loads overlap the previous kernel;
+    each still waits before anything else (the graph-vs-eager test above checks the bits)."""
+    from tests.aot_compile import ptx_for_sm90
+
+    for name, ptx in ptx_for_sm90(_EARLY).items():
+        head, wait, tail = ptx.partition("griddepcontrol.wait")
+        assert wait, name
+        assert "ld.global" in head, f"{name}: nothing loaded before the wait"
+        assert "ld.global" in tail, f"{name}: nothing loaded after the wait"
