@@ -140,9 +140,13 @@ def time_replay(llm: LLM, bs: int) -> float:
     return replay_ms(decode_graph(llm, bs), 20)
 
 
-def replay_kernels(graph: torch.cuda.CUDAGraph) -> list[tuple[str, float]]:
-    """(name, GPU us) of every kernel one replay of the decode graph runs (torch.profiler / CUPTI
-    records each kernel node of a replayed graph; memcpy and memset nodes are left out)."""
+def replay_kernels(graph: torch.cuda.CUDAGraph) -> list[tuple[str, float, float]]:
+    """(name, GPU us, us it adds to the replay's span) of every kernel one replay of the decode
+    graph runs, in start order (torch.profiler / CUPTI records each kernel node of a replayed
+    graph; memcpy and memset nodes are left out). Under PDL a kernel's duration includes its
+    wait for the previous one, so durations overlap; what a kernel adds to the span, its end
+    past every earlier kernel's end, is its share of the critical path (the adds sum to the
+    span from the first kernel's end to the last one's)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -151,27 +155,41 @@ def replay_kernels(graph: torch.cuda.CUDAGraph) -> list[tuple[str, float]]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    return [
-        (e.name, e.device_time)
+    events = sorted(
+        (e.time_range.start, e.time_range.end, e.name, e.device_time)
         for e in prof.events()
         if e.device_type == DeviceType.CUDA and not e.name.lower().startswith(("memcpy", "memset"))
-    ]
+    )
+    out, last_end = [], None
+    for _start, end, name, us in events:
+        adds = 0.0 if last_end is None else max(0.0, end - last_end)
+        last_end = end if last_end is None else max(last_end, end)
+        out.append((name, us, adds))
+    return out
 
 
-def print_kernel_table(kernels: list[tuple[str, float]], layers: int, top: int = 25) -> None:
-    """Kernels grouped by name, by total GPU time: the profile of one replay."""
-    by_name: dict[str, list[float]] = {}
-    for name, us in kernels:
-        by_name.setdefault(name, []).append(us)
-    total = sum(us for _, us in kernels)
-    print(f"  top kernels of one replay ({len(kernels)} kernels, {total / 1e3:.3f} ms busy)")
-    print(f"  {'us':>9} {'share':>6} {'count':>5} {'/layer':>6} {'us each':>8}  name")
-    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+def print_kernel_table(kernels: list[tuple[str, float, float]], layers: int, top: int = 25) -> None:
+    """Kernels grouped by name, by the span they add (the critical path): one replay's profile."""
+    by_name: dict[str, list[tuple[float, float]]] = {}
+    for name, us, adds in kernels:
+        by_name.setdefault(name, []).append((us, adds))
+    total = sum(us for _, us, _ in kernels)
+    span = sum(adds for _, _, adds in kernels)
+    print(
+        f"  top kernels of one replay ({len(kernels)} kernels, {total / 1e3:.3f} ms busy, "
+        f"{span / 1e3:.3f} ms span after the first)"
+    )
+    print(
+        f"  {'adds us':>9} {'share':>6} {'busy us':>9} {'count':>5} {'/layer':>6} "
+        f"{'adds each':>9}  name"
+    )
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(a for _, a in kv[1]))
     for name, times in ranked[:top]:
-        t = sum(times)
+        added = sum(a for _, a in times)
+        busy = sum(u for u, _ in times)
         print(
-            f"  {t:>9.1f} {t / total:>6.1%} {len(times):>5} {len(times) / layers:>6.2f} "
-            f"{t / len(times):>8.2f}  {name[:90]}"
+            f"  {added:>9.1f} {added / max(span, 1e-9):>6.1%} {busy:>9.1f} {len(times):>5} "
+            f"{len(times) / layers:>6.2f} {added / len(times):>9.2f}  {name[:90]}"
         )
 
 

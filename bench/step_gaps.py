@@ -65,7 +65,7 @@ def main() -> None:
             if e.device_type == DeviceType.CUDA
         ),
     )
-    graph_names = {name for name, _ in _graph_kernels(engine, args.batch_size)}
+    graph_names = {name for name, _, _ in _graph_kernels(engine, args.batch_size)}
     busy = sum(end - start for start, end, _ in ops) / args.steps / 1e3
     span = (ops[-1][1] - ops[0][0]) / args.steps / 1e3
     outside: dict[str, list[float]] = {}
@@ -103,7 +103,7 @@ def main() -> None:
     )
 
 
-def _graph_kernels(engine, bs: int) -> list[tuple[str, float]]:
+def _graph_kernels(engine, bs: int) -> list[tuple[str, float, float]]:
     graphs = engine.graphs
     size = min(s for s in graphs.batch_sizes if s >= bs)
     graph = next(g for (m, q, b), g in graphs.graphs.items() if b == size and q == 1).graph
