@@ -241,3 +241,44 @@ def test_decode_kernels_can_be_turned_off(monkeypatch) -> None:
     layer = make_moe(make_config("softmax_greedy"), torch.float16)
     layer.process_weights_after_loading()
     assert layer.decode_weights is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_tokens", [600, 2048])
+def test_shared_experts_on_the_side_stream_give_the_in_line_bits(num_tokens, monkeypatch) -> None:
+    """Prefill-sized batches run the shared experts on a side stream beside the routed ones
+    (`_side_stream`): the same kernels, so the same bits as in line, eagerly and replayed from
+    a CUDA graph captured with the fork and join (fresh inputs each replay)."""
+    from mlaserve.model.layers import moe as moe_module
+
+    config = make_config("sigmoid_noaux_tc")
+    layer = make_moe(config, torch.bfloat16).to("cuda")
+    layer.process_weights_after_loading()
+    x = torch.empty(num_tokens, HIDDEN, dtype=torch.bfloat16, device="cuda")
+
+    def in_line(inp: torch.Tensor) -> torch.Tensor:
+        monkeypatch.setenv("MLASERVE_SHARED_OVERLAP", "0")
+        moe_module._side_stream.cache_clear()
+        try:
+            return layer(inp)
+        finally:
+            monkeypatch.delenv("MLASERVE_SHARED_OVERLAP")
+            moe_module._side_stream.cache_clear()
+
+    assert moe_module._side_stream(x.device) is not None
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    x.copy_(torch.randn(num_tokens, HIDDEN, generator=gen, device="cuda"))
+    assert torch.equal(layer(x), in_line(x))  # eager, and the side path's warm-up
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.inference_mode():
+        graph.capture_begin()
+        out = layer(x)
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        x.copy_(torch.randn(num_tokens, HIDDEN, generator=gen, device="cuda"))
+        graph.replay()
+        assert torch.equal(out, in_line(x))
