@@ -89,7 +89,10 @@ class ExtendLayout:
 
 
 def extend_layout(batch: ForwardBatch) -> ExtendLayout:
-    """The layout of an EXTEND batch, from its host lengths and its device page table."""
+    """The layout of an EXTEND batch: its sizes from the host lengths, its device tensors from
+    the batch's own (`seq_lens` are the context lengths, the page table maps them to slots) by
+    a few asynchronous device ops. No host-built index array and no copy from the host: this
+    runs before a prefill's first kernel, so its host time is the prompt's."""
     if batch.seq_lens_host is None or batch.q_lens_host is None:
         raise ValueError(
             f"{batch.mode.value} batch: the MHA-form prefill needs seq_lens_host and q_lens_host "
@@ -100,21 +103,26 @@ def extend_layout(batch: ForwardBatch) -> ExtendLayout:
         raise ValueError(f"q_lens_host {q_lens} must fit inside seq_lens_host {kv_lens}")
     if sum(q_lens) != batch.num_tokens:
         raise ValueError(f"q_lens_host sums to {sum(q_lens)}, the batch has {batch.num_tokens}")
-    device, page_size = batch.block_tables.device, batch.kv_pool.page_size
-    seq = torch.repeat_interleave(torch.arange(len(kv_lens)), torch.tensor(kv_lens))
-    pos = torch.cat([torch.arange(n) for n in kv_lens]) if kv_lens else seq
-    seq, pos = seq.to(device, non_blocking=True), pos.to(device, non_blocking=True)
-    pages = batch.block_tables[seq, pos // page_size].long()
-    cu = [0]
-    for n in kv_lens:
-        cu.append(cu[-1] + n)
+    bs, total, page_size = len(kv_lens), sum(kv_lens), batch.kv_pool.page_size
+    kv_lens_dev = batch.seq_lens[:bs]
+    cu_kv = kv_lens_dev.new_zeros(bs + 1)
+    torch.cumsum(kv_lens_dev, 0, out=cu_kv[1:])
+    pos = torch.arange(total, device=kv_lens_dev.device)
+    if bs == 1:
+        pages = batch.block_tables[0][pos // page_size]
+    else:  # each context row's sequence; output_size: no host sync for the shape
+        seq = torch.repeat_interleave(
+            torch.arange(bs, device=pos.device), kv_lens_dev, output_size=total
+        )
+        pos -= cu_kv[seq]
+        pages = batch.block_tables[seq, pos // page_size]
     return ExtendLayout(
         q_lens=q_lens,
         kv_lens=kv_lens,
-        cu_q=batch.cu_q_lens[: len(q_lens) + 1],
-        cu_kv=torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True),
-        kv_lens_dev=torch.tensor(kv_lens, dtype=torch.int32).to(device, non_blocking=True),
-        context_slots=pages * page_size + pos % page_size,
+        cu_q=batch.cu_q_lens[: bs + 1],
+        cu_kv=cu_kv,
+        kv_lens_dev=kv_lens_dev,
+        context_slots=pages.long() * page_size + pos % page_size,
     )
 
 
