@@ -124,6 +124,25 @@ def expert_down_cols(
     return base, row_stride, col0, srow
 
 
+@triton.jit
+def _slot_selection(
+    t, slot, logits_ptr, bias_ptr, logits_stride, split_stride, scaling,
+    SPLITS: tl.constexpr, G: tl.constexpr, PG: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr,
+    METHOD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+):  # fmt: skip
+    """Token t's expert selection from its router logits (`route_token`) and routed slot
+    `slot`'s part of it -> (weights [BLOCK_K], ids [BLOCK_K], the slot's weight, its expert).
+    Both kernels below select with it: the same code on the same logits, the same bits."""
+    sel_w, sel_ids = route_token(
+        t, logits_ptr, bias_ptr, logits_stride, split_stride, scaling, SPLITS, G, PG,
+        TOPK_GROUP, K, BLOCK_G, BLOCK_PG, BLOCK_K, METHOD, SIGMOID, HAS_BIAS, NORM,
+    )  # fmt: skip
+    k_idx = tl.arange(0, BLOCK_K)
+    weight = tl.sum(tl.where(k_idx == slot, sel_w, 0.0))
+    return sel_w, sel_ids, weight, tl.sum(tl.where(k_idx == slot, sel_ids, 0))
+
+
 # split_stride (T * E, the logits' split-K stride) is not specialised: one compile for every T
 @triton.jit(do_not_specialize=["split_stride"])
 def _gate_up_kernel(
@@ -155,13 +174,12 @@ def _gate_up_kernel(
             # The token's expert selection, from the router logits: every routed program
             # recomputes it (a few reductions over E scores); the first program of slot 0
             # stores it (the down kernel recomputes it too, before its wait).
-            sel_w, sel_ids = route_token(
-                t, logits_ptr, bias_ptr, logits_stride, split_stride, scaling, SPLITS, G, PG,
-                TOPK_GROUP, K, BLOCK_G, BLOCK_PG, BLOCK_K_SEL, METHOD, SIGMOID, HAS_BIAS, NORM,
+            sel_w, sel_ids, _, index = _slot_selection(
+                t, slot, logits_ptr, bias_ptr, logits_stride, split_stride, scaling, SPLITS, G,
+                PG, TOPK_GROUP, K, BLOCK_G, BLOCK_PG, BLOCK_K_SEL, METHOD, SIGMOID, HAS_BIAS, NORM,
             )  # fmt: skip
-            k_idx = tl.arange(0, BLOCK_K_SEL)
-            index = tl.sum(tl.where(k_idx == slot, sel_ids, 0))
             if (slot == 0) & (tl.program_id(1) == 0):
+                k_idx = tl.arange(0, BLOCK_K_SEL)
                 tl.store(wts_ptr + t * K + k_idx, sel_w, mask=k_idx < K)
                 tl.store(ids_ptr + t * K + k_idx, sel_ids, mask=k_idx < K)
         else:
@@ -253,13 +271,10 @@ def _down_kernel(
     weight = 1.0
     if routed:
         if ROUTE:
-            sel_w, sel_ids = route_token(
-                t, logits_ptr, bias_ptr, logits_stride, split_stride, scaling, SPLITS, G, PG,
-                TOPK_GROUP, K, BLOCK_G, BLOCK_PG, BLOCK_K_SEL, METHOD, SIGMOID, HAS_BIAS, NORM,
+            _, _, weight, index = _slot_selection(
+                t, slot, logits_ptr, bias_ptr, logits_stride, split_stride, scaling, SPLITS, G,
+                PG, TOPK_GROUP, K, BLOCK_G, BLOCK_PG, BLOCK_K_SEL, METHOD, SIGMOID, HAS_BIAS, NORM,
             )  # fmt: skip
-            k_idx = tl.arange(0, BLOCK_K_SEL)
-            index = tl.sum(tl.where(k_idx == slot, sel_ids, 0))
-            weight = tl.sum(tl.where(k_idx == slot, sel_w, 0.0))
         else:
             index = tl.load(ids_ptr + t * K + slot)
             weight = tl.load(wts_ptr + t * K + slot)
