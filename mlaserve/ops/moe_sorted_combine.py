@@ -65,9 +65,12 @@ def moe_sorted_combine(
     order: torch.Tensor,
     weights: torch.Tensor,
     shared: torch.Tensor | None = None,
+    *,
+    pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rows [T*K, H] (sorted by expert), order [T*K], weights [T, K] fp32, shared [T, H] or
-    None -> y [T, H] in rows' dtype."""
+    None -> y [T, H] in rows' dtype. `pos`: order's inverse [T*K] int32, if the caller has it
+    (`ops.expert_sort`); else one launch computes it."""
     num_tokens, top_k = weights.shape
     num_pairs, hidden = rows.shape
     if num_pairs != num_tokens * top_k or order.shape != (num_pairs,):
@@ -82,9 +85,12 @@ def moe_sorted_combine(
     y = torch.empty(num_tokens, hidden, dtype=rows.dtype, device=rows.device)
     if num_tokens == 0:
         return y
-    pos = torch.empty(num_pairs, dtype=torch.int32, device=rows.device)
-    block = 1024
-    _invert_kernel[(triton.cdiv(num_pairs, block),)](order, pos, num_pairs, BLOCK=block)
+    if pos is None:
+        pos = torch.empty(num_pairs, dtype=torch.int32, device=rows.device)
+        block = 1024
+        _invert_kernel[(triton.cdiv(num_pairs, block),)](order, pos, num_pairs, BLOCK=block)
+    elif pos.shape != (num_pairs,) or pos.dtype != torch.int32:
+        raise ValueError(f"moe_sorted_combine: pos must be int32 [{num_pairs}]")
     block = min(triton.next_power_of_2(hidden), 1024)
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
         rows, pos, weights.contiguous(), shared if shared is not None else rows, y,

@@ -76,6 +76,10 @@ def _router_logits_kernel(
 _BLOCK_T, _BLOCK_E, _BLOCK_K = 16, 16, 128
 # Wide tiles: a [64, 64] fp32 gate tile and the next one in registers at 4 warps.
 _WIDE_BLOCK_E, _WIDE_BLOCK_K = 64, 64
+# Prefill-sized batches' token rows a tile: each gate tile is read once per 64 tokens, not 16
+# (H100, V2-Lite, us, 16 -> 64 rows: 13.9 -> 9.1 at 1024 tokens, 28.9 -> 16.8 at 2048, 56.4 ->
+# 31.2 at 4096; 32 rows and 8 warps were slower, bench/moe_prefill.py --glue).
+_PREFILL_BLOCK_T = 64
 _PROGRAMS_TARGET = 128  # about one per SM of an H100 (132)
 _WIDE_PROGRAMS = 4 * _PROGRAMS_TARGET  # wide tiles split K up to this many programs
 _MAX_WIDE_SPLITS = 8
@@ -86,11 +90,13 @@ _MAX_SMALL_SPLITS = 16
 _LATENCY_BYTES = 128 << 10
 
 
-def _tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, int]:
-    """(BLOCK_E, BLOCK_K, K splits), splits a power of two dividing the K blocks' count.
-    - Prefill-sized batches: wide tiles once they alone give half _PROGRAMS_TARGET programs,
-      with K split (up to _MAX_WIDE_SPLITS ways) while the launch stays within _WIDE_PROGRAMS:
-      V2-Lite at 2048 tokens takes 4 splits of 8 steps, at 8192 none.
+def _tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_E, BLOCK_K, K splits), splits a power of two dividing the K blocks'
+    count.
+    - Prefill-sized batches: wide tiles of _PREFILL_BLOCK_T rows once 16-row ones alone would
+      give half _PROGRAMS_TARGET programs, with K split (up to _MAX_WIDE_SPLITS ways) while
+      16-row tiles would stay within _WIDE_PROGRAMS (the 64-row launch within
+      _PROGRAMS_TARGET): V2-Lite at 2048 tokens takes 4 splits of 8 steps, at 8192 none.
     - Decode-sized batches of a small gate: wide tiles of 128-wide steps, K split up to
       _MAX_SMALL_SPLITS ways within _WIDE_PROGRAMS, where that leaves <= _LATENCY_BYTES of the
       gate a program. V2-Lite's gate (512 KB) with the selection after it, H100, us, narrow ->
@@ -106,13 +112,14 @@ def _tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, in
     wide = t_tiles * triton.cdiv(num_experts, _WIDE_BLOCK_E)
     if 2 * wide >= _PROGRAMS_TARGET:
         num_kb = triton.cdiv(hidden, _WIDE_BLOCK_K)
-        return _WIDE_BLOCK_E, _WIDE_BLOCK_K, _splits(wide, num_kb, _WIDE_PROGRAMS, _MAX_WIDE_SPLITS)
+        splits = _splits(wide, num_kb, _WIDE_PROGRAMS, _MAX_WIDE_SPLITS)
+        return _PREFILL_BLOCK_T, _WIDE_BLOCK_E, _WIDE_BLOCK_K, splits
     num_kb = triton.cdiv(hidden, _BLOCK_K)
     splits = _splits(wide, num_kb, _WIDE_PROGRAMS, _MAX_SMALL_SPLITS)
     if num_experts * hidden * 4 <= _LATENCY_BYTES * wide * splits:
-        return _WIDE_BLOCK_E, _BLOCK_K, splits
+        return _BLOCK_T, _WIDE_BLOCK_E, _BLOCK_K, splits
     tiles = t_tiles * triton.cdiv(num_experts, _BLOCK_E)
-    return _BLOCK_E, _BLOCK_K, _splits(tiles, num_kb, _PROGRAMS_TARGET, num_kb)
+    return _BLOCK_T, _BLOCK_E, _BLOCK_K, _splits(tiles, num_kb, _PROGRAMS_TARGET, num_kb)
 
 
 def _splits(tiles: int, num_kb: int, max_programs: int, max_splits: int) -> int:
@@ -138,15 +145,15 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         )
     if x.stride(-1) != 1:
         x = x.contiguous()
-    block_e, block_k, splits = _tiles(num_tokens, num_experts, hidden)
+    block_t, block_e, block_k, splits = _tiles(num_tokens, num_experts, hidden)
     out = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return out
-    grid = (triton.cdiv(num_tokens, _BLOCK_T), triton.cdiv(num_experts, block_e), splits)
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_experts, block_e), splits)
     _router_logits_kernel[grid](
         x, weight, out, num_tokens, x.stride(0),
         H=hidden, E=num_experts, KB_PER_SPLIT=triton.cdiv(hidden, block_k) // splits,
-        BLOCK_T=_BLOCK_T, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
         num_stages=3, **pdl_args(x.device),
     )  # fmt: skip
     return out

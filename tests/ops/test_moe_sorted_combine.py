@@ -60,8 +60,8 @@ def test_sorted_combine_refuses_mismatched_pairs():
 @pytest.mark.parametrize("quant", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("num_tokens,device", [gpu_case(300), gpu_case(2048)])
 def test_sorted_path_kernels_match_torch(num_tokens, device, quant):
-    """The routed experts past the grouped kernels' sizes (prefill): SiLU-and-mul and the
-    combine as Triton kernels vs the torch reference, same weights and routing, V2-Lite's
+    """The routed experts past the grouped kernels' sizes (prefill): the sort, the bf16 gate_up
+    GEMM with SiLU-and-mul, SiLU-and-mul and the combine as Triton kernels vs the torch reference, same weights and routing, V2-Lite's
     expert shape (64 experts of 1408, hidden 2048, top-6)."""
     from mlaserve.config import QuantizationConfig
     from mlaserve.model.layers.mlp import silu_and_mul
@@ -85,6 +85,8 @@ def test_sorted_path_kernels_match_torch(num_tokens, device, quant):
     weights = torch.rand(num_tokens, 6, device=device)
     shared = torch.randn(num_tokens, 2048, device=device, dtype=torch.bfloat16)
     got = experts(x, weights, ids, shared)
-    experts.act, experts._sorted_combine = silu_and_mul, None
+    assert experts._sort_by_expert is not None and (experts._gate_up_silu is None) == quant
+    experts.act, experts._sorted_combine, experts._sort_by_expert = silu_and_mul, None, None
+    experts._gate_up_silu = None
     want = experts(x, weights, ids, shared)
     torch.testing.assert_close(got, want, rtol=0, atol=2**-7 * want.abs().max().item())

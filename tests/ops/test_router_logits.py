@@ -51,14 +51,14 @@ def test_prefill_sized_batches_take_wide_tiles_split_while_few():
 
     # decode sizes: a small gate (V2-Lite's 512 KB) wide, in one 128-wide step a program; a
     # large one (V3's 7.3 MB) narrow and split while a handful of tokens leave too few programs
-    assert _tiles(1, 64, 2048) == _tiles(128, 64, 2048) == (64, 128, 16)
-    assert _tiles(512, 64, 2048) == (64, 128, 16)
-    assert _tiles(16, 256, 7168) == (16, 128, 8)
-    assert _tiles(32, 256, 7168) == _tiles(128, 256, 7168) == (64, 128, 8)
-    assert _tiles(1024, 64, 2048) == (64, 64, 8)  # 64 wide tiles
-    assert _tiles(2048, 64, 2048) == (64, 64, 4)
-    assert _tiles(8192, 64, 2048) == (64, 64, 1)  # 512 tiles: enough programs unsplit
-    assert _tiles(256, 256, 7168) == (64, 64, 8)
-    assert _tiles(1009, 12, 160) == (64, 64, 1)  # the interpreted case above: K of 3 blocks
+    assert _tiles(1, 64, 2048) == _tiles(128, 64, 2048) == (16, 64, 128, 16)
+    assert _tiles(512, 64, 2048) == (16, 64, 128, 16)
+    assert _tiles(16, 256, 7168) == (16, 16, 128, 8)
+    assert _tiles(32, 256, 7168) == _tiles(128, 256, 7168) == (16, 64, 128, 8)
+    assert _tiles(1024, 64, 2048) == (64, 64, 64, 8)  # 64 wide tiles
+    assert _tiles(2048, 64, 2048) == (64, 64, 64, 4)
+    assert _tiles(8192, 64, 2048) == (64, 64, 64, 1)  # 128 tiles: enough programs unsplit
+    assert _tiles(256, 256, 7168) == (64, 64, 64, 8)
+    assert _tiles(1009, 12, 160) == (64, 64, 64, 1)  # the interpreted case above: K of 3 blocks
     counts = router_logits_variants(64, 2048)
     assert {_tiles(t, 64, 2048) for t in counts} == {_tiles(t, 64, 2048) for t in range(1, 9000)}

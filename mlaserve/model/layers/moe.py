@@ -30,8 +30,11 @@ it off, `MLASERVE_FUSED_ROUTING=0` selects first, for A/B runs). Batches past th
 up to `grouped_max_tokens` (large decode batches, speculative VERIFY steps), run
 `mlaserve/ops/moe_grouped.py`: the shared experts folded in as always-selected experts, one
 alignment kernel, two tensor-core grouped GEMMs and the combine (`MLASERVE_MOE_GROUPED_MAX_TOKENS
-=0` turns it off). Prefill-sized batches keep the sorted grouped GEMM (CUTLASS, compute-bound),
-with the shared experts' dense GEMMs on a side stream beside the router and the routed GEMMs
+=0` turns it off). Prefill-sized batches keep the sorted layout: on CUDA the pairs sorted by
+one kernel (`ops/expert_sort.py`, up to its size limit), in bf16 the gate_up GEMM with x's
+gather and SiLU-and-mul inside it (`ops/moe_prefill_gemm.py`, up to a few hundred rows an
+expert; past that CUTLASS's `torch._grouped_mm`), the down GEMM `torch._grouped_mm`, and the
+shared experts' dense GEMMs on a side stream beside the router and the routed GEMMs
 (H100, V2-Lite, 2048-token prefill TTFT 31.2-31.6 -> 30.6-30.8 ms; `MLASERVE_SHARED_OVERLAP=0`
 runs them in line, for A/B runs).
 """
@@ -283,6 +286,8 @@ class FusedExperts(nn.Module):
         # the torch code below is their reference and the CPU path.
         self.act = silu_and_mul
         self._sorted_combine = None
+        self._sort_by_expert, self._sort_max_pairs = None, 0
+        self._gate_up_silu, self._gate_up_silu_max_rows = None, 0
         self.gate_up_proj_scale_inv: nn.Parameter | None = None
         self.down_proj_scale_inv: nn.Parameter | None = None
         if quant is None:
@@ -309,10 +314,20 @@ class FusedExperts(nn.Module):
             self.gate_up_proj.weight_loader = self.fp8_weight_loader
             self.down_proj.weight_loader = self.fp8_weight_loader
         if fused_ops_enabled(self.gate_up_proj.device):
+            from mlaserve.ops.expert_sort import EXPERT_SORT_MAX_PAIRS, sort_by_expert
             from mlaserve.ops.moe_sorted_combine import moe_sorted_combine
             from mlaserve.ops.silu_and_mul import silu_and_mul as fused_silu_and_mul
 
             self.act, self._sorted_combine = fused_silu_and_mul, moe_sorted_combine
+            self._sort_by_expert, self._sort_max_pairs = sort_by_expert, EXPERT_SORT_MAX_PAIRS
+            if quant is None:
+                from mlaserve.ops.moe_prefill_gemm import (
+                    PREFILL_GATE_UP_MAX_ROWS,
+                    expert_gate_up_silu,
+                )
+
+                self._gate_up_silu = expert_gate_up_silu
+                self._gate_up_silu_max_rows = PREFILL_GATE_UP_MAX_ROWS * num_experts
 
     def fp8_weight_loader(
         self,
@@ -440,26 +455,41 @@ class FusedExperts(nn.Module):
         join: Callable[[], None],
     ) -> torch.Tensor:
         num_tokens, top_k = topk_ids.shape
-        flat_ids = topk_ids.reshape(-1)  # [T*K], pair p = (token p // K, slot p % K)
-        # Narrow sort keys: one radix pass for up to 256 experts instead of eight for int64
-        # (the same stable order).
-        keys = flat_ids.to(torch.uint8 if self.num_experts <= 256 else torch.int32)
-        order = torch.argsort(keys, stable=True)  # pairs grouped by expert
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-        xs = x[order // top_k]  # [T*K, H], rows of expert e are contiguous
+        num_rows = topk_ids.numel()
+        pos = None  # pair -> sorted position, where the sort gives it
+        if self._sort_by_expert is not None and num_rows <= self._sort_max_pairs:
+            # one launch for the torch ops below
+            order, token, pos, counts = self._sort_by_expert(
+                topk_ids.contiguous(), self.num_experts
+            )
+        else:
+            flat_ids = topk_ids.reshape(-1)  # [T*K], pair p = (token p // K, slot p % K)
+            # Narrow sort keys: one radix pass for up to 256 experts instead of eight for
+            # int64 (the same stable order).
+            keys = flat_ids.to(torch.uint8 if self.num_experts <= 256 else torch.int32)
+            order = torch.argsort(keys, stable=True)  # pairs grouped by expert
+            counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+            counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+            token = order // top_k
         if self.gate_up_proj_scale_inv is not None and self.down_proj_scale_inv is not None:
+            xs = x[token]  # [T*K, H], rows of expert e are contiguous
             # one block -> expert map for both GEMMs (CPU: the emulated loop needs none)
-            layout = grouped_layout(counts, xs.shape[0]) if x.is_cuda else None
+            layout = grouped_layout(counts, num_rows) if x.is_cuda else None
             w13, s13 = self.gate_up_proj, self.gate_up_proj_scale_inv
             h = self.act(grouped_block_fp8_linear(xs, counts, w13, s13, layout=layout))
             w2, s2 = self.down_proj, self.down_proj_scale_inv
             out = grouped_block_fp8_linear(h, counts, w2, s2, layout=layout)
         elif use_grouped_mm:
             offs = counts.cumsum(0, dtype=torch.int32)  # [E] end row of each expert
-            h = self.act(torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs))
+            w13 = self.gate_up_proj
+            if self._gate_up_silu is not None and num_rows <= self._gate_up_silu_max_rows:
+                # x's rows gathered and SiLU-and-mul applied inside the GEMM
+                h = self._gate_up_silu(x.contiguous(), order, counts, w13)
+            else:
+                h = self.act(torch._grouped_mm(x[token], w13.transpose(1, 2), offs=offs))
             out = torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)  # [T*K, H]
         else:
+            xs = x[token]
             out = torch.empty_like(xs)
             start = 0
             for e, n in enumerate(counts.tolist()):  # host sync: CPU path only
@@ -470,7 +500,7 @@ class FusedExperts(nn.Module):
                     start += n
         join()
         if self._sorted_combine is not None:
-            return self._sorted_combine(out, order, topk_weights, shared)
+            return self._sorted_combine(out, order, topk_weights, shared, pos=pos)
         unsorted = torch.empty_like(out).index_copy_(0, order, out)  # back to pair order
         y = (unsorted.view(num_tokens, top_k, -1).float() * topk_weights[..., None]).sum(1)
         y = y.to(x.dtype)
