@@ -17,7 +17,8 @@ Two kernels replace the torch reference's unsort (`index_copy_`), fp32 upcast, b
 multiply, sum, downcast and add (six launches and ~200 MB of fp32 temporaries written and read
 per 2048-token layer at the V2-Lite shape: 7 ms of a 40 ms prefill on an H100):
 
-    _invert_kernel    pos[order[i]] = i            (T*K int32 writes)
+    _invert_kernel    pos[order[i]] = i            (T*K int32 writes; skipped when the caller
+                      has `pos` from `ops.expert_sort`, which writes it while sorting)
     _combine_kernel   grid (T, cdiv(H, BLOCK)): one token's K rows, weighted, summed
 
 Launches read no device value on the host (CUDA-graph safe).

@@ -90,10 +90,11 @@ DECODE_MAX_TOKENS = 8
 DECODE_MAX_TOKENS_BYTES_BOUND = 3  # bf16 / fp16 experts of >= BYTES_BOUND_EXPERT_BYTES
 BYTES_BOUND_EXPERT_BYTES = 1 << 20  # one expert's gate_up + down
 # Up to this many tokens the grouped MoE kernels run (past DECODE_MAX_TOKENS): bf16 and FP8
-# weights. One V2-Lite layer on an H200 (bench/moe_decode.py): bf16 at 512 tokens 368-401 us
-# against 477 for the sorted CUTLASS path, at 2048 1118-1195 against 690 (a 2048-token prefill
-# took 41.5 ms instead of 30.7 with them); FP8 at 512 528 against 398 (the sorted Triton path).
-GROUPED_MAX_TOKENS = 512
+# weights. One V2-Lite layer on an H100 (bench/moe_decode.py, with the sorted path's sort and
+# gate_up kernels), sorted / grouped, us: bf16 461.4 / 461.1 at 256 tokens, 477.9 / 486.5 at
+# 320, 479.6 / 511.9 at 384, 484.9 / 500.4 at 512; FP8 348.1 / 321.0 at 256, 371.3 / 388.6 at
+# 320 (bench/RESULTS.md).
+GROUPED_MAX_TOKENS = 256
 GROUPED_MAX_TOKENS_FP8 = 256
 # Up to this many tokens moe_decode selects the experts inside its first kernel. H100, V2-Lite,
 # graph replay (bench/RESULTS.md): bs 1 2.411 -> 2.380 and 2.416 -> 2.377 ms, bs 2 3.54 -> 3.46
