@@ -168,10 +168,11 @@ def fused_select_experts(
 
 
 def _num_warps(num_experts: int) -> int:
-    """One warp up to 256 experts: a token's reductions stay in warp shuffles, and more
-    programs fit an SM (H100, us, 4 -> 1 warp: V2-Lite's 64 experts 7.3 -> 3.6 at 2048 tokens,
-    V3's 256 with groups 17.8 -> 7.0; bench/moe_prefill.py --glue)."""
-    return 1 if num_experts <= 256 else (4 if num_experts <= 512 else 8)
+    """4 warps (8 past 512 experts). Not fewer: one warp was faster at prefill sizes (H100,
+    V2-Lite at 2048 tokens 7.3 -> 3.6 us), but a reduction's order follows the warps, and the
+    selection inside `moe_decode`'s first kernel must give this kernel's bits (a speculative
+    VERIFY step and a plain decode step select through the two)."""
+    return 4 if num_experts <= 512 else 8
 
 
 def plan_routing(
