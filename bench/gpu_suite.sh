@@ -35,5 +35,7 @@ timeout 95 python3 bench/serve_tpot.py --rounds 3 >"$out/serve_tpot.log" 2>&1
 tail -6 "$out/serve_tpot.log" | head -5
 timeout 200 python3 bench/prefill.py --model $ckpt --rounds 1 >"$out/prefill.log" 2>&1
 tail -12 "$out/prefill.log" | head -11
+timeout 150 python3 bench/moe_prefill.py --glue >"$out/moe_prefill.log" 2>&1
+grep -v '^{' "$out/moe_prefill.log"
 timeout 240 python3 bench/spec.py --rounds 1 --new-tokens 48 >"$out/spec.log" 2>&1
 tail -20 "$out/spec.log" | head -19
