@@ -12,10 +12,9 @@
 order. Why not that (the CPU path's, and past EXPERT_SORT_MAX_PAIRS): torch's radix sort over
 uint8 keys, the counts by `scatter_add_`, the token division and `moe_sorted_combine`'s inversion
 are seven launches, ~30 us of a 2048-token V2-Lite layer on an H100, where this is one launch of
-~15 us. One program
-per expert reads all R ids twice (from L2: 98 KB at 2048 tokens of top-6): the pairs of lower
-experts give its first position, then a running prefix sum ranks its own pairs. No host reads:
-CUDA-graph safe.
+~15 us. One program per expert reads all R ids twice (from L2: 98 KB at 2048 tokens of top-6):
+the pairs of lower experts give its first position, then a running prefix sum ranks its own
+pairs. No host reads: CUDA-graph safe.
 """
 
 from __future__ import annotations

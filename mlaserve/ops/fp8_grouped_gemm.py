@@ -37,6 +37,7 @@ __all__ = [
     "grouped_block_fp8_linear",
     "grouped_block_m",
     "grouped_layout",
+    "max_expert_blocks",
 ]
 
 
@@ -49,20 +50,27 @@ def grouped_block_m(num_rows: int) -> int:
     return 16 if num_rows <= 512 else 64
 
 
+def max_expert_blocks(num_rows: int, num_experts: int, block_m: int) -> int:
+    """The most blocks of block_m rows that num_rows rows sorted by expert can take when every
+    expert's rows are padded to whole blocks: at most min(E, R) experts have rows and each pads
+    fewer than block_m. Known on the host from shapes alone, so a grid sized by it reads no
+    device value."""
+    return -(-(num_rows + min(num_experts, num_rows) * (block_m - 1)) // block_m)
+
+
 def align_blocks(
     counts: torch.Tensor, num_rows: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """counts [E] int (rows per expert, rows sorted by expert) -> (sorted_rows, block_expert).
 
     Every expert's rows are padded to a multiple of block_m so a kernel block never mixes
-    experts. At most min(E, R) experts have rows, so num_blocks =
-    ceil((R + min(E, R) * (block_m - 1)) / block_m), known on the host from shapes alone.
+    experts; num_blocks = `max_expert_blocks(R, E, block_m)`.
         sorted_rows  [num_blocks * block_m] int32: slot -> row of x, R for an empty slot
         block_expert [num_blocks] int32: block -> expert, -1 for a block past the last row"""
     num_experts = counts.shape[0]
     device = counts.device
     counts = counts.to(torch.int64)
-    num_blocks = -(-(num_rows + min(num_experts, num_rows) * (block_m - 1)) // block_m)
+    num_blocks = max_expert_blocks(num_rows, num_experts, block_m)
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     padded_start = padded_end - padded

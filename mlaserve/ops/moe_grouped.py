@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.ops.fp8_grouped_gemm import max_expert_blocks
 from mlaserve.ops.moe_decode import (
     MoeDecodeWeights,
     combine_partials,
@@ -284,7 +285,7 @@ def moe_grouped(
     e_pad = triton.next_power_of_2(e_total)
     pairs = num_tokens * slots
     bm = block_m or moe_grouped_block_m(pairs, e_total)
-    num_blocks = triton.cdiv(pairs + min(e_total, pairs) * (bm - 1), bm)
+    num_blocks = max_expert_blocks(pairs, e_total, bm)
     # int32 scratch: slot -> pair, padded ends, counts, the align kernel's counters and starts
     scratch = torch.empty(num_blocks * bm + 4 * e_pad, dtype=torch.int32, device=x.device)
     slot_pairs = scratch[: num_blocks * bm]

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.ops.fp8_grouped_gemm import max_expert_blocks
 from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
 __all__ = ["PREFILL_GATE_UP_MAX_ROWS", "PrefillGemmTiles", "expert_gate_up_silu"]
@@ -117,20 +118,6 @@ def _gate_up_silu_kernel(
         tl.store(h_ptrs, out, mask=ok[:, None] & mask_n[None, :])
 
 
-def _num_m_blocks(num_rows: int, num_experts: int, block_m: int) -> int:
-    """An upper bound on the M blocks of any routing: each expert with rows pads < block_m."""
-    return triton.cdiv(num_rows + min(num_experts, num_rows) * (block_m - 1), block_m)
-
-
-def _check(name: str, a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> None:
-    if a.dtype not in (torch.bfloat16, torch.float16) or w.dtype != a.dtype:
-        raise ValueError(f"{name}: need bf16/fp16 activations and weights of one dtype")
-    if not (a.is_contiguous() and w.is_contiguous()):
-        raise ValueError(f"{name}: activations and weights must be contiguous")
-    if counts.dtype != torch.int32 or counts.shape != (w.shape[0],):
-        raise ValueError(f"{name}: counts must be int32 [{w.shape[0]}], got {counts.dtype}")
-
-
 def expert_gate_up_silu(
     x: torch.Tensor,
     order: torch.Tensor,
@@ -140,7 +127,13 @@ def expert_gate_up_silu(
     tiles: PrefillGemmTiles | None = None,
 ) -> torch.Tensor:
     """x [T, H], order [R] int64, counts [E] int32, w13 [E, 2I, H] -> h [R, I] (sorted rows)."""
-    _check("expert_gate_up_silu", x, w13, counts)
+    name = "expert_gate_up_silu"
+    if x.dtype not in (torch.bfloat16, torch.float16) or w13.dtype != x.dtype:
+        raise ValueError(f"{name}: need bf16/fp16 activations and weights of one dtype")
+    if not (x.is_contiguous() and w13.is_contiguous()):
+        raise ValueError(f"{name}: activations and weights must be contiguous")
+    if counts.dtype != torch.int32 or counts.shape != (w13.shape[0],):
+        raise ValueError(f"{name}: counts must be int32 [{w13.shape[0]}], got {counts.dtype}")
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
     num_rows = order.shape[0]
@@ -151,7 +144,7 @@ def expert_gate_up_silu(
         return h
     t = tiles or DEFAULT_TILES
     num_n = triton.cdiv(inter, t.block_n)
-    grid = (_num_m_blocks(num_rows, num_experts, t.block_m) * num_n,)
+    grid = (max_expert_blocks(num_rows, num_experts, t.block_m) * num_n,)
     _gate_up_silu_kernel[grid](
         x, order, counts, w13, h,
         H=hidden, INTER=inter, TOP_K=num_rows // x.shape[0], E=num_experts,
