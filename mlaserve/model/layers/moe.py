@@ -642,19 +642,20 @@ class DeepseekMoE(nn.Module):
             y = self._moe_grouped(x, *self.gate(x), weights, **kw)
             return y if isinstance(y, MoePartials) else all_reduce(y, self.tp)
         side = _side_stream(x.device) if self.shared_experts is not None else None
-        if side is None:
-            topk_weights, topk_ids = self.gate(x)
-            shared = self.shared_experts(x) if self.shared_experts is not None else None
-            y = self.experts(x, topk_weights, topk_ids, shared)
-            return all_reduce(y, self.tp)  # one reduction for routed + shared partial sums
-        # The shared experts' dense GEMMs run on a side stream while the router, the sort and
-        # the routed grouped GEMMs run on this one; the combine that adds them waits for it
-        # (in a captured piece: two branches of the graph). Each stream allocates and frees its
-        # own blocks after the fork and before the join, so no block is reused under the other.
-        main = torch.cuda.current_stream(x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
+        shared, join = None, None
+        if side is not None:
+            # The shared experts' dense GEMMs run on a side stream while the router, the sort
+            # and the routed grouped GEMMs run on this one; the combine that adds them waits for
+            # it (in a captured piece: two branches of the graph). Each stream allocates and
+            # frees its own blocks after the fork and before the join, so no block is reused
+            # under the other.
+            main = torch.cuda.current_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shared = self.shared_experts(x)
+            join = functools.partial(main.wait_stream, side)
+        elif self.shared_experts is not None:
             shared = self.shared_experts(x)
         topk_weights, topk_ids = self.gate(x)
-        y = self.experts(x, topk_weights, topk_ids, shared, join=lambda: main.wait_stream(side))
-        return all_reduce(y, self.tp)
+        y = self.experts(x, topk_weights, topk_ids, shared, join=join)
+        return all_reduce(y, self.tp)  # one reduction for routed + shared partial sums
