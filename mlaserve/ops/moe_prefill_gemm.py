@@ -19,9 +19,14 @@ form of it at every size measured).
 Why not `torch._grouped_mm` + `silu_and_mul` here (the path before this one): the gather of
 x's rows, the [R, 2I] gate_up output and the SiLU kernel cost more than the GEMM's tile loses.
 H100, V2-Lite experts (bench/moe_prefill.py), gather + grouped GEMM + SiLU -> this kernel, us:
-327.7 -> 287.0 at 1024 tokens, 411.8 -> 397.1 at 2048, 683.4 -> 646.5 at 4096. At 8192 (768
+328.2 -> 282.7 at 1024 tokens, 397.5 -> 358.9 at 2048, 667.8 -> 611.3 at 4096. At 8192 (768
 rows an expert) CUTLASS's larger tiles win, so the MoE layer takes this kernel only up to
 `PREFILL_GATE_UP_MAX_ROWS` rows an expert.
+
+One MMA per K step: gate's and up's columns are interleaved in one [BLOCK_K, 2 BLOCK_N] weight
+tile, so x's tile is read from shared memory once per step instead of once per projection
+(two 64-wide MMAs -> one 128-wide). Same bits; 371.7 -> 359.7 us at 2048 tokens, 286.6 ->
+283.9 at 1024, 625.6 -> 614.7 at 4096 (bench/RESULTS.md, tenth section).
 
 Tiles: program `pid` takes M block pid // NUM_N and N block pid % NUM_N, so the programs of one
 expert's M blocks run together and its weight tiles are read from HBM once (the rest hits L2).
@@ -93,23 +98,26 @@ def _gate_up_silu_kernel(
     if live:
         e = e32.to(tl.int64)
         tok = tl.load(order_ptr + rows, mask=ok, other=0) // TOP_K
-        offs_n = (pid % NUM_N) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = (pid % NUM_N) * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < INTER
         offs_k = tl.arange(0, BLOCK_K)
+        # One [BLOCK_K, 2 BLOCK_N] weight tile, gate and up columns interleaved (column 2j is
+        # gate row n0 + j, 2j + 1 its up row), so one MMA of twice the width reads x's tile once.
+        cols = tl.arange(0, 2 * BLOCK_N)
+        w_rows = n0 + cols // 2 + (cols % 2) * INTER
+        mask_w = (n0 + cols // 2) < INTER
         a_ptrs = x_ptr + tok[:, None] * H + offs_k[None, :]
-        g_ptrs = w_ptr + e * (2 * INTER * H) + offs_n[None, :].to(tl.int64) * H + offs_k[:, None]
-        u_ptrs = g_ptrs + INTER * H
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        w_ptrs = w_ptr + e * (2 * INTER * H) + w_rows[None, :].to(tl.int64) * H + offs_k[:, None]
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             mask_k = k0 + offs_k < H
             a = tl.load(a_ptrs, mask=ok[:, None] & mask_k[None, :], other=0.0)
-            m = mask_k[:, None] & mask_n[None, :]
-            acc_g = tl.dot(a, tl.load(g_ptrs, mask=m, other=0.0), acc_g)
-            acc_u = tl.dot(a, tl.load(u_ptrs, mask=m, other=0.0), acc_u)
+            w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_w[None, :], other=0.0)
+            acc = tl.dot(a, w, acc)
             a_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
         dtype = h_ptr.dtype.element_ty
         g = acc_g.to(dtype).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
