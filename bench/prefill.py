@@ -18,8 +18,11 @@ Floor: FLOPs over the bf16 matmul rate measured in this run (an 8192^3 bf16 GEMM
 For the concurrent case the floor is the whole batch's, compared with the last TTFT.
 
 Every case runs with piecewise CUDA graphs (`--piecewise-max-tokens`, default 8192: every case's
-forwards replay from captured pieces, attention eager between them) and eagerly, rounds
-interleaved, in one process; `graph/eager` is their TTFT ratio.
+forwards replay from captured pieces, attention eager between them; a step of one fresh prompt
+replays its bucket's one-graph forward, attention inside, where the backend captures it) and
+eagerly, rounds interleaved, in one process; `graph/eager` is their TTFT ratio. With one-graph
+prefills on, a third mode runs the same graphs with them off (`pieces`: every step piecewise)
+and `graph/pieces` is the one-graph forward's gain.
 
 `--profile`: torch.profiler over one 2048-token prefill (piecewise), top kernels by GPU time.
 Prints a table and one JSON line.
@@ -156,22 +159,29 @@ def main() -> None:
     engine, rng = llm.engine, random.Random(0)
     piecewise = engine.graphs.piecewise
     report = engine.graph_report.piecewise
+    one_graph = piecewise.one_graph
+    # mode -> (piecewise graphs on, one-graph fresh prompts on)
+    modes = {"graph": (True, one_graph), "eager": (False, False)}
+    if one_graph:
+        modes["pieces"] = (True, False)
     rows = []
     for name in args.cases:
         n, length = CASES[name]
-        runs: dict[bool, list[list[float]]] = {True: [], False: []}
+        runs: dict[str, list[list[float]]] = {m: [] for m in modes}
         for r in range(args.rounds + 1):  # the first round of each mode is a warm-up
-            for graphed in (True, False):
-                piecewise.enabled = graphed
-                runs[graphed].append(run_case(llm, n, length, rng, f"{name}-{graphed}-{r}"))
-        piecewise.enabled = True
+            for mode, (graphed, whole) in modes.items():
+                piecewise.enabled, piecewise.one_graph = graphed, whole
+                runs[mode].append(run_case(llm, n, length, rng, f"{name}-{mode}-{r}"))
+        piecewise.enabled, piecewise.one_graph = True, one_graph
         row = {"case": name, "floor_ms": floor_ms(llm, n, length, rate)}
-        for graphed, key in ((True, "graph"), (False, "eager")):
-            done = runs[graphed][1:]
+        for key in modes:
+            done = runs[key][1:]
             row[f"{key}_ttft_ms"] = statistics.median(statistics.mean(t) for t in done)
             row[f"{key}_last_ms"] = statistics.median(max(t) for t in done)
             row[f"{key}_vs_floor"] = row[f"{key}_last_ms"] / row["floor_ms"]
         row["graph_vs_eager"] = row["graph_last_ms"] / row["eager_last_ms"]
+        if one_graph:
+            row["graph_vs_pieces"] = row["graph_last_ms"] / row["pieces_last_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     prof = profile(llm, 2048, rng, args.top) if args.profile else []
@@ -183,19 +193,21 @@ def main() -> None:
         f"max_num_batched_tokens {args.max_batched_tokens}\npiecewise graphs: buckets "
         f"{report.buckets}, {report.num_graphs} pieces, warm-up {report.warmup_s:.2f} s, "
         f"capture {report.capture_s:.2f} s, pool {report.pool_bytes / 2**20:.0f} MiB, "
-        f"compiles while serving "
-        f"{engine.compile_watch.compiles_since_ready}"
+        f"one-graph fresh prompts in {len(report.one_graph_buckets)} buckets, compiles while "
+        f"serving {engine.compile_watch.compiles_since_ready}"
     )
     print("TTFT of the last prompt of a case (median over rounds), graph = piecewise graphs")
+    extra = f" {'pieces ms':>9} {'graph/pieces':>12}" if one_graph else ""
     print(
         f"{'case':<8} {'floor ms':>9} {'graph ms':>9} {'eager ms':>9} {'graph/fl':>9} "
-        f"{'eager/fl':>9} {'graph/eager':>11}"
+        f"{'eager/fl':>9} {'graph/eager':>11}{extra}"
     )
     for r in rows:
+        extra = f" {r['pieces_last_ms']:>9.1f} {r['graph_vs_pieces']:>12.2f}" if one_graph else ""
         print(
             f"{r['case']:<8} {r['floor_ms']:>9.1f} {r['graph_last_ms']:>9.1f} "
             f"{r['eager_last_ms']:>9.1f} {r['graph_vs_floor']:>9.2f} {r['eager_vs_floor']:>9.2f} "
-            f"{r['graph_vs_eager']:>11.2f}"
+            f"{r['graph_vs_eager']:>11.2f}{extra}"
         )
     if prof:
         print("\ntop kernels, one 2048-token prefill (GPU time)")

@@ -25,6 +25,16 @@ output is copied), sized by the largest bucket. The final piece's output, the fi
 hidden states [bucket, hidden], stays valid until the next prefill replay; the LM head runs
 eagerly on the rows the step samples from.
 
+One fresh prompt in one graph: a batch of a single prompt with no cached prefix (the TTFT case
+of a lightly loaded server) has a fixed attention shape once padded to its bucket: causal over
+the bucket's rows, its context the rows it writes (`mha_extend.fresh_layout` over the static
+write-slot buffer; padded rows write and read the dummy slot, and sit after every real row, so
+the causal mask keeps them out of real rows). Where the backend says its MHA-form prefill
+captures so (`captures_fresh_extend`), each bucket also captures the whole forward, attention
+included, as one graph: no host work between layers, so the GPU never waits for the host's
+eager attention (on the lent H100 that host time exceeded a 512-token layer's GPU time).
+`MLASERVE_ONE_GRAPH_PREFILL=0` turns it off (A/B runs).
+
 Memory: the pieces of every bucket capture into one pool of their own (not the decode graphs'),
 largest bucket first; prefill forwards run one at a time, so later buckets reuse earlier ones'
 blocks, and a piece may free what an earlier piece of its forward allocated (they replay in
@@ -40,6 +50,7 @@ from __future__ import annotations
 import bisect
 import gc
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +60,7 @@ import torch
 from mlaserve.engine.forward_batch import ForwardBatch, ForwardMode
 from mlaserve.engine.input_buffers import HostBatch
 from mlaserve.engine.model_runner import ModelRunner
+from mlaserve.kernels_adapter.mha_extend import ExtendLayout, fresh_layout
 
 __all__ = ["PiecewiseGraphRunner", "PiecewiseReport", "token_buckets"]
 
@@ -68,7 +80,8 @@ def token_buckets(max_tokens: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class PiecewiseReport:
     buckets: tuple[int, ...]
-    num_graphs: int
+    num_graphs: int  # pieces
+    one_graph_buckets: tuple[int, ...]  # buckets with a one-graph forward for a fresh prompt
     warmup_s: float
     capture_s: float
     pool_bytes: int  # reserved-memory growth during capture (after the eager warm-up)
@@ -92,6 +105,9 @@ class _Bucket:
     pieces: list[torch.cuda.CUDAGraph]  # num_layers + 1; empty when replays run eagerly
     calls: list[_Call]
     hidden: torch.Tensor | None  # the last piece's output, [bucket, hidden]
+    # one fresh prompt: the whole forward, attention included, and its output [bucket, hidden]
+    whole: torch.cuda.CUDAGraph | None = None
+    whole_hidden: torch.Tensor | None = None
 
 
 class _AttentionBreak:
@@ -164,7 +180,14 @@ class PiecewiseGraphRunner:
         self._buckets: dict[int, _Bucket] = {}
         self._statics: dict[str, torch.Tensor] = {}
         self.num_replays = 0
+        self.num_one_graph_replays = 0  # of num_replays: one fresh prompt in one graph
         self.enabled = True  # off: EXTEND runs eagerly (benchmarks compare both in one run)
+        self.one_graph = (
+            self.backend.mha_extend
+            and self.backend.captures_fresh_extend
+            and os.environ.get("MLASERVE_ONE_GRAPH_PREFILL", "1") != "0"
+        )
+        self._layouts: dict[int, ExtendLayout] = {}
 
     @property
     def max_tokens(self) -> int:
@@ -189,6 +212,8 @@ class PiecewiseGraphRunner:
             for n in reversed(self.buckets):
                 self.runner.buffers.pad_tokens(0, n)
                 self.runner.model(self._batch(n, _AttentionBreak(self, n, None)))
+                if self.one_graph:  # every row padding: only the dummy slot is written
+                    self.runner.model(self._fresh_batch(n))
             if self.use_graphs:
                 torch.cuda.synchronize(self.runner.device)
         t1 = time.perf_counter()
@@ -202,15 +227,20 @@ class PiecewiseGraphRunner:
         report = PiecewiseReport(
             buckets=self.buckets,
             num_graphs=sum(len(b.pieces) for b in self._buckets.values()),
+            one_graph_buckets=tuple(
+                n for n in self.buckets if n in self._buckets and self._buckets[n].whole is not None
+            ),
             warmup_s=t1 - t0,
             capture_s=t2 - t1,
             pool_bytes=max(self._reserved() - reserved, 0),
         )
         logger.info(
-            "piecewise CUDA graphs (EXTEND): %d pieces for %d token buckets up to %d in %.2f s "
-            "after %.2f s of eager warm-up; graph pool %.1f MiB",
-            report.num_graphs, len(self.buckets), self.max_tokens, report.capture_s,
-            report.warmup_s, report.pool_bytes / 2**20,
+            "piecewise CUDA graphs (EXTEND): %d pieces for %d token buckets up to %d (%d with "
+            "a one-graph fresh prompt) in %.2f s after %.2f s of eager warm-up; graph pool "
+            "%.1f MiB",
+            report.num_graphs, len(self.buckets), self.max_tokens,
+            len(report.one_graph_buckets), report.capture_s, report.warmup_s,
+            report.pool_bytes / 2**20,
         )  # fmt: skip
         return report
 
@@ -244,6 +274,18 @@ class PiecewiseGraphRunner:
             q_lens_host=[num_tokens],
         )
 
+    def _fresh_batch(self, num_tokens: int) -> ForwardBatch:
+        """The batch a one-graph forward sees: `_batch`'s rows with the real backend, and as its
+        metadata the bucket's fixed layout of one fresh prompt (no `prepare`)."""
+        layout = self._layouts.get(num_tokens)
+        if layout is None:  # made at warm-up, outside any capture
+            layout = fresh_layout(self.runner.buffers.slot_mapping[:num_tokens])
+            self._layouts[num_tokens] = layout
+        batch = self._batch(num_tokens, self.backend)  # type: ignore[arg-type]
+        batch.seq_lens, batch.cu_q_lens = layout.kv_lens_dev, layout.cu_q
+        batch.attn_metadata = layout
+        return batch
+
     def _capture_one(self, num_tokens: int) -> _Bucket:
         pieces: list[torch.cuda.CUDAGraph] = []
         current = [torch.cuda.CUDAGraph()]
@@ -272,12 +314,20 @@ class PiecewiseGraphRunner:
             finally:  # never leave the stream capturing
                 current[0].capture_end()
             pieces.append(current[0])
+            whole = whole_hidden = None
+            if self.one_graph:
+                whole = torch.cuda.CUDAGraph()
+                whole.capture_begin(pool=self.pool)
+                try:
+                    whole_hidden = self.runner.model(self._fresh_batch(num_tokens))
+                finally:
+                    whole.capture_end()
         torch.cuda.current_stream(self.runner.device).wait_stream(stream)
         if len(pieces) != len(stand_in.calls) + 1:
             raise RuntimeError(
                 f"piecewise capture: {len(pieces)} pieces, {len(stand_in.calls)} breaks"
             )
-        return _Bucket(pieces=pieces, calls=stand_in.calls, hidden=hidden)
+        return _Bucket(pieces, stand_in.calls, hidden, whole, whole_hidden)
 
     # ----- serving -----
     def bucket_for(self, host: HostBatch) -> int | None:
@@ -297,17 +347,26 @@ class PiecewiseGraphRunner:
         batch = runner.make_batch(host)
         num_tokens = batch.num_tokens
         runner.buffers.pad_tokens(num_tokens, bucket)
-        self.backend.prepare(batch)
-        if not self.use_graphs:
-            stand_in = _AttentionBreak(self, bucket, None, real=(batch, num_tokens))
-            hidden = runner.model(self._batch(bucket, stand_in))
+        if self.one_graph and batch.bs == 1 and batch.seq_lens_host == batch.q_lens_host:
+            if self.use_graphs:  # one fresh prompt: attention is inside the graph
+                entry = self._buckets[bucket]
+                entry.whole.replay()  # type: ignore[union-attr]
+                hidden = entry.whole_hidden
+            else:
+                hidden = runner.model(self._fresh_batch(bucket))
+            self.num_one_graph_replays += 1
         else:
-            entry = self._buckets[bucket]
-            for piece, call in zip(entry.pieces, entry.calls):
-                piece.replay()
-                self.attend(call, batch, num_tokens)
-            entry.pieces[-1].replay()
-            hidden = entry.hidden
+            self.backend.prepare(batch)
+            if not self.use_graphs:
+                stand_in = _AttentionBreak(self, bucket, None, real=(batch, num_tokens))
+                hidden = runner.model(self._batch(bucket, stand_in))
+            else:
+                entry = self._buckets[bucket]
+                for piece, call in zip(entry.pieces, entry.calls):
+                    piece.replay()
+                    self.attend(call, batch, num_tokens)
+                entry.pieces[-1].replay()
+                hidden = entry.hidden
         self.num_replays += 1
         hidden = hidden[:num_tokens]
         return runner.model.compute_logits(hidden[batch.logits_indices]), hidden, batch

@@ -71,6 +71,11 @@ class AttentionBackend(ABC):
     mha_extend: ClassVar[bool] = False
     #: `forward` takes kv_c = k_pe = None when the layer has written the new KV itself
     accepts_written_kv: ClassVar[bool] = False
+    #: `forward_extend_mha` may be captured into a CUDA graph for one fresh prompt (no cached
+    #: prefix) padded to a token bucket, given `mha_extend.fresh_layout` as `batch.attn_metadata`
+    #: (no `prepare`): it then launches device work of fixed shapes only, reads no device value
+    #: on the host, and reads the context through the layout's slots alone
+    captures_fresh_extend: ClassVar[bool] = False
 
     def __init__(
         self,

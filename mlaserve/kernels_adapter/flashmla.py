@@ -115,6 +115,8 @@ class FlashMLABackend(AttentionBackend):
     # assertion (flash_fwd_mla_metadata.cu:64), which is why EXTEND never reaches it.
     max_uniform_q_len: ClassVar[int] = 8
     mha_extend: ClassVar[bool] = True
+    # cuDNN on one sequence of the bucket's rows (or FA2 on fixed cu_seqlens): fixed shapes
+    captures_fresh_extend: ClassVar[bool] = True
     accepts_written_kv: ClassVar[bool] = True  # decode only: EXTEND writes in forward_extend_mha
 
     @classmethod

@@ -20,9 +20,11 @@ Rows: sequence b owns query rows `cu_q[b]:cu_q[b+1]` (the batch's token order) a
 context rows. Query row i of the sequence sees keys 0 .. L - q_len + i ("bottom-right aligned"
 causal mask), which is what makes chunked prefill over a cached prefix exact.
 
-EXTEND batches run eagerly and carry their host lengths (`batch.seq_lens_host`,
-`batch.q_lens_host`), so the ragged sizes here come from the host: nothing reads the device.
-Only context slots (< seq_len) are gathered, so stale or NaN-poisoned pages are never touched.
+EXTEND batches carry their host lengths (`batch.seq_lens_host`, `batch.q_lens_host`), so the
+ragged sizes here come from the host: nothing reads the device. Only context slots (< seq_len)
+are gathered, so stale or NaN-poisoned pages are never touched. They run eagerly between
+piecewise graphs, except one fresh prompt, whose layout over a token bucket is fixed
+(`fresh_layout`) and is captured with the rest of the forward.
 
 `reference_extend_mha` is the whole path in plain torch (CPU or CUDA): the oracle for MHA-form
 kernels and what the tests check against the latent-form reference backend.
@@ -44,6 +46,7 @@ __all__ = [
     "ExtendLayout",
     "causal_varlen_attention",
     "extend_layout",
+    "fresh_layout",
     "gather_context_latent",
     "mha_context_kv",
     "reference_extend_mha",
@@ -123,6 +126,19 @@ def extend_layout(batch: ForwardBatch) -> ExtendLayout:
         cu_kv=cu_kv,
         kv_lens_dev=kv_lens_dev,
         context_slots=pages.long() * page_size + pos % page_size,
+    )
+
+
+def fresh_layout(slots: torch.Tensor) -> ExtendLayout:
+    """The layout of one fresh prompt (no cached prefix) of T = len(slots) rows whose token i
+    was written to pool slot `slots[i]` [T] int64: its context is its own rows, so the slots
+    it was written to are the slots it reads. Built once per token bucket by the piecewise
+    graph runner over its static write-slot buffer: the rows past a real prompt are padding
+    (slot 0, the dummy page), which a causal mask keeps from every real row."""
+    n, dev = slots.shape[0], slots.device
+    lens = torch.tensor([0, n], dtype=torch.int32, device=dev)
+    return ExtendLayout(
+        q_lens=(n,), kv_lens=(n,), cu_q=lens, cu_kv=lens, kv_lens_dev=lens[1:], context_slots=slots
     )
 
 
@@ -239,6 +255,8 @@ def reference_extend_mha(
     batch: ForwardBatch,
     softmax_scale: float,
 ) -> torch.Tensor:
-    """`AttentionBackend.forward_extend_mha` in plain torch: returns [T, H, d_v] in q's dtype."""
-    layout, k, v = mha_context_kv(layer_id, kv_c, k_pe, w_uk, w_uv, batch)
+    """`AttentionBackend.forward_extend_mha` in plain torch: returns [T, H, d_v] in q's dtype.
+    A layout the batch carries (`fresh_layout`) is used as it is."""
+    given = batch.attn_metadata if isinstance(batch.attn_metadata, ExtendLayout) else None
+    layout, k, v = mha_context_kv(layer_id, kv_c, k_pe, w_uk, w_uv, batch, given)
     return causal_varlen_attention(q, k, v, layout, softmax_scale).to(q.dtype)

@@ -4,6 +4,8 @@ path the GPU takes, with the pieces run eagerly and the real attention at each b
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 
 from mlaserve import LLM
@@ -18,12 +20,20 @@ from tests.graph_runner.harness import (
     poison_kv,
     untouched_pages_still_poisoned,
 )
+from tests.model.test_mha_form_prefill import ReferenceMHA
 
 MAX_TOKENS = 64  # the engine's max_num_batched_tokens: buckets 16, 32, 64
 
 
-@pytest.fixture(scope="module")
-def engine(checkpoint):
+class FreshCapturingMHA(ReferenceMHA):
+    """The MHA-form reference backend, claiming what FlashMLA claims: one fresh prompt's prefill
+    runs with the bucket's fixed layout (`fresh_layout`), so the piecewise runner takes its
+    one-graph path (run eagerly here, `use_graphs=False`)."""
+
+    captures_fresh_extend: ClassVar[bool] = True
+
+
+def _cpu_engine(checkpoint, backend_cls=None):
     llm = LLM(
         str(checkpoint("v3_moe")),
         device="cpu",
@@ -36,11 +46,27 @@ def engine(checkpoint):
     )
     engine = llm.engine
     assert engine.graphs.piecewise is None, "no piecewise graphs on CPU by default"
+    if backend_cls is not None:
+        b = engine.runner.attn_backend
+        engine.runner.attn_backend = backend_cls(
+            b.model_config, b.page_size, b.kv_cache_dtype, b.device, b.max_num_seqs,
+            b.max_model_len,
+        )  # fmt: skip
     engine.graphs = CudaGraphRunner(
         engine.runner, (1, 2, 4, 8), use_graphs=False, piecewise_max_tokens=MAX_TOKENS
     )
     engine.graphs.capture()  # eager warm-up of every bucket
     return engine
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    return _cpu_engine(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def mha_engine(checkpoint):
+    return _cpu_engine(checkpoint, FreshCapturingMHA)
 
 
 def test_token_buckets() -> None:
@@ -76,6 +102,47 @@ def test_padded_extend_equals_eager(engine, prompt_lens: list[int]) -> None:
         engine.step()
     stats = engine.get_stats()
     assert stats.num_free_pages == stats.num_total_pages
+
+
+@pytest.mark.parametrize(
+    "prompt_lens, one_graph_steps",
+    [([5], 1), ([16], 1), ([40], 1), ([17, 9], 0), ([150], 1), ([100, 7, 40], 1)],
+    ids=["one-short", "one-full-bucket", "one-padded", "two", "chunked", "chunked-mixed"],
+)
+def test_fresh_prompt_in_one_graph_equals_eager(
+    mha_engine, prompt_lens: list[int], one_graph_steps: int
+) -> None:
+    """With a backend whose fresh-prompt prefill captures whole (`captures_fresh_extend`), an
+    EXTEND step of one prompt with no cached prefix runs the whole padded forward with the
+    bucket's fixed layout (attention over the padded rows too), the others stay piecewise; every
+    row's logits equal an unpadded eager forward's and padded rows touch no live page. Chunked
+    prompts: only their first chunk is fresh (a second chunk reads its prefix; several
+    sequences in one step go piecewise)."""
+    engine = mha_engine
+    piecewise = engine.graphs.piecewise
+    assert piecewise.one_graph
+    poison_kv(engine)
+    add_requests(engine, prompt_lens, max_tokens=4, seed=7 + len(prompt_lens))
+    before = piecewise.num_one_graph_replays
+    report = compare_extends(engine, rel_tol=1e-5)
+    assert piecewise.num_one_graph_replays - before == one_graph_steps
+    assert report.max_rel_err < 1e-5, report.max_rel_err
+    assert report.argmax_mismatches == 0
+    assert untouched_pages_still_poisoned(engine, report.touched_pages)
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.get_stats()
+    assert stats.num_free_pages == stats.num_total_pages
+
+
+def test_one_graph_needs_a_backend_that_says_so(engine, monkeypatch) -> None:
+    """The latent-form reference backend keeps every prefill piecewise; so does an opt-out."""
+    assert not engine.graphs.piecewise.one_graph
+    monkeypatch.setenv("MLASERVE_ONE_GRAPH_PREFILL", "0")
+    pw = CudaGraphRunner(
+        engine.runner, (1,), use_graphs=False, piecewise_max_tokens=MAX_TOKENS
+    ).piecewise
+    assert pw is not None and not pw.one_graph
 
 
 def test_bucket_choice(engine) -> None:
