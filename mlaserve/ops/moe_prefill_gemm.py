@@ -25,7 +25,7 @@ rows an expert) CUTLASS's larger tiles win, so the MoE layer takes this kernel o
 
 One MMA per K step: gate's and up's columns are interleaved in one [BLOCK_K, 2 BLOCK_N] weight
 tile, so x's tile is read from shared memory once per step instead of once per projection
-(two 64-wide MMAs -> one 128-wide). Same bits; 371.7 -> 359.7 us at 2048 tokens, 286.6 ->
+(two 64-wide MMAs -> one 128-wide). Same bits; 371.7 -> 360.2 us at 2048 tokens, 286.6 ->
 283.9 at 1024, 625.6 -> 614.7 at 4096 (bench/RESULTS.md, tenth section).
 
 Tiles: program `pid` takes M block pid // NUM_N and N block pid % NUM_N, so the programs of one
