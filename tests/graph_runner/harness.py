@@ -44,6 +44,14 @@ def untouched_pages_still_poisoned(engine: LLMEngine, touched: set[int]) -> bool
     return True
 
 
+def finish_requests(engine: LLMEngine):
+    """Step until every request has finished; -> the engine's stats then (callers check that
+    every page came back)."""
+    while engine.has_unfinished_requests():
+        engine.step()
+    return engine.get_stats()
+
+
 @dataclass
 class ReplayReport:
     steps: int = 0

@@ -14,6 +14,7 @@ from mlaserve.graph_runner import CudaGraphRunner
 from tests.graph_runner.harness import (
     add_requests,
     compare_replays,
+    finish_requests,
     poison_kv,
     untouched_pages_still_poisoned,
 )
@@ -53,9 +54,7 @@ def test_padded_forward_equals_eager_over_page_boundaries(engine, batch_size: in
     if batch_size not in SIZES:
         assert report.padded_steps == 20
     assert untouched_pages_still_poisoned(engine, report.touched_pages)
-    while engine.has_unfinished_requests():
-        engine.step()
-    stats = engine.get_stats()
+    stats = finish_requests(engine)
     assert stats.num_free_pages == stats.num_total_pages
     assert stats.num_eager_steps.get("no_graphs", 0) > 0
 

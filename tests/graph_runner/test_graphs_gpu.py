@@ -16,6 +16,7 @@ from mlaserve.kernels_adapter.flashmla import flashmla_available
 from tests.graph_runner.harness import (
     add_requests,
     compare_replays,
+    finish_requests,
     poison_kv,
     untouched_pages_still_poisoned,
 )
@@ -87,9 +88,7 @@ def test_replay_equals_eager_at_every_size(checkpoint, backend: str, kv_cache_dt
         assert report.argmax_mismatches == 0, bs
         assert untouched_pages_still_poisoned(engine, report.touched_pages), bs
         worst = max(worst, report.max_rel_err)
-        while engine.has_unfinished_requests():
-            engine.step()
-        stats = engine.get_stats()
+        stats = finish_requests(engine)
         assert stats.num_free_pages == stats.num_total_pages
     print(
         f"{backend}/{kv_cache_dtype}: max relative logit error graph vs eager {worst:.2e}; per "

@@ -17,6 +17,7 @@ from mlaserve.graph_runner.piecewise_graph_runner import token_buckets
 from tests.graph_runner.harness import (
     add_requests,
     compare_extends,
+    finish_requests,
     poison_kv,
     untouched_pages_still_poisoned,
 )
@@ -98,9 +99,7 @@ def test_padded_extend_equals_eager(engine, prompt_lens: list[int]) -> None:
     if sum(prompt_lens) > MAX_TOKENS:
         assert report.steps >= 2  # chunked: a later chunk attends over a cached prefix
     assert untouched_pages_still_poisoned(engine, report.touched_pages)
-    while engine.has_unfinished_requests():
-        engine.step()
-    stats = engine.get_stats()
+    stats = finish_requests(engine)
     assert stats.num_free_pages == stats.num_total_pages
 
 
@@ -129,9 +128,7 @@ def test_fresh_prompt_in_one_graph_equals_eager(
     assert report.max_rel_err < 1e-5, report.max_rel_err
     assert report.argmax_mismatches == 0
     assert untouched_pages_still_poisoned(engine, report.touched_pages)
-    while engine.has_unfinished_requests():
-        engine.step()
-    stats = engine.get_stats()
+    stats = finish_requests(engine)
     assert stats.num_free_pages == stats.num_total_pages
 
 
