@@ -77,6 +77,11 @@ class ForwardBatch:
     # that size ragged work on the host (prefill). None in uniform modes: graphs never read them.
     seq_lens_host: list[int] | None = None
     q_lens_host: list[int] | None = None
+    # EXTEND only. True: the caller reads the final hidden states of the `logits_indices` rows
+    # alone (no draft model reads this forward's other rows), so the last layer runs its o_proj
+    # and FFN on those rows only and the model returns [num_logits, hidden]. Every layer's KV,
+    # the last one's included, is still written for every row. False: every row's.
+    logits_hidden_only: bool = False
 
     def __post_init__(self) -> None:
         if self.num_seqs < 0:
@@ -85,4 +90,9 @@ class ForwardBatch:
             raise ValueError(
                 f"{self.mode.value} batch: {self.num_tokens} tokens != bs {self.bs} x q_len "
                 f"{self.q_len}"
+            )
+        if self.logits_hidden_only and self.mode.is_uniform:
+            raise ValueError(
+                f"{self.mode.value} batch: logits_hidden_only is for EXTEND (a uniform batch's "
+                "logits rows are all of its rows)"
             )

@@ -76,6 +76,9 @@ class HostBatch:
     # exactly rows 0..m-1 reading future_ids[0..m-1] (a steady decode batch): one copy then.
     future_ids: torch.Tensor | None = None
     future_identity: int = 0
+    # EXTEND: only the logits rows' final hidden states are read (`ForwardBatch` says what
+    # that changes); whoever builds the batch knows whether a draft model reads the others.
+    logits_hidden_only: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -229,6 +232,7 @@ class InputBuffers:
             num_seqs=num_seqs,
             seq_lens_host=None if uniform else list(host.seq_lens),
             q_lens_host=None if uniform else list(host.q_lens),
+            logits_hidden_only=host.logits_hidden_only and not uniform,
             **batch_kwargs,
         )
 

@@ -60,7 +60,9 @@ class TargetOutput:
     of a graph captured before any reader), and the real rows are the first `num_rows`."""
 
     logits: torch.Tensor  # [rows, vocab] fp32 (all bs*q_len rows for uniform modes)
-    hidden: torch.Tensor  # [tokens, hidden] final-normed, every token row of the batch
+    # [tokens, hidden] final-normed, every token row of the batch; [num_rows, hidden], the
+    # logits rows', for an EXTEND batch with `logits_hidden_only` (nothing reads the others)
+    hidden: torch.Tensor
     batch: ForwardBatch  # the forward's inputs (views of the runner's input buffers)
     num_rows: int  # real logits rows: num_seqs * q_len (uniform) or len(logits_indices)
     graphed: bool  # replayed from a CUDA graph (a draft graph may read `hidden` in place)

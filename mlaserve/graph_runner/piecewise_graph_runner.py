@@ -33,7 +33,10 @@ the causal mask keeps them out of real rows). Where the backend says its MHA-for
 captures so (`captures_fresh_extend`), each bucket also captures the whole forward, attention
 included, as one graph: no host work between layers, so the GPU never waits for the host's
 eager attention (on the lent H100 that host time exceeded a 512-token layer's GPU time).
-`MLASERVE_ONE_GRAPH_PREFILL=0` turns it off (A/B runs).
+`MLASERVE_ONE_GRAPH_PREFILL=0` turns it off (A/B runs). Without a draft model (which reads every
+row's final hidden states), the one graph runs the last layer's o_proj and FFN on one row, the
+step's logits row, filled on purpose (`ForwardBatch.logits_hidden_only`); a step with more logits
+rows (prompt logprobs) takes the pieces, which compute every row.
 
 Memory: the pieces of every bucket capture into one pool of their own (not the decode graphs'),
 largest bucket first; prefill forwards run one at a time, so later buckets reuse earlier ones'
@@ -188,6 +191,10 @@ class PiecewiseGraphRunner:
             and os.environ.get("MLASERVE_ONE_GRAPH_PREFILL", "1") != "0"
         )
         self._layouts: dict[int, ExtendLayout] = {}
+        # Without a draft model reading every row's hidden states, the one graph computes the
+        # last layer's o_proj and FFN for one row: the step's logits row (`ForwardBatch.
+        # logits_hidden_only`). A step scoring prompt logprobs (more rows) takes the pieces.
+        self.whole_logits_only = not runner.draft_reads_hidden
 
     @property
     def max_tokens(self) -> int:
@@ -209,6 +216,8 @@ class PiecewiseGraphRunner:
         """Warm up every bucket eagerly, then capture each, largest first."""
         t0 = time.perf_counter()
         with torch.inference_mode():
+            # the one graph's logits row while every row is padding: row 0
+            self.runner.buffers.logits_indices[:1].zero_()
             for n in reversed(self.buckets):
                 self.runner.buffers.pad_tokens(0, n)
                 self.runner.model(self._batch(n, _AttentionBreak(self, n, None)))
@@ -284,6 +293,9 @@ class PiecewiseGraphRunner:
         batch = self._batch(num_tokens, self.backend)  # type: ignore[arg-type]
         batch.seq_lens, batch.cu_q_lens = layout.kv_lens_dev, layout.cu_q
         batch.attn_metadata = layout
+        if self.whole_logits_only:  # one logits row, which `run` fills on purpose
+            batch.logits_indices = self.runner.buffers.logits_indices[:1]
+            batch.logits_hidden_only = True
         return batch
 
     def _capture_one(self, num_tokens: int) -> _Bucket:
@@ -342,34 +354,59 @@ class PiecewiseGraphRunner:
     @torch.inference_mode()
     def run(self, host: HostBatch, bucket: int) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
         """-> (logits of batch.logits_indices [n, vocab] fp32, final-normed hidden states of the
-        real rows [T, hidden] (a view of a static buffer), the real batch)."""
+        real rows [T, hidden] (a view of a static buffer; the logits rows' alone, [n, hidden],
+        when `batch.logits_hidden_only`), the real batch)."""
         runner = self.runner
         batch = runner.make_batch(host)
-        num_tokens = batch.num_tokens
+        num_tokens, num_logits = batch.num_tokens, batch.logits_indices.shape[0]
         runner.buffers.pad_tokens(num_tokens, bucket)
-        if self.one_graph and batch.bs == 1 and batch.seq_lens_host == batch.q_lens_host:
-            if self.use_graphs:  # one fresh prompt: attention is inside the graph
-                entry = self._buckets[bucket]
-                entry.whole.replay()  # type: ignore[union-attr]
-                hidden = entry.whole_hidden
-            else:
-                hidden = runner.model(self._fresh_batch(bucket))
-            self.num_one_graph_replays += 1
-        else:
-            self.backend.prepare(batch)
-            if not self.use_graphs:
-                stand_in = _AttentionBreak(self, bucket, None, real=(batch, num_tokens))
-                hidden = runner.model(self._batch(bucket, stand_in))
-            else:
-                entry = self._buckets[bucket]
-                for piece, call in zip(entry.pieces, entry.calls):
-                    piece.replay()
-                    self.attend(call, batch, num_tokens)
-                entry.pieces[-1].replay()
-                hidden = entry.hidden
+        one = self._takes_one_graph(batch)
+        hidden = self._replay_one_graph(batch, bucket) if one else self._replay(batch, bucket)
         self.num_replays += 1
-        hidden = hidden[:num_tokens]
-        return runner.model.compute_logits(hidden[batch.logits_indices]), hidden, batch
+        if one and self.whole_logits_only:  # [1, hidden]: the logits row's
+            hidden = hidden[:num_logits]
+        elif batch.logits_hidden_only:  # the rows its readers want, as an eager forward's
+            hidden = hidden[batch.logits_indices]
+        else:
+            hidden = hidden[:num_tokens]
+            return runner.model.compute_logits(hidden[batch.logits_indices]), hidden, batch
+        return runner.model.compute_logits(hidden), hidden, batch
+
+    def _replay_one_graph(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
+        """One fresh prompt: attention is inside the graph."""
+        if self.whole_logits_only and batch.logits_indices.shape[0] == 0:
+            # a chunk that samples nothing: the graph's one row is the last real row, computed
+            # and not read (never a stale index past the bucket)
+            self.runner.buffers.logits_indices[:1].fill_(batch.num_tokens - 1)
+        self.num_one_graph_replays += 1
+        if not self.use_graphs:
+            return self.runner.model(self._fresh_batch(bucket))
+        entry = self._buckets[bucket]
+        entry.whole.replay()  # type: ignore[union-attr]
+        return entry.whole_hidden  # type: ignore[return-value]
+
+    def _replay(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
+        """The pieces, with the real backend's attention between them."""
+        self.backend.prepare(batch)
+        num_tokens = batch.num_tokens
+        if not self.use_graphs:
+            stand_in = _AttentionBreak(self, bucket, None, real=(batch, num_tokens))
+            return self.runner.model(self._batch(bucket, stand_in))
+        entry = self._buckets[bucket]
+        for piece, call in zip(entry.pieces, entry.calls):
+            piece.replay()
+            self.attend(call, batch, num_tokens)
+        entry.pieces[-1].replay()
+        return entry.hidden  # type: ignore[return-value]
+
+    def _takes_one_graph(self, batch: ForwardBatch) -> bool:
+        """One fresh prompt whose readers want what the one graph computes: every row's hidden
+        states, or (`whole_logits_only`) at most one logits row's."""
+        if not (self.one_graph and batch.bs == 1 and batch.seq_lens_host == batch.q_lens_host):
+            return False
+        if not self.whole_logits_only:
+            return True
+        return batch.logits_hidden_only and batch.logits_indices.shape[0] <= 1
 
     def attend(self, call: _Call, batch: ForwardBatch, num_tokens: int) -> None:
         """One layer's attention on the real rows of the static inputs, into its static output."""

@@ -4,6 +4,11 @@
     for each layer:  hidden += MLA(norm(hidden));  hidden += FFN(norm(hidden))
     return norm(hidden)                 # `model(batch)`;  logits = lm_head(hidden)
 
+An EXTEND batch whose readers want only its logits rows (`batch.logits_hidden_only`: no draft
+model reads the rest) runs the last layer's o_proj and FFN on those rows alone, after an
+attention over every row (whose KV the cache needs): llama.cpp's `inp_out_ids`. For one 2048-token
+V2-Lite prompt that skips the MoE of 2047 rows in the last of 26 layers.
+
 Each `hidden += ...` is deferred into the next norm (`forward_residual`), which on CUDA is one
 fused add + RMSNorm kernel (`mlaserve/ops/rms_norm.py`); the roundings are the same.
 
@@ -71,17 +76,21 @@ class DeepseekDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: ForwardBatch,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | MoePartials, torch.Tensor]:
         """The layer on input `x + residual` (`x` alone when residual is None), returned as the
         pair (FFN output, residual stream before it) whose sum is the layer's output. The sum is
         left to the next norm, which fuses it (`RMSNorm.forward_with_residual`): the same
         roundings as adding first, one kernel fewer per norm on CUDA. An MoE layer's output may
-        come uncombined (`MoePartials`, on CUDA): the next norm sums it in the same launch."""
+        come uncombined (`MoePartials`, on CUDA): the next norm sums it in the same launch.
+        `rows`: the only rows read after this layer; past attention it runs on them alone."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.forward_with_residual(x, residual)
-        h = self.self_attn(h, cos, sin, batch)
+        h = self.self_attn(h, cos, sin, batch, rows)
+        if rows is not None:
+            residual = residual.index_select(0, rows)
         h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
         if isinstance(self.mlp, DeepseekMoE):  # its combine happens in the next norm
             return self.mlp(h, combine=False), residual
@@ -109,12 +118,16 @@ class DeepseekModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=params_dtype)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """-> [T, hidden] final-normed hidden states"""
+        """-> [T, hidden] final-normed hidden states; [num_logits, hidden], of the
+        `logits_indices` rows, when `batch.logits_hidden_only`."""
         x = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary_emb(batch.positions)  # shared by all layers
         residual = None
-        for layer in self.layers:
-            x, residual = layer.forward_residual(x, residual, cos, sin, batch)
+        last = len(self.layers) - 1
+        rows = batch.logits_indices if batch.logits_hidden_only else None
+        for i, layer in enumerate(self.layers):
+            keep = rows if i == last else None
+            x, residual = layer.forward_residual(x, residual, cos, sin, batch, keep)
         return self.norm(x) if residual is None else self.norm.forward_with_residual(x, residual)[0]
 
 

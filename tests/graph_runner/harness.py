@@ -7,7 +7,7 @@ CUDA-graph replays): one harness, so both check the same things.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -94,17 +94,7 @@ def compare_replays(engine: LLMEngine, steps: int, rel_tol: float) -> ReplayRepo
         size = graphs.padded_size(host)
         report.padded_steps += int(size is not None and size > host.num_seqs)
         replayed = graphs.run(host).float().clone()
-        assert replayed.shape == eager.shape, (replayed.shape, eager.shape)
-        assert torch.isfinite(replayed).all(), "NaN/inf in replayed logits (a poisoned page read?)"
-        row_err = (replayed - eager).abs().amax(-1) / eager.abs().max()
-        report.max_rel_err = max(report.max_rel_err, row_err.max().item())
-        report.rows += row_err.numel()
-        report.rows_over_tol += int((row_err > rel_tol).sum().item())
-        top2 = eager.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > 4 * rel_tol * eager.abs().max()
-        report.argmax_mismatches += int(
-            ((replayed.argmax(-1) != eager.argmax(-1)) & clear).sum().item()
-        )
+        _score(report, replayed, eager, rel_tol)
         for s in sched.scheduled:
             report.touched_pages.update(s.request.pages)
         result = runner.sample(replayed, sched)
@@ -115,10 +105,11 @@ def compare_replays(engine: LLMEngine, steps: int, rel_tol: float) -> ReplayRepo
 
 
 @torch.inference_mode()
-def compare_extends(engine: LLMEngine, rel_tol: float) -> ReplayReport:
+def compare_extends(engine: LLMEngine, rel_tol: float, all_rows: bool = True) -> ReplayReport:
     """Run the EXTEND steps of whatever is waiting (prefill chunks, mixed with the decodes of
     requests already running) through the graph runner (piecewise graphs, padded to a token
-    bucket) and through a plain eager forward, comparing the logits of every token row; the
+    bucket) and through a plain eager forward of every row (`logits_hidden_only` off),
+    comparing the logits of every token row (`all_rows`) or of the rows the step samples; the
     engine advances on the graph runner's. Stops after the first step that is not an EXTEND
     (run normally)."""
     report = ReplayReport()
@@ -137,24 +128,16 @@ def compare_extends(engine: LLMEngine, rel_tol: float) -> ReplayReport:
             engine._postprocess(sched, result)
             break
         n_sampled = len(host.logits_indices)
-        sampled = set(host.logits_indices)  # then every other row: all T rows compared
-        host.logits_indices += [r for r in range(len(host.input_ids)) if r not in sampled]
-        eager = runner.forward(runner.make_batch(host)).float().clone()
+        if all_rows:
+            sampled = set(host.logits_indices)  # then every other row: all T rows compared
+            host.logits_indices += [r for r in range(len(host.input_ids)) if r not in sampled]
+        every_row = replace(host, logits_hidden_only=False)
+        eager = runner.forward(runner.make_batch(every_row)).float().clone()
         bucket = graphs.piecewise.bucket_for(host)
         assert bucket is not None, f"{len(host.input_ids)} tokens: no bucket"
         report.padded_steps += int(bucket > len(host.input_ids))
         replayed = graphs.run(host).float().clone()
-        assert replayed.shape == eager.shape, (replayed.shape, eager.shape)
-        assert torch.isfinite(replayed).all(), "NaN/inf in replayed logits (a poisoned page read?)"
-        row_err = (replayed - eager).abs().amax(-1) / eager.abs().max()
-        report.max_rel_err = max(report.max_rel_err, row_err.max().item())
-        report.rows += row_err.numel()
-        report.rows_over_tol += int((row_err > rel_tol).sum().item())
-        top2 = eager.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > 4 * rel_tol * eager.abs().max()
-        report.argmax_mismatches += int(
-            ((replayed.argmax(-1) != eager.argmax(-1)) & clear).sum().item()
-        )
+        _score(report, replayed, eager, rel_tol)
         for s in sched.scheduled:
             report.touched_pages.update(s.request.pages)
         result = runner.sample(replayed[:n_sampled], sched)
@@ -162,3 +145,20 @@ def compare_extends(engine: LLMEngine, rel_tol: float) -> ReplayReport:
         engine._postprocess(sched, result)
         report.steps += 1
     return report
+
+
+def _score(report: ReplayReport, replayed: torch.Tensor, eager: torch.Tensor, rel_tol: float):
+    """Add one step's logits rows (replayed vs eager) to `report`."""
+    assert replayed.shape == eager.shape, (replayed.shape, eager.shape)
+    assert torch.isfinite(replayed).all(), "NaN/inf in replayed logits (a poisoned page read?)"
+    if eager.shape[0] == 0:  # a prefill chunk that samples nothing
+        return
+    row_err = (replayed - eager).abs().amax(-1) / eager.abs().max()
+    report.max_rel_err = max(report.max_rel_err, row_err.max().item())
+    report.rows += row_err.numel()
+    report.rows_over_tol += int((row_err > rel_tol).sum().item())
+    top2 = eager.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 4 * rel_tol * eager.abs().max()
+    report.argmax_mismatches += int(
+        ((replayed.argmax(-1) != eager.argmax(-1)) & clear).sum().item()
+    )

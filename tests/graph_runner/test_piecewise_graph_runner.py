@@ -34,7 +34,7 @@ class FreshCapturingMHA(ReferenceMHA):
     captures_fresh_extend: ClassVar[bool] = True
 
 
-def _cpu_engine(checkpoint, backend_cls=None):
+def _cpu_engine(checkpoint, backend_cls=None, draft_reads_hidden: bool = False):
     llm = LLM(
         str(checkpoint("v3_moe")),
         device="cpu",
@@ -53,6 +53,8 @@ def _cpu_engine(checkpoint, backend_cls=None):
             b.model_config, b.page_size, b.kv_cache_dtype, b.device, b.max_num_seqs,
             b.max_model_len,
         )  # fmt: skip
+    # as with a draft model: every EXTEND row's final hidden states are read, none pruned
+    engine.runner.draft_reads_hidden = draft_reads_hidden
     engine.graphs = CudaGraphRunner(
         engine.runner, (1, 2, 4, 8), use_graphs=False, piecewise_max_tokens=MAX_TOKENS
     )
@@ -68,6 +70,11 @@ def engine(checkpoint):
 @pytest.fixture(scope="module")
 def mha_engine(checkpoint):
     return _cpu_engine(checkpoint, FreshCapturingMHA)
+
+
+@pytest.fixture(scope="module")
+def mha_engine_all_rows(checkpoint):
+    return _cpu_engine(checkpoint, FreshCapturingMHA, draft_reads_hidden=True)
 
 
 def test_token_buckets() -> None:
@@ -108,22 +115,26 @@ def test_padded_extend_equals_eager(engine, prompt_lens: list[int]) -> None:
     [([5], 1), ([16], 1), ([40], 1), ([17, 9], 0), ([150], 1), ([100, 7, 40], 1)],
     ids=["one-short", "one-full-bucket", "one-padded", "two", "chunked", "chunked-mixed"],
 )
+@pytest.mark.parametrize("all_rows", [True, False], ids=["every-row", "logits-rows"])
 def test_fresh_prompt_in_one_graph_equals_eager(
-    mha_engine, prompt_lens: list[int], one_graph_steps: int
+    mha_engine, mha_engine_all_rows, prompt_lens: list[int], one_graph_steps: int, all_rows: bool
 ) -> None:
     """With a backend whose fresh-prompt prefill captures whole (`captures_fresh_extend`), an
     EXTEND step of one prompt with no cached prefix runs the whole padded forward with the
-    bucket's fixed layout (attention over the padded rows too), the others stay piecewise; every
-    row's logits equal an unpadded eager forward's and padded rows touch no live page. Chunked
+    bucket's fixed layout (attention over the padded rows too), the others stay piecewise; the
+    logits equal an unpadded eager forward's of every row and padded rows touch no live page.
+    every-row: as with a draft model, the one graph computes every row, all compared.
+    logits-rows: without one, it runs the last layer's o_proj and FFN on the sampled row alone
+    (none for a chunk that samples nothing), and the sampled rows are compared. Chunked
     prompts: only their first chunk is fresh (a second chunk reads its prefix; several
     sequences in one step go piecewise)."""
-    engine = mha_engine
+    engine = mha_engine_all_rows if all_rows else mha_engine
     piecewise = engine.graphs.piecewise
-    assert piecewise.one_graph
+    assert piecewise.one_graph and piecewise.whole_logits_only is not all_rows
     poison_kv(engine)
     add_requests(engine, prompt_lens, max_tokens=4, seed=7 + len(prompt_lens))
     before = piecewise.num_one_graph_replays
-    report = compare_extends(engine, rel_tol=1e-5)
+    report = compare_extends(engine, rel_tol=1e-5, all_rows=all_rows)
     assert piecewise.num_one_graph_replays - before == one_graph_steps
     assert report.max_rel_err < 1e-5, report.max_rel_err
     assert report.argmax_mismatches == 0

@@ -149,8 +149,11 @@ class MLAAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: ForwardBatch,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [T, hidden]; cos/sin [T, d_r / 2] -> [T, hidden]"""
+        """x [T, hidden]; cos/sin [T, d_r / 2] -> [T, hidden]. `rows` [n] int64: only these rows'
+        outputs are read, so o_proj runs on them alone -> [n, hidden] (attention, and its KV
+        write, still covers all T rows)."""
         if self.w_uk is None:
             raise RuntimeError("MLAAttention: call process_weights_after_loading() after loading")
         num_tokens = x.shape[0]
@@ -213,7 +216,7 @@ class MLAAttention(nn.Module):
             o = backend.forward_extend_mha(
                 self.layer_id, q, kv_c, k_pe, self.w_uk, self.w_uv, batch
             )  # [T, H, d_v]
-            return self.o_proj(o.reshape(num_tokens, self.num_heads * self.v_head_dim))
+            return self._o_proj(o.reshape(num_tokens, self.num_heads * self.v_head_dim), rows)
 
         # Absorb W_UK: [H, T, d_n] @ [H, d_n, r] -> [H, T, r]
         if joined:
@@ -238,7 +241,11 @@ class MLAAttention(nn.Module):
             head_gemv(o_latent, self.w_uv, out=o)
         else:
             torch.bmm(o_latent.transpose(0, 1), self.w_uv, out=o.transpose(0, 1))
-        return self.o_proj(o.view(num_tokens, self.num_heads * self.v_head_dim))
+        return self._o_proj(o.view(num_tokens, self.num_heads * self.v_head_dim), rows)
+
+    def _o_proj(self, o: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """o [T, H * d_v] -> [T, hidden], or [n, hidden] of `rows` alone."""
+        return self.o_proj(o if rows is None else o.index_select(0, rows))
 
     def warm_up_kernels(self, act_dtype: torch.dtype) -> None:
         """Compile the decode kernels for every token bucket they take, before serving: W_UK's
