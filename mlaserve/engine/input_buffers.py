@@ -56,9 +56,11 @@ class HostBatch:
     """A step's inputs as host lists, as the scheduler knows them (no device reads)."""
 
     mode: ForwardMode
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
+    # Token rows: lists, or int64 arrays (`build_host_batch` makes arrays for a batch holding
+    # a prompt chunk: `fill` then stages each row in one copy)
+    input_ids: list[int] | np.ndarray
+    positions: list[int] | np.ndarray
+    slot_mapping: list[int] | np.ndarray
     seq_lens: list[int]  # per sequence: KV length after this step
     q_lens: list[int]  # per sequence: new tokens this step
     block_tables: list[list[int]]  # per sequence: its pages (unpadded)

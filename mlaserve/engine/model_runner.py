@@ -15,6 +15,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mlaserve.config import ConfigError, EngineConfig, ModelConfig
@@ -204,13 +205,11 @@ class ModelRunner:
     def build_host_batch(
         self, sched: SchedulerOutput, future_ids: torch.Tensor | None = None
     ) -> HostBatch:
-        """The scheduler's decision as host lists; the forward mode is the scheduler's.
+        """The scheduler's decision as host rows; the forward mode is the scheduler's.
         `future_ids`: the previous step's sampled tokens on the device (`PendingSample.feed`),
         read by the rows of requests whose last token is still pending there."""
         ps = self.page_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
+        tokens = _TokenRows()
         seq_lens: list[int] = []
         q_lens: list[int] = []
         tables: list[list[int]] = []
@@ -223,29 +222,20 @@ class ModelRunner:
             if n == 1:  # a decode: one token, no ranges to build
                 if r.num_pending_tokens and start == r.num_tokens - 1:
                     # Overlap scheduling: the token is still on the device; `fill` reads it there.
-                    future.append((len(ids), r.pending_row))
-                    ids.append(-1 - r.pending_row)
+                    future.append((tokens.count, r.pending_row))
+                    token = -1 - r.pending_row
                 else:
-                    ids.append(r.token_at(start))
-                positions.append(start)
-                slot_mapping.append(r.pages[start // ps] * ps + start % ps)
+                    token = r.token_at(start)
+                tokens.add_one(token, start, r.pages[start // ps] * ps + start % ps)
             else:
-                ids.extend(r.tokens(start, end))
-                positions.extend(range(start, end))
-                # a range per page: 4x faster than a slot per token (28 vs 116 us at 2048)
-                first = start
-                while first < end:
-                    page = first // ps
-                    stop = min(end, (page + 1) * ps)
-                    base = (r.pages[page] - page) * ps
-                    slot_mapping.extend(range(base + first, base + stop))
-                    first = stop
+                tokens.add_range(r.tokens(start, end), start, r.pages, ps)
             seq_lens.append(end)
             q_lens.append(n)
             tables.append(r.pages)
             rows.append(r.slot)
             if s.samples:
-                logits_indices.append(len(ids) - 1)
+                logits_indices.append(tokens.count - 1)
+        ids, positions, slot_mapping = tokens.rows()
         host = HostBatch(
             sched.mode, ids, positions, slot_mapping, seq_lens, q_lens, tables, logits_indices,
             table_rows=rows,
@@ -441,3 +431,52 @@ class PendingSample:
                 result.top_ids = [[x] for x in out.top_ids.tolist()]
                 result.top_logprobs = [[x] for x in out.top_logprobs.tolist()]
         return result
+
+
+class _TokenRows:
+    """A host batch's token rows (ids, positions, KV write slots) as `build_host_batch` appends
+    them: decode rows one at a time into lists, a prompt chunk's range as arrays. A batch of
+    decodes alone stays in lists (a few rows: no array to build); one with a chunk comes out
+    as int64 arrays, which `InputBuffers.fill` stages in one copy each instead of converting
+    2048 Python ints per row (~30 us each on an H100 host, and ~100 on the lent one)."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []
+        self.count = 0  # rows so far
+        self._parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def add_one(self, token_id: int, position: int, slot: int) -> None:
+        self.ids.append(token_id)
+        self.positions.append(position)
+        self.slots.append(slot)
+        self.count += 1
+
+    def add_range(self, token_ids: list[int], start: int, pages: list[int], page_size: int):
+        """A chunk's rows: positions start.., their slots in `pages`."""
+        self._flush()
+        positions = np.arange(start, start + len(token_ids))
+        page = positions // page_size
+        first = page[0]
+        table = np.asarray(pages[first : page[-1] + 1], dtype=np.int64)
+        slots = table[page - first] * page_size + positions % page_size
+        self._parts.append((np.asarray(token_ids, dtype=np.int64), positions, slots))
+        self.count += len(token_ids)
+
+    def _flush(self) -> None:
+        if self.ids:
+            as_array = (
+                np.asarray(x, dtype=np.int64) for x in (self.ids, self.positions, self.slots)
+            )
+            self._parts.append(tuple(as_array))  # type: ignore[arg-type]
+            self.ids, self.positions, self.slots = [], [], []
+
+    def rows(self) -> tuple:
+        """-> (ids, positions, slots): lists for decodes alone, else int64 arrays."""
+        if not self._parts:
+            return self.ids, self.positions, self.slots
+        self._flush()
+        if len(self._parts) == 1:
+            return self._parts[0]
+        return tuple(np.concatenate(column) for column in zip(*self._parts))
