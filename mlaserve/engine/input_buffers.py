@@ -120,8 +120,9 @@ class InputBuffers:
         self.last_page_writes = 0  # page-table entries the last fill uploaded (tests, benches)
 
         # Staging, int64: [the 4 token rows | the 2 length rows | table rows (max_num_seqs) |
-        # n entry indices into the flat page table | n entry values]; the row groups have the
-        # device tensors' strides. Only the used prefix is uploaded.
+        # n entry indices into the flat page table | n entry values, int32, in the first half
+        # of n int64 slots]; the row groups have the device tensors' strides. Only the used
+        # prefix is uploaded.
         self._table_off = 4 * self._tok_stride + 2 * self._len_stride
         self._staging_len = self._table_off + max_num_seqs
         self._staging_len += 2 * max_num_seqs * max_pages_per_seq
@@ -154,13 +155,15 @@ class InputBuffers:
         max_seq_len: int,
         q_len: int | None = None,
         split: bool = True,
+        pad_tokens_to: int | None = None,
         **batch_kwargs,
     ) -> ForwardBatch:
         """Copy a step's inputs into the buffers; returns a ForwardBatch of views.
 
         `split=False` (CUDA only): stage and upload, but leave the device-side split to a CUDA
         graph that replays `split(batch)` before its forward; the views hold the previous
-        step's values until it does.
+        step's values until it does. `pad_tokens_to`: the token rows that graph's split copies
+        (an EXTEND batch's bucket); rows past the batch are staged as padding.
 
         `pad_to`: the captured batch size this step replays in (uniform modes only); rows past
         `host.num_seqs` are padding. `q_len`: the uniform tokens per sequence (default: the
@@ -197,7 +200,7 @@ class InputBuffers:
         tokens[0, :real_tokens] = host.input_ids
         tokens[1, :real_tokens] = host.positions
         tokens[2, :real_tokens] = host.slot_mapping
-        tokens[:3, real_tokens:num_tokens] = 0
+        tokens[:3, real_tokens : max(num_tokens, pad_tokens_to or 0)] = 0
         tokens[3, :n_logits] = self._arange[:num_tokens] if uniform else host.logits_indices
         seq_lens[:num_seqs] = host.seq_lens
         # Padding rows, and the column after the batch, which the upload copies along.
@@ -319,7 +322,9 @@ class InputBuffers:
         stage[num_seqs:bs] = smax  # padding rows gather the zero row
         k = len(index)
         stage[smax : smax + k] = index
-        stage[smax + k : smax + 2 * k] = values
+        # the values as int32, the page table's dtype, in the next k int64 slots: no cast
+        # launch before the upload's index_copy_
+        stage[smax + k : smax + 2 * k].view(np.int32)[:k] = values
         self.last_page_writes = k
         return k
 
@@ -332,8 +337,9 @@ class InputBuffers:
             used = self._table_off + smax + 2 * n_writes
             self._dev[:used].copy_(self._host[turn][:used], non_blocking=True)
         if n_writes:
-            writes = self._sources[turn][2][smax : smax + 2 * n_writes].view(2, n_writes)
-            self._page_rows.view(-1).index_copy_(0, writes[0], writes[1].to(torch.int32))
+            writes = self._sources[turn][2][smax : smax + 2 * n_writes]
+            values = writes[n_writes:].view(torch.int32)[:n_writes]
+            self._page_rows.view(-1).index_copy_(0, writes[:n_writes], values)
 
     def _split(self, views: _ShapeViews) -> None:
         """The token rows, the length rows (with the int32 cast), and the gather of the batch's

@@ -263,17 +263,19 @@ class ModelRunner:
         max_seq_len: int | None = None,
         q_len: int | None = None,
         split: bool = True,
+        pad_tokens_to: int | None = None,
     ) -> ForwardBatch:
         """`max_seq_len`: the bound on seq_lens the backend may use; eager steps pass the exact
         host-side maximum, a CUDA graph its fixed capture bound (max_model_len). `pad_to`: the
         captured batch size a uniform batch replays in (`q_len` states its width when the host
         batch is padding alone). `split=False`: for a graph that replays the inputs' device-side
-        split itself (`InputBuffers.split`)."""
+        split itself (`InputBuffers.split`), over `pad_tokens_to` token rows if given."""
         return self.buffers.fill(
             host,
             pad_to=pad_to,
             q_len=q_len,
             split=split,
+            pad_tokens_to=pad_tokens_to,
             max_seq_len=max_seq_len or max(host.seq_lens),
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,

@@ -35,8 +35,10 @@ included, as one graph: no host work between layers, so the GPU never waits for 
 eager attention (on the lent H100 that host time exceeded a 512-token layer's GPU time).
 `MLASERVE_ONE_GRAPH_PREFILL=0` turns it off (A/B runs). Without a draft model (which reads every
 row's final hidden states), the one graph runs the last layer's o_proj and FFN on one row, the
-step's logits row, filled on purpose (`ForwardBatch.logits_hidden_only`); a step with more logits
-rows (prompt logprobs) takes the pieces, which compute every row.
+step's logits row (`ForwardBatch.logits_hidden_only`); a step with more logits rows (prompt
+logprobs) takes the pieces, which compute every row. The one graph starts with the inputs'
+device-side split (`InputBuffers.split`, as the decode graphs do), so the host only uploads them:
+each launch before the graph's is host time the GPU waits for.
 
 Memory: the pieces of every bucket capture into one pool of their own (not the decode graphs'),
 largest bucket first; prefill forwards run one at a time, so later buckets reuse earlier ones'
@@ -195,6 +197,9 @@ class PiecewiseGraphRunner:
         # last layer's o_proj and FFN for one row: the step's logits row (`ForwardBatch.
         # logits_hidden_only`). A step scoring prompt logprobs (more rows) takes the pieces.
         self.whole_logits_only = not runner.draft_reads_hidden
+        # that row, as the one graph reads it: the staged logits row, clamped into the bucket
+        # (a chunk that samples nothing stages none; any row is then computed and not read)
+        self._one_row = torch.zeros(1, dtype=torch.int64, device=runner.device)
 
     @property
     def max_tokens(self) -> int:
@@ -216,13 +221,11 @@ class PiecewiseGraphRunner:
         """Warm up every bucket eagerly, then capture each, largest first."""
         t0 = time.perf_counter()
         with torch.inference_mode():
-            # the one graph's logits row while every row is padding: row 0
-            self.runner.buffers.logits_indices[:1].zero_()
             for n in reversed(self.buckets):
                 self.runner.buffers.pad_tokens(0, n)
                 self.runner.model(self._batch(n, _AttentionBreak(self, n, None)))
                 if self.one_graph:  # every row padding: only the dummy slot is written
-                    self.runner.model(self._fresh_batch(n))
+                    self._whole_forward(n, split=False)
             if self.use_graphs:
                 torch.cuda.synchronize(self.runner.device)
         t1 = time.perf_counter()
@@ -293,10 +296,22 @@ class PiecewiseGraphRunner:
         batch = self._batch(num_tokens, self.backend)  # type: ignore[arg-type]
         batch.seq_lens, batch.cu_q_lens = layout.kv_lens_dev, layout.cu_q
         batch.attn_metadata = layout
-        if self.whole_logits_only:  # one logits row, which `run` fills on purpose
-            batch.logits_indices = self.runner.buffers.logits_indices[:1]
+        if self.whole_logits_only:  # one logits row (`_whole_forward`)
+            batch.logits_indices = self._one_row
             batch.logits_hidden_only = True
         return batch
+
+    def _whole_forward(self, num_tokens: int, *, split: bool) -> torch.Tensor:
+        """One fresh prompt's forward in bucket `num_tokens`, attention included: what the
+        one graph captures (`split`: starting with the inputs' device-side split, so a replay
+        only uploads them), or runs eagerly."""
+        buffers = self.runner.buffers
+        batch = self._fresh_batch(num_tokens)
+        if split:
+            buffers.split(batch)
+        if self.whole_logits_only:
+            torch.clamp(buffers.logits_indices[:1], max=num_tokens - 1, out=self._one_row)
+        return self.runner.model(batch)
 
     def _capture_one(self, num_tokens: int) -> _Bucket:
         pieces: list[torch.cuda.CUDAGraph] = []
@@ -331,7 +346,7 @@ class PiecewiseGraphRunner:
                 whole = torch.cuda.CUDAGraph()
                 whole.capture_begin(pool=self.pool)
                 try:
-                    whole_hidden = self.runner.model(self._fresh_batch(num_tokens))
+                    whole_hidden = self._whole_forward(num_tokens, split=True)
                 finally:
                     whole.capture_end()
         torch.cuda.current_stream(self.runner.device).wait_stream(stream)
@@ -357,11 +372,14 @@ class PiecewiseGraphRunner:
         real rows [T, hidden] (a view of a static buffer; the logits rows' alone, [n, hidden],
         when `batch.logits_hidden_only`), the real batch)."""
         runner = self.runner
-        batch = runner.make_batch(host)
+        one = self._takes_one_graph(host)
+        if one and self.use_graphs:  # the graph splits the upload over the whole bucket
+            batch = runner.make_batch(host, split=False, pad_tokens_to=bucket)
+        else:
+            batch = runner.make_batch(host)
+            runner.buffers.pad_tokens(batch.num_tokens, bucket)
         num_tokens, num_logits = batch.num_tokens, batch.logits_indices.shape[0]
-        runner.buffers.pad_tokens(num_tokens, bucket)
-        one = self._takes_one_graph(batch)
-        hidden = self._replay_one_graph(batch, bucket) if one else self._replay(batch, bucket)
+        hidden = self._replay_one_graph(bucket) if one else self._replay(batch, bucket)
         self.num_replays += 1
         if one and self.whole_logits_only:  # [1, hidden]: the logits row's
             hidden = hidden[:num_logits]
@@ -372,15 +390,11 @@ class PiecewiseGraphRunner:
             return runner.model.compute_logits(hidden[batch.logits_indices]), hidden, batch
         return runner.model.compute_logits(hidden), hidden, batch
 
-    def _replay_one_graph(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
+    def _replay_one_graph(self, bucket: int) -> torch.Tensor:
         """One fresh prompt: attention is inside the graph."""
-        if self.whole_logits_only and batch.logits_indices.shape[0] == 0:
-            # a chunk that samples nothing: the graph's one row is the last real row, computed
-            # and not read (never a stale index past the bucket)
-            self.runner.buffers.logits_indices[:1].fill_(batch.num_tokens - 1)
         self.num_one_graph_replays += 1
         if not self.use_graphs:
-            return self.runner.model(self._fresh_batch(bucket))
+            return self._whole_forward(bucket, split=False)  # `fill` split the inputs
         entry = self._buckets[bucket]
         entry.whole.replay()  # type: ignore[union-attr]
         return entry.whole_hidden  # type: ignore[return-value]
@@ -399,14 +413,14 @@ class PiecewiseGraphRunner:
         entry.pieces[-1].replay()
         return entry.hidden  # type: ignore[return-value]
 
-    def _takes_one_graph(self, batch: ForwardBatch) -> bool:
+    def _takes_one_graph(self, host: HostBatch) -> bool:
         """One fresh prompt whose readers want what the one graph computes: every row's hidden
         states, or (`whole_logits_only`) at most one logits row's."""
-        if not (self.one_graph and batch.bs == 1 and batch.seq_lens_host == batch.q_lens_host):
+        if not (self.one_graph and host.num_seqs == 1 and host.seq_lens == host.q_lens):
             return False
         if not self.whole_logits_only:
             return True
-        return batch.logits_hidden_only and batch.logits_indices.shape[0] <= 1
+        return host.logits_hidden_only and len(host.logits_indices) <= 1
 
     def attend(self, call: _Call, batch: ForwardBatch, num_tokens: int) -> None:
         """One layer's attention on the real rows of the static inputs, into its static output."""
