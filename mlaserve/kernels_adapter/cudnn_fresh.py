@@ -83,8 +83,10 @@ class CudnnFreshAttention:
         softmax_scale: float,
     ) -> torch.Tensor | None:
         """[T, H, D_v], or None if cuDNN's dispatcher refused a shape (nothing was launched
-        for the refused sequence; the caller recomputes the whole batch with FA2)."""
-        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        for the refused sequence; the caller recomputes the whole batch with FA2). torch's
+        cuDNN SDPA lays its output out as the query is (sequence-major here), so a batch of one
+        sequence takes it as it is; several are copied into one [T, H, D_v] tensor."""
+        out = None
         start = 0
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             for n in layout.q_lens:
@@ -100,6 +102,11 @@ class CudnnFreshAttention:
                 except RuntimeError:  # "No available kernel": refused at dispatch, on the host
                     self.refused += 1
                     return None
-                out[rows] = o[0].transpose(0, 1)
+                o = o[0].transpose(0, 1)  # [n, H, D_v]
+                if n == q.shape[0] and o.is_contiguous():
+                    return o  # one sequence, laid out as q's rows: no copy
+                if out is None:
+                    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+                out[rows] = o
                 start += n
         return out

@@ -168,14 +168,17 @@ class FlashMLABackend(AttentionBackend):
         # Small uniform batches: the split-KV Triton kernel (`ops/mla_decode.py`), which reads
         # q_nope and q_pe as they are (no q preparation) and needs no schedule.
         self._small_rows = 0
-        # Prefill's per-head keys [k_nope | k_pe] by one Triton copy (`ops/mha_key.py`).
-        self._mha_key = None
+        # Prefill's per-head keys [k_nope | k_pe] by one Triton copy (`ops/mha_key.py`), its
+        # fp8 context latent gathered and dequantised by one launch (`ops/kv_gather.py`).
+        self._mha_key = self._gather_dequant = None
         if fused_ops_enabled(self.device):
+            from mlaserve.ops.kv_gather import gather_dequant
             from mlaserve.ops.mha_key import mha_key
             from mlaserve.ops.mla_decode import MlaDecodeWorkspace, mla_decode
             from mlaserve.ops.q_prep import prepare_q
 
             self._prepare_q, self._mha_key = prepare_q, mha_key
+            self._gather_dequant = gather_dequant
             self._joined_q = os.environ.get("MLASERVE_JOINED_Q", "1") != "0"
             self._small_rows = small_batch_max_rows()
             if self._small_rows > 0:
@@ -297,7 +300,9 @@ class FlashMLABackend(AttentionBackend):
         """Writes the new latent KV, up-projects every sequence's whole context (fp8 cache:
         dequantised first) to bf16 K/V, then one causal varlen FA2 launch. [T, H, d_v]."""
         layout: ExtendLayout = batch.attn_metadata
-        _, k, v = mha_context_kv(layer_id, kv_c, k_pe, w_uk, w_uv, batch, layout, self._mha_key)
+        _, k, v = mha_context_kv(
+            layer_id, kv_c, k_pe, w_uk, w_uv, batch, layout, self._mha_key, self._gather_dequant
+        )
         if self._prefill_fresh.takes(layout, q.dtype):  # no cached prefix: cuDNN is faster
             out = self._prefill_fresh(q, k, v, layout, self.softmax_scale)
             if out is not None:

@@ -55,6 +55,9 @@ __all__ = [
 
 # (kv [S, H, d_n + d_v], k_pe [S, d_r], d_n) -> k [S, H, d_n + d_r]: `ops.mha_key.mha_key`
 KeyAssembler = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+# (fp8 pool rows [N, r + d_r], slots [S] int64, scale, dtype) -> [S, r + d_r] dequantised:
+# `ops.kv_gather.gather_dequant`
+LatentGather = Callable[[torch.Tensor, torch.Tensor, float, torch.dtype], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -211,18 +214,26 @@ def mha_context_kv(
     batch: ForwardBatch,
     layout: ExtendLayout | None = None,
     key: KeyAssembler | None = None,
+    dequant: LatentGather | None = None,
 ) -> tuple[ExtendLayout, torch.Tensor, torch.Tensor]:
     """Write the new tokens' latent KV to the pool (as `forward` would), then return the layout
     and the per-head K [S, H, d_n + d_r] / V [S, H, d_v] of every sequence's whole context.
     The new tokens are re-read from the pool, so a prefill sees exactly what later decode steps
     will (including fp8 rounding). `layout`: the batch's, if already built (once per forward,
-    in `prepare`); built here otherwise. `key`: see `up_project`."""
-    batch.kv_pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)
+    in `prepare`); built here otherwise. `key`: see `up_project`. `dequant`: a kernel that
+    gathers and dequantises an fp8 pool's rows in one launch (`ops.kv_gather`, CUDA), instead
+    of `gather_context_latent`'s three; the same bits."""
+    pool = batch.kv_pool
+    pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)
     if layout is None:
         layout = extend_layout(batch)
     # fp32 latent where the weights are fp32 (the CPU oracle), else straight to their dtype.
     dtype = torch.float32 if w_uk.dtype == torch.float32 else w_uk.dtype
-    latent = gather_context_latent(batch.kv_pool, layer_id, layout, dtype)
+    if dequant is not None and pool.is_fp8:
+        flat = pool.kv_buffers[layer_id].view(-1, pool.dim)
+        latent = dequant(flat, layout.context_slots, pool.k_scales[layer_id], dtype)
+    else:
+        latent = gather_context_latent(pool, layer_id, layout, dtype)
     k, v = up_project(latent, w_uk, w_uv, key)
     return layout, k, v
 
