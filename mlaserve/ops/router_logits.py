@@ -15,7 +15,7 @@ even a handful of tokens spreads the gate's bytes (512 KB for V2-Lite, 7.3 MB fo
 every SM. Prefill-sized batches, which fill the GPU without that, take tiles 64 experts wide
 (`_tiles`): each x row is then read once per 64 experts, not once per 16 (at 2048 tokens of
 V2-Lite: 60 -> 30 us a layer on an H100), and split K while those tiles are fewer than
-_WIDE_PROGRAMS: a program's K loop is a chain of dependent steps (32 at V2-Lite's unsplit
+_PREFILL_PROGRAMS: a program's K loop is a chain of dependent steps (32 at V2-Lite's unsplit
 2048), so at a few hundred programs its length is the kernel's time. The S partials go out as
 they are: the routing kernel sums them in a fixed order (deterministic, no reduction launch).
 Both operands of a step are loaded one step ahead (a register double buffer). No host reads:
@@ -81,8 +81,12 @@ _WIDE_BLOCK_E, _WIDE_BLOCK_K = 64, 64
 # 31.2 at 4096; 32 rows and 8 warps were slower, bench/moe_prefill.py --glue).
 _PREFILL_BLOCK_T = 64
 _PROGRAMS_TARGET = 128  # about one per SM of an H100 (132)
-_WIDE_PROGRAMS = 4 * _PROGRAMS_TARGET  # wide tiles split K up to this many programs
-_MAX_WIDE_SPLITS = 8
+_WIDE_PROGRAMS = 4 * _PROGRAMS_TARGET  # decode-sized wide tiles split K up to this many programs
+# Prefill-sized ones up to twice that, in 16-row tiles (a quarter of it in the 64-row tiles
+# launched): shorter K chains. H100, V2-Lite's gate, us, splits as before -> doubled: 9.3 ->
+# 7.7 at 1024 tokens (8 -> 16), 16.8 -> 12.7 at 2048 (4 -> 8), 30.9 -> 22.8 at 4096 (2 -> 4).
+_PREFILL_PROGRAMS = 2 * _WIDE_PROGRAMS
+_MAX_WIDE_SPLITS = 16
 # Decode-sized batches take wide tiles with K split up to this many ways (one 128-wide step a
 # program at V2-Lite's 2048) where the gate's bytes per program stay under _LATENCY_BYTES: such
 # a launch is a chain of latencies, and a wide tile reads each x row once for 64 experts.
@@ -95,8 +99,8 @@ def _tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, in
     count.
     - Prefill-sized batches: wide tiles of _PREFILL_BLOCK_T rows once 16-row ones alone would
       give half _PROGRAMS_TARGET programs, with K split (up to _MAX_WIDE_SPLITS ways) while
-      16-row tiles would stay within _WIDE_PROGRAMS (the 64-row launch within
-      _PROGRAMS_TARGET): V2-Lite at 2048 tokens takes 4 splits of 8 steps, at 8192 none.
+      16-row tiles would stay within _PREFILL_PROGRAMS (the 64-row launch within
+      2 * _PROGRAMS_TARGET): V2-Lite at 2048 tokens takes 8 splits of 4 steps, at 8192 two.
     - Decode-sized batches of a small gate: wide tiles of 128-wide steps, K split up to
       _MAX_SMALL_SPLITS ways within _WIDE_PROGRAMS, where that leaves <= _LATENCY_BYTES of the
       gate a program. V2-Lite's gate (512 KB) with the selection after it, H100, us, narrow ->
@@ -112,7 +116,7 @@ def _tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, in
     wide = t_tiles * triton.cdiv(num_experts, _WIDE_BLOCK_E)
     if 2 * wide >= _PROGRAMS_TARGET:
         num_kb = triton.cdiv(hidden, _WIDE_BLOCK_K)
-        splits = _splits(wide, num_kb, _WIDE_PROGRAMS, _MAX_WIDE_SPLITS)
+        splits = _splits(wide, num_kb, _PREFILL_PROGRAMS, _MAX_WIDE_SPLITS)
         return _PREFILL_BLOCK_T, _WIDE_BLOCK_E, _WIDE_BLOCK_K, splits
     num_kb = triton.cdiv(hidden, _BLOCK_K)
     splits = _splits(wide, num_kb, _WIDE_PROGRAMS, _MAX_SMALL_SPLITS)
@@ -164,7 +168,7 @@ def router_logits_variants(num_experts: int, hidden: int) -> list[int]:
     only falls as T grows, then the tiles widen, their splits fall, and nothing changes past
     _WIDE_PROGRAMS token tiles), each with both of Triton's specialisations of T (a multiple
     of 16 or not)."""
-    last = _BLOCK_T * (_WIDE_PROGRAMS + 2)
+    last = _BLOCK_T * (_PREFILL_PROGRAMS + 2)
     seen, counts = set(), []
     for num_tokens in range(1, last + 1):
         key = (_tiles(num_tokens, num_experts, hidden), num_tokens % 16 == 0)

@@ -55,10 +55,13 @@ def test_prefill_sized_batches_take_wide_tiles_split_while_few():
     assert _tiles(512, 64, 2048) == (16, 64, 128, 16)
     assert _tiles(16, 256, 7168) == (16, 16, 128, 8)
     assert _tiles(32, 256, 7168) == _tiles(128, 256, 7168) == (16, 64, 128, 8)
-    assert _tiles(1024, 64, 2048) == (64, 64, 64, 8)  # 64 wide tiles
-    assert _tiles(2048, 64, 2048) == (64, 64, 64, 4)
-    assert _tiles(8192, 64, 2048) == (64, 64, 64, 1)  # 128 tiles: enough programs unsplit
-    assert _tiles(256, 256, 7168) == (64, 64, 64, 8)
+    # prefill sizes: 64 wide tiles, K split while the 16-row count stays within 1024 programs
+    assert _tiles(1024, 64, 2048) == (64, 64, 64, 16)
+    assert _tiles(2048, 64, 2048) == (64, 64, 64, 8)
+    assert _tiles(8192, 64, 2048) == (64, 64, 64, 2)
+    assert _tiles(16384, 64, 2048) == (64, 64, 64, 1)  # 256 tiles: enough programs unsplit
+    assert _tiles(256, 256, 7168) == (64, 64, 64, 16)
     assert _tiles(1009, 12, 160) == (64, 64, 64, 1)  # the interpreted case above: K of 3 blocks
     counts = router_logits_variants(64, 2048)
-    assert {_tiles(t, 64, 2048) for t in counts} == {_tiles(t, 64, 2048) for t in range(1, 9000)}
+    every = range(1, 17000)
+    assert {_tiles(t, 64, 2048) for t in counts} == {_tiles(t, 64, 2048) for t in every}
