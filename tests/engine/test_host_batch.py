@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mlaserve import LLM, SamplingParams
+from mlaserve import SamplingParams
 from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.engine.model_runner import _TokenRows
 
@@ -15,17 +15,9 @@ PAGE = 4
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint):
-    llm = LLM(
-        str(checkpoint("v3_moe")),
-        device="cpu",
-        dtype="float32",
-        kv_cache_dtype="auto",
-        page_size=PAGE,
-        max_model_len=160,
-        max_num_batched_tokens=64,
-    )
-    return llm.engine
+def engine(small_engine):
+    assert small_engine.config.page_size == PAGE
+    return small_engine
 
 
 def _expected(sched) -> tuple[list[int], list[int], list[int]]:
