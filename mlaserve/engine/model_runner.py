@@ -440,7 +440,8 @@ class _TokenRows:
     them: decode rows one at a time into lists, a prompt chunk's range as arrays. A batch of
     decodes alone stays in lists (a few rows: no array to build); one with a chunk comes out
     as int64 arrays, which `InputBuffers.fill` stages in one copy each instead of converting
-    2048 Python ints per row (~30 us each on an H100 host, and ~100 on the lent one)."""
+    each row's Python ints (~30 us a 2048-token row on our CPU machines; on the lent H100's
+    host, fill took 543-634 us before and 396-553 after, bench/RESULTS.md eleventh section)."""
 
     def __init__(self) -> None:
         self.ids: list[int] = []
