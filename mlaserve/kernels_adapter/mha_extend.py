@@ -146,12 +146,19 @@ def fresh_layout(slots: torch.Tensor) -> ExtendLayout:
 
 
 def gather_context_latent(
-    pool: MLAKVPool, layer_id: int, layout: ExtendLayout, dtype: torch.dtype = torch.float32
+    pool: MLAKVPool,
+    layer_id: int,
+    layout: ExtendLayout,
+    dtype: torch.dtype = torch.float32,
+    dequant: LatentGather | None = None,
 ) -> torch.Tensor:
     """[S, r + d_r] in `dtype`: every sequence's context latent, dequantized (value = stored *
     scale). For bf16 the product is rounded once, as fp32-then-cast would (e4m3 -> bf16 is exact
-    and torch multiplies bf16 in fp32), without the fp32 copy."""
+    and torch multiplies bf16 in fp32), without the fp32 copy. `dequant`: a kernel that does an
+    fp8 pool's gather, cast and multiply in one launch (`ops.kv_gather`, CUDA); the same bits."""
     flat = pool.kv_buffers[layer_id].view(-1, pool.dim)
+    if dequant is not None and pool.is_fp8:
+        return dequant(flat, layout.context_slots, pool.k_scales[layer_id], dtype)
     # Index bytes: gathering float8 rows has no kernel on every device.
     rows = (
         flat.view(torch.uint8)[layout.context_slots] if pool.is_fp8 else flat[layout.context_slots]
@@ -220,20 +227,14 @@ def mha_context_kv(
     and the per-head K [S, H, d_n + d_r] / V [S, H, d_v] of every sequence's whole context.
     The new tokens are re-read from the pool, so a prefill sees exactly what later decode steps
     will (including fp8 rounding). `layout`: the batch's, if already built (once per forward,
-    in `prepare`); built here otherwise. `key`: see `up_project`. `dequant`: a kernel that
-    gathers and dequantises an fp8 pool's rows in one launch (`ops.kv_gather`, CUDA), instead
-    of `gather_context_latent`'s three; the same bits."""
-    pool = batch.kv_pool
-    pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)
+    in `prepare`); built here otherwise. `key`: see `up_project`; `dequant`: see
+    `gather_context_latent`."""
+    batch.kv_pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)
     if layout is None:
         layout = extend_layout(batch)
     # fp32 latent where the weights are fp32 (the CPU oracle), else straight to their dtype.
     dtype = torch.float32 if w_uk.dtype == torch.float32 else w_uk.dtype
-    if dequant is not None and pool.is_fp8:
-        flat = pool.kv_buffers[layer_id].view(-1, pool.dim)
-        latent = dequant(flat, layout.context_slots, pool.k_scales[layer_id], dtype)
-    else:
-        latent = gather_context_latent(pool, layer_id, layout, dtype)
+    latent = gather_context_latent(batch.kv_pool, layer_id, layout, dtype, dequant)
     k, v = up_project(latent, w_uk, w_uv, key)
     return layout, k, v
 

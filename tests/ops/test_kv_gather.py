@@ -38,3 +38,28 @@ def test_gather_dequant_refuses_other_caches():
 
     with pytest.raises(ValueError, match="e4m3 cache"):
         gather_dequant(torch.zeros(4, 8), torch.arange(2), 1.0, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "num_slots,dtype,device",
+    [gpu_case(600, torch.bfloat16), cpu_case(9, torch.float32)],
+)
+def test_context_latent_through_the_kernel_has_torchs_bits(num_slots, dtype, device):
+    """`mha_extend.gather_context_latent` with the kernel as its `dequant` (how FlashMLA's
+    prefill calls it) equals its torch path on an fp8 pool."""
+    from mlaserve.kernels_adapter.mha_extend import fresh_layout, gather_context_latent
+    from mlaserve.kv_cache import MLAKVPool
+    from mlaserve.ops.kv_gather import gather_dequant
+
+    pool = MLAKVPool(2, 40, 16, 32, 8, torch.float8_e4m3fn, device, k_scale=[0.5, 0.0173])
+    gen = torch.Generator(device=device).manual_seed(num_slots)
+    for buf in pool.kv_buffers:
+        values = torch.randn(buf.shape, generator=gen, device=device) * 100
+        buf.copy_(values.to(torch.float8_e4m3fn))
+    slots = torch.randperm(40 * 16, generator=gen, device=device)[:num_slots]
+    layout = fresh_layout(slots)
+    for layer in range(2):
+        want = gather_context_latent(pool, layer, layout, dtype)
+        got = gather_context_latent(pool, layer, layout, dtype, dequant=gather_dequant)
+        assert got.shape == (num_slots, pool.dim) and got.dtype == dtype
+        assert torch.equal(got, want), layer
