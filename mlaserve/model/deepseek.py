@@ -36,7 +36,7 @@ from mlaserve.model.layers.mlp import DeepseekMLP
 from mlaserve.model.layers.moe import DeepseekMoE
 from mlaserve.model.layers.norm import RMSNorm
 from mlaserve.model.layers.rotary import RotaryEmbedding
-from mlaserve.ops.moe_partials import MoePartials
+from mlaserve.ops.moe_partials import MoePartials, SortedExpertRows
 
 if TYPE_CHECKING:
     from mlaserve.engine.forward_batch import ForwardBatch
@@ -71,18 +71,19 @@ class DeepseekDecoderLayer(nn.Module):
 
     def forward_residual(
         self,
-        x: torch.Tensor | MoePartials,
+        x: torch.Tensor | MoePartials | SortedExpertRows,
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: ForwardBatch,
         rows: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor | MoePartials, torch.Tensor]:
+    ) -> tuple[torch.Tensor | MoePartials | SortedExpertRows, torch.Tensor]:
         """The layer on input `x + residual` (`x` alone when residual is None), returned as the
         pair (FFN output, residual stream before it) whose sum is the layer's output. The sum is
         left to the next norm, which fuses it (`RMSNorm.forward_with_residual`): the same
         roundings as adding first, one kernel fewer per norm on CUDA. An MoE layer's output may
-        come uncombined (`MoePartials`, on CUDA): the next norm sums it in the same launch.
+        come uncombined (`MoePartials`, `SortedExpertRows`, on CUDA): the next norm sums it in
+        the same launch.
         `rows`: the only rows read after this layer; past attention it runs on them alone."""
         if residual is None:
             h, residual = self.input_layernorm(x), x

@@ -1,4 +1,4 @@
-"""The (token, slot) pairs of a routing grouped by expert, in one launch: a counting sort.
+"""The (token, slot) pairs of a routing grouped by expert: a counting sort in two launches.
 
     ids     [T, K] int (any integer dtype), contiguous: each token's routed experts, all < E
     returns ExpertSort:
@@ -11,10 +11,20 @@
 `order` is `torch.argsort(ids.flatten(), stable=True)`: within an expert the pairs keep their
 order. Why not that (the CPU path's, and past EXPERT_SORT_MAX_PAIRS): torch's radix sort over
 uint8 keys, the counts by `scatter_add_`, the token division and `moe_sorted_combine`'s inversion
-are seven launches, ~30 us of a 2048-token V2-Lite layer on an H100, where this is one launch of
-~15 us. One program per expert reads all R ids twice (from L2: 98 KB at 2048 tokens of top-6):
-the pairs of lower experts give its first position, then a running prefix sum ranks its own
-pairs. No host reads: CUDA-graph safe.
+are seven launches, ~30-40 us of a 2048-8192-token V2-Lite layer on an H100.
+
+The pairs are cut into chunks of BLOCK consecutive pairs, one program each:
+
+    _chunk_hist_kernel   hist[c, e] = pairs of expert e in chunk c          [C, E_PAD] int32
+    _place_kernel        from hist: expert e's first position (all pairs of lower experts) plus
+                         e's pairs of earlier chunks; the chunk's pairs sorted by (expert, pair)
+                         in registers (`tl.sort` of expert * BLOCK + offset: stable) give each
+                         pair's rank among its expert's pairs of the chunk
+
+So every pair id is read twice, whatever E: 4.7 us at 12288 pairs (V2-Lite, 2048 tokens), 7.5
+us at 49152 (8192 tokens). The one-launch form before this, one program per expert reading all
+R ids, read them E times: 15.2 and 54.0 us; torch's sort took over from it at 24576 pairs.
+No host reads: CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -29,15 +39,16 @@ from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
 __all__ = ["EXPERT_SORT_MAX_PAIRS", "ExpertSort", "sort_by_expert"]
 
-# Up to this many pairs (4096 tokens of top-6) the kernel beats torch's sort; past it torch's
-# radix sort wins: its time is nearly flat, this kernel's grows with the pairs each program
-# reads (H100, us, torch / this: 29.2 / 8.4 at 6144 pairs, 30.1 / 14.8 at 12288, 33.0 / 27.1
-# at 24576; bench/moe_prefill.py --glue).
-EXPERT_SORT_MAX_PAIRS = 24576
-
-# Pairs a program holds per step; past that the steps loop, their count a power of two (one
-# compiled variant per bucket, not per size: steps past the last pair load nothing).
-_MAX_BLOCK = 4096
+# Up to this many pairs (8192 tokens of V3's top-8) the kernels run; past it torch's sort (the
+# placing program's histogram table, [C, E_PAD], grows with the chunks).
+EXPERT_SORT_MAX_PAIRS = 65536
+# Pairs a program sorts: R over about _CHUNKS, a power of two of at least _MIN_BLOCK and at most
+# _MAX_BLOCK, then doubled while the placing programs' histogram table [C_PAD, E_PAD] would pass
+# _MAX_TABLE entries. A program's in-register sort grows as BLOCK log^2 BLOCK, its table read as
+# C x E: H100, V2-Lite's top-6 of 64, both kernels graph-timed, us at 128 / 256 / 512 / 1024
+# pairs a chunk: 4.0 / 4.2 / 6.1 / 11.9 at 1024 tokens, 5.6 / 4.7 / 6.3 / 12.2 at 2048, 8.6 /
+# 6.4 / 5.9 / 11.9 at 4096, 15.9 / 9.4 / 7.5 / 12.4 at 8192 (bench/RESULTS.md).
+_CHUNKS, _MIN_BLOCK, _MAX_BLOCK, _MAX_TABLE = 64, 128, 512, 16384
 
 
 class ExpertSort(NamedTuple):
@@ -48,30 +59,57 @@ class ExpertSort(NamedTuple):
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _sort_kernel(
-    ids_ptr, order_ptr, token_ptr, pos_ptr, counts_ptr, num_pairs,
-    K: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr,
+def _chunk_hist_kernel(
+    ids_ptr, hist_ptr, num_pairs, E_PAD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    e = tl.program_id(0)
+    c = tl.program_id(0)
     wait_for_previous_kernel(PDL)
+    p = c * BLOCK + tl.arange(0, BLOCK)
+    valid = p < num_pairs
+    v = tl.load(ids_ptr + p, mask=valid, other=0).to(tl.int32)
+    tl.store(hist_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.histogram(v, E_PAD, mask=valid))
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks"])
+def _place_kernel(
+    ids_ptr, hist_ptr, order_ptr, token_ptr, pos_ptr, counts_ptr, num_pairs, num_chunks,
+    K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    C_PAD: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    c = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
-    before = tl.zeros([BLOCK], dtype=tl.int32)
-    for i in range(CHUNKS):
-        p = i * BLOCK + offs
-        v = tl.load(ids_ptr + p, mask=p < num_pairs, other=e)
-        before += (v < e).to(tl.int32)
-    first = tl.sum(before)
-    placed = first
-    for i in range(CHUNKS):
-        p = i * BLOCK + offs
-        mine = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1) == e
-        rank = tl.cumsum(mine.to(tl.int32), 0)
-        at = placed + rank - 1
-        tl.store(order_ptr + at, p.to(tl.int64), mask=mine)
-        tl.store(token_ptr + at, (p // K).to(tl.int64), mask=mine)
-        tl.store(pos_ptr + p, at, mask=mine)
-        placed += tl.sum(mine.to(tl.int32))
-    tl.store(counts_ptr + e, placed - first)
+    p = c * BLOCK + offs
+    # ids are the routing's output, finished before the histogram kernel (this one's
+    # predecessor) started: safe to read before the wait
+    v = tl.load(ids_ptr + p, mask=p < num_pairs, other=E_PAD).to(tl.int32)  # past R: last
+    wait_for_previous_kernel(PDL)
+    chunks = tl.arange(0, C_PAD)[:, None]
+    bins = tl.arange(0, E_PAD)
+    hist = tl.load(hist_ptr + chunks * E_PAD + bins[None, :], mask=chunks < num_chunks, other=0)
+    total = tl.sum(hist, 0)  # [E_PAD] pairs per expert
+    earlier = tl.sum(tl.where(chunks < c, hist, 0), 0)  # e's pairs in chunks before c
+    mine = tl.sum(tl.where(chunks == c, hist, 0), 0)  # e's pairs in chunk c
+    # sorted position of the chunk's j-th pair in (expert, pair) order = j + shift[expert]
+    shift = (tl.cumsum(total, 0) - total) + earlier - (tl.cumsum(mine, 0) - mine)
+    key = tl.sort(v * BLOCK + offs)  # expert-major, then pair order: a stable sort
+    e = key // BLOCK
+    pair = c * BLOCK + key % BLOCK
+    ok = e < E
+    at = offs + tl.gather(shift, tl.minimum(e, E_PAD - 1), 0)
+    tl.store(order_ptr + at, pair.to(tl.int64), mask=ok)
+    tl.store(token_ptr + at, (pair // K).to(tl.int64), mask=ok)
+    tl.store(pos_ptr + pair, at, mask=ok)
+    if c == 0:
+        tl.store(counts_ptr + bins, total, mask=bins < E)
+
+
+def _chunk_block(num_pairs: int, e_pad: int) -> int:
+    """Pairs per chunk for R pairs over E_PAD histogram bins (see `_CHUNKS`)."""
+    block = triton.next_power_of_2(triton.cdiv(num_pairs, _CHUNKS))
+    block = min(max(block, _MIN_BLOCK), _MAX_BLOCK)
+    while triton.next_power_of_2(triton.cdiv(num_pairs, block)) * e_pad > _MAX_TABLE:
+        block *= 2
+    return block
 
 
 def sort_by_expert(ids: torch.Tensor, num_experts: int) -> ExpertSort:
@@ -84,11 +122,19 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int) -> ExpertSort:
     token = torch.empty(num_pairs, dtype=torch.int64, device=device)
     pos = torch.empty(num_pairs, dtype=torch.int32, device=device)
     counts = torch.empty(num_experts, dtype=torch.int32, device=device)
-    block = min(max(triton.next_power_of_2(num_pairs), 128), _MAX_BLOCK)
-    chunks = triton.next_power_of_2(triton.cdiv(num_pairs, block))
-    _sort_kernel[(num_experts,)](
-        ids, order, token, pos, counts, num_pairs,
-        K=ids.shape[1], BLOCK=block, CHUNKS=chunks, num_warps=4 if block <= 1024 else 8,
-        **pdl_args(device),
+    if num_pairs == 0:
+        counts.zero_()
+        return ExpertSort(order, token, pos, counts)
+    e_pad = triton.next_power_of_2(num_experts)
+    block = _chunk_block(num_pairs, e_pad)
+    chunks = triton.cdiv(num_pairs, block)
+    hist = torch.empty(chunks, e_pad, dtype=torch.int32, device=device)
+    pdl = pdl_args(device)
+    _chunk_hist_kernel[(chunks,)](ids, hist, num_pairs, E_PAD=e_pad, BLOCK=block, **pdl)
+    c_pad = triton.next_power_of_2(chunks)
+    _place_kernel[(chunks,)](
+        ids, hist, order, token, pos, counts, num_pairs, chunks,
+        K=ids.shape[1], E=num_experts, E_PAD=e_pad, BLOCK=block, C_PAD=c_pad,
+        num_warps=8 if c_pad * e_pad >= 8192 else 4, **pdl,
     )  # fmt: skip
     return ExpertSort(order, token, pos, counts)

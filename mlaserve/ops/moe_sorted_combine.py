@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["moe_sorted_combine"]
+__all__ = ["moe_sorted_combine", "weighted_token_rows"]
 
 
 @triton.jit(do_not_specialize=["n"])  # one compile for every pair count (warm-up covers it)
@@ -42,6 +42,18 @@ def _invert_kernel(order_ptr, pos_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def weighted_token_rows(rows_ptr, row_stride, pos_ptr, weights_ptr, t, cols, mask, K: tl.constexpr):
+    """fp32 [len(cols)]: sum over k = 0..K-1, in order, of weights[t, k] * rows[pos[t*K + k],
+    cols]: token t's combine before its rounding (also `ops.rms_norm`'s, which fuses it)."""
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for k in tl.static_range(K):
+        row = tl.load(pos_ptr + t * K + k).to(tl.int64)
+        w = tl.load(weights_ptr + t * K + k)
+        acc += tl.load(rows_ptr + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32) * w
+    return acc
+
+
+@triton.jit
 def _combine_kernel(
     rows_ptr, pos_ptr, weights_ptr, shared_ptr, y_ptr,
     H: tl.constexpr, K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr,
@@ -49,11 +61,7 @@ def _combine_kernel(
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for k in tl.static_range(K):
-        row = tl.load(pos_ptr + t * K + k).to(tl.int64)
-        w = tl.load(weights_ptr + t * K + k)
-        acc += tl.load(rows_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32) * w
+    acc = weighted_token_rows(rows_ptr, H, pos_ptr, weights_ptr, t, cols, mask, K)
     y = acc.to(y_ptr.dtype.element_ty)
     if HAS_SHARED:
         shared = tl.load(shared_ptr + t * H + cols, mask=mask, other=0.0)

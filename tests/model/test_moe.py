@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from mlaserve.config import ModelConfig
 from mlaserve.model.layers.moe import DeepseekMoE
-from mlaserve.ops.moe_partials import MoePartials
+from mlaserve.ops.moe_partials import MoePartials, SortedExpertRows
 
 HIDDEN, MOE_INTER, NUM_EXPERTS, TOP_K = 32, 16, 16, 4
 GATINGS: dict[str, dict[str, Any]] = {
@@ -196,15 +196,12 @@ def test_decode_kernels_take_small_batches(num_tokens: int, monkeypatch) -> None
     else:
         assert calls == (["grouped"] if num_tokens <= 16 else [])
     assert (got - want).abs().max() <= 2e-2 * want.abs().max()
-    # Uncombined (the decoder layer's call): the fused paths return the per-slot partials, whose
-    # combine gives the same bits as the combined call.
+    # Uncombined (the decoder layer's call): the decode and grouped kernels return the per-slot
+    # partials, the sorted path its expert rows; either's combine gives the combined call's bits.
     calls.clear()
     partial = layer(x, combine=False)
-    if calls:
-        assert isinstance(partial, MoePartials)
-        assert torch.equal(partial.total().float(), got)
-    else:
-        assert torch.equal(partial.float(), got)
+    assert isinstance(partial, MoePartials if calls else SortedExpertRows)
+    assert torch.equal(partial.total().float(), got)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU suites run the compiled kernels")

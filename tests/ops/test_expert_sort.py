@@ -8,12 +8,13 @@ import torch
 
 from tests.ops.cases import cpu_case, gpu_case
 
-# (T, K, E): V2-Lite's top-6 of 64 at decode, odd and prefill sizes (one step, several steps of
-# 4096 pairs with the last one empty); V3's top-8 of 256; tiny ones under the interpreter, one
-# of them past a step.
+# (T, K, E): V2-Lite's top-6 of 64 at decode, odd and prefill sizes (one chunk; 12 and 48 chunks
+# of 1024 pairs); V3's top-8 of 256 up to the kernels' limit; tiny ones under the interpreter,
+# one of them over 9 chunks, the last one partial.
 CASES = [gpu_case(t, 6, 64) for t in (1, 7, 2048, 8192)] + [
     gpu_case(300, 8, 256),
     gpu_case(5000, 8, 256),
+    gpu_case(8192, 8, 256),  # EXPERT_SORT_MAX_PAIRS
     cpu_case(37, 3, 8),
     cpu_case(1500, 6, 8),
 ]

@@ -73,3 +73,45 @@ def test_partials_norm_equals_combine_then_add_norm(num_tokens, hidden, device, 
     ref_out, ref_res = ref.forward_with_residual(combined, residual)
     torch.testing.assert_close(res, ref_res, rtol=0, atol=0)
     torch.testing.assert_close(out, ref_out, **TOL)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("num_tokens,hidden,device", CASES)
+def test_sorted_rows_norm_equals_combine_then_add_norm(
+    num_tokens, hidden, device, shared, monkeypatch
+):
+    """The sorted MoE path's uncombined rows through the fused norm: the same bits as the sorted
+    combine kernel followed by the fused add + RMSNorm (what it replaces), and within the
+    tolerance of the torch reference on the combined tensor."""
+    from mlaserve.ops.expert_sort import sort_by_expert
+    from mlaserve.ops.moe_partials import SortedExpertRows
+
+    fused, ref = _norms(hidden, device, monkeypatch)
+    g = torch.Generator(device=device).manual_seed(hidden + 5 * num_tokens)
+    dtype, top_k, experts = model_dtype(device), 6, 16
+    ids = torch.rand(num_tokens, experts, generator=g, device=device).topk(top_k, dim=1).indices
+    order, _, pos, _ = sort_by_expert(ids.contiguous(), experts)
+    rows = (torch.randn(num_tokens * top_k, hidden, generator=g, device=device) * 2).to(dtype)
+    weights = torch.rand(num_tokens, top_k, generator=g, device=device)
+    side = (torch.randn(num_tokens, hidden, generator=g, device=device)).to(dtype)
+    out_rows = SortedExpertRows(rows, order, pos, weights, side if shared else None)
+    residual = (torch.randn(num_tokens, hidden, generator=g, device=device) * 3).to(dtype)
+    out, res = fused.forward_with_residual(out_rows, residual)
+    combined = out_rows.total()  # the sorted combine kernel
+    want_out, want_res = fused.forward_with_residual(combined, residual)
+    assert torch.equal(res, want_res) and torch.equal(out, want_out)
+    ref_out, ref_res = ref.forward_with_residual(combined, residual)
+    torch.testing.assert_close(res, ref_res, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref_out, **TOL)
+
+
+def test_sorted_rows_norm_names_a_mismatched_input(monkeypatch):
+    pytest.importorskip("triton")
+    from mlaserve.ops.rms_norm import add_sorted_rms_norm
+
+    rows, residual = torch.zeros(12, 8), torch.zeros(2, 8)
+    pos, weights = torch.zeros(12, dtype=torch.int32), torch.zeros(2, 6)
+    with pytest.raises(ValueError, match="pos"):
+        add_sorted_rms_norm(rows, pos.long(), weights, None, residual, torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="shared"):
+        add_sorted_rms_norm(rows, pos, weights, torch.zeros(3, 8), residual, torch.ones(8), 1e-6)

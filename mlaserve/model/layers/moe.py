@@ -31,12 +31,14 @@ up to `grouped_max_tokens` (large decode batches, speculative VERIFY steps), run
 `mlaserve/ops/moe_grouped.py`: the shared experts folded in as always-selected experts, one
 alignment kernel, two tensor-core grouped GEMMs and the combine (`MLASERVE_MOE_GROUPED_MAX_TOKENS
 =0` turns it off). Prefill-sized batches keep the sorted layout: on CUDA the pairs sorted by
-one kernel (`ops/expert_sort.py`, up to its size limit), in bf16 the gate_up GEMM with x's
+two kernels (`ops/expert_sort.py`, up to its size limit), in bf16 the gate_up GEMM with x's
 gather and SiLU-and-mul inside it (`ops/moe_prefill_gemm.py`, up to a few hundred rows an
 expert; past that CUTLASS's `torch._grouped_mm`), the down GEMM `torch._grouped_mm`, and the
 shared experts' dense GEMMs on a side stream beside the router and the routed GEMMs
 (H100, V2-Lite, 2048-token prefill TTFT 31.2-31.6 -> 30.6-30.8 ms; `MLASERVE_SHARED_OVERLAP=0`
-runs them in line, for A/B runs).
+runs them in line, for A/B runs). Called by a decoder layer (`combine=False`), the sorted path
+returns its expert rows uncombined (`SortedExpertRows`): the next residual-add + RMSNorm
+weights, sums and adds them in its own launch, so the combined [T, H] tensor is never written.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ from mlaserve.model.layers.linear import (
 from mlaserve.model.layers.mlp import DeepseekMLP, silu_and_mul
 from mlaserve.ops import fused_ops_enabled
 from mlaserve.ops.fp8_grouped_gemm import grouped_block_fp8_linear, grouped_layout
-from mlaserve.ops.moe_partials import MoePartials
+from mlaserve.ops.moe_partials import MoePartials, SortedExpertRows
 
 if TYPE_CHECKING:
     from mlaserve.ops.moe_decode import MoeDecodeWeights
@@ -428,23 +430,27 @@ class FusedExperts(nn.Module):
         topk_ids: torch.Tensor,
         shared: torch.Tensor | None = None,
         join: Callable[[], None] | None = None,
-    ) -> torch.Tensor:
+        *,
+        combine: bool = True,
+    ) -> torch.Tensor | SortedExpertRows:
         """x [T, H]; topk_weights [T, K] fp32; topk_ids [T, K]; shared [T, H] (the shared
         experts' output, added last) or None -> [T, H] (partial under TP). `join`: called
-        before `shared` is first read (it is still being computed on another stream)."""
+        before `shared` is first read (it is still being computed on another stream).
+        `combine=False`: the sorted path's fused kernels may return the rows uncombined
+        (`SortedExpertRows`), for the next norm to combine in its launch."""
         join = join or _no_join
         if x.shape[0] == 0:
             join()
             return torch.zeros_like(x)
         if self.quant is not None:
-            return self._forward_sorted(x, topk_weights, topk_ids, shared, False, join)
+            return self._forward_sorted(x, topk_weights, topk_ids, shared, False, join, combine)
         impl = self.resolved_impl(x)
         if impl == "dense":
             y = self._forward_dense(x, topk_weights, topk_ids)
             join()
             return y if shared is None else y + shared
         grouped = impl == "grouped_mm"
-        return self._forward_sorted(x, topk_weights, topk_ids, shared, grouped, join)
+        return self._forward_sorted(x, topk_weights, topk_ids, shared, grouped, join, combine)
 
     def _forward_sorted(
         self,
@@ -454,7 +460,8 @@ class FusedExperts(nn.Module):
         shared: torch.Tensor | None,
         use_grouped_mm: bool,
         join: Callable[[], None],
-    ) -> torch.Tensor:
+        combine: bool = True,
+    ) -> torch.Tensor | SortedExpertRows:
         num_tokens, top_k = topk_ids.shape
         num_rows = topk_ids.numel()
         pos = None  # pair -> sorted position, where the sort gives it
@@ -501,6 +508,9 @@ class FusedExperts(nn.Module):
                     start += n
         join()
         if self._sorted_combine is not None:
+            if not combine and pos is not None:  # the next norm combines (the same bits)
+                weights = topk_weights.contiguous()
+                return SortedExpertRows(out, order, pos, weights, shared)
             return self._sorted_combine(out, order, topk_weights, shared, pos=pos)
         unsorted = torch.empty_like(out).index_copy_(0, order, out)  # back to pair order
         y = (unsorted.view(num_tokens, top_k, -1).float() * topk_weights[..., None]).sum(1)
@@ -623,11 +633,14 @@ class DeepseekMoE(nn.Module):
         device = self.experts.gate_up_proj.device
         self(torch.zeros(past, self.experts.hidden_size, dtype=act_dtype, device=device))
 
-    def forward(self, x: torch.Tensor, *, combine: bool = True) -> torch.Tensor | MoePartials:
+    def forward(
+        self, x: torch.Tensor, *, combine: bool = True
+    ) -> torch.Tensor | MoePartials | SortedExpertRows:
         """[T, hidden] -> [T, hidden]. `combine=False` lets the fused kernels return their
-        per-slot partials (`MoePartials`) for the next residual-add + RMSNorm to sum in its own
-        launch (one kernel fewer per layer); without tensor parallelism only (the all-reduce
-        wants the sum), and other paths return the tensor all the same."""
+        output uncombined (`MoePartials`, `SortedExpertRows`) for the next residual-add +
+        RMSNorm to combine in its own launch (one kernel fewer per layer); without tensor
+        parallelism only (the all-reduce wants the sum), and other paths return the tensor all
+        the same."""
         num_tokens, weights = x.shape[0], self.decode_weights
         kw = {"combine": combine or self.tp.size > 1}
         if weights is not None and num_tokens <= self.decode_max_tokens:
@@ -657,5 +670,7 @@ class DeepseekMoE(nn.Module):
         elif self.shared_experts is not None:
             shared = self.shared_experts(x)
         topk_weights, topk_ids = self.gate(x)
-        y = self.experts(x, topk_weights, topk_ids, shared, join=join)
+        y = self.experts(x, topk_weights, topk_ids, shared, join=join, **kw)
+        if isinstance(y, SortedExpertRows):
+            return y
         return all_reduce(y, self.tp)  # one reduction for routed + shared partial sums

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from mlaserve.ops import fused_ops_enabled
-from mlaserve.ops.moe_partials import MoePartials
+from mlaserve.ops.moe_partials import MoePartials, SortedExpertRows
 
 __all__ = ["RMSNorm"]
 
@@ -30,6 +30,7 @@ class RMSNorm(nn.Module):
 
             self._rms_norm, self._add_rms_norm = rms_norm.rms_norm, rms_norm.add_rms_norm
             self._add_partials_rms_norm = rms_norm.add_partials_rms_norm
+            self._add_sorted_rms_norm = rms_norm.add_sorted_rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., N] -> [..., N]"""
@@ -40,14 +41,21 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def forward_with_residual(
-        self, x: torch.Tensor | MoePartials, residual: torch.Tensor
+        self, x: torch.Tensor | MoePartials | SortedExpertRows, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x, residual [T, N] -> (norm(x + residual), x + residual); the sum rounded to x's
         dtype first, as the unfused `residual + x` is. x may be an MoE layer's uncombined
-        output (`MoePartials`): combined here, in the same launch on CUDA."""
+        output (`MoePartials`, `SortedExpertRows`): combined here, in the same launch on CUDA."""
         if isinstance(x, MoePartials):
             if self.fused:
                 return self._add_partials_rms_norm(x.parts, residual, self.weight, self.eps)
+            x = x.total()
+        elif isinstance(x, SortedExpertRows):
+            if self.fused:
+                rows, _, pos, weights, shared = x
+                return self._add_sorted_rms_norm(
+                    rows, pos, weights, shared, residual, self.weight, self.eps
+                )
             x = x.total()
         if self.fused:
             return self._add_rms_norm(x, residual, self.weight, self.eps)
