@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["moe_sorted_combine", "weighted_token_rows"]
+__all__ = ["combined_token_row", "moe_sorted_combine"]
 
 
 @triton.jit(do_not_specialize=["n"])  # one compile for every pair count (warm-up covers it)
@@ -42,15 +42,23 @@ def _invert_kernel(order_ptr, pos_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def weighted_token_rows(rows_ptr, row_stride, pos_ptr, weights_ptr, t, cols, mask, K: tl.constexpr):
-    """fp32 [len(cols)]: sum over k = 0..K-1, in order, of weights[t, k] * rows[pos[t*K + k],
-    cols]: token t's combine before its rounding (also `ops.rms_norm`'s, which fuses it)."""
+def combined_token_row(
+    rows_ptr, row_stride, pos_ptr, weights_ptr, shared_ptr, t, cols, mask,
+    H: tl.constexpr, K: tl.constexpr, HAS_SHARED: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Token t's combined output at `cols`, in DTYPE: round(sum over k = 0..K-1, in order, of
+    weights[t, k] * rows[pos[t*K + k], cols]), then + shared[t, cols] rounded again. The
+    combine kernel's and `ops.rms_norm`'s (which fuses it): one place for its roundings."""
     acc = tl.zeros(cols.shape, dtype=tl.float32)
     for k in tl.static_range(K):
         row = tl.load(pos_ptr + t * K + k).to(tl.int64)
         w = tl.load(weights_ptr + t * K + k)
         acc += tl.load(rows_ptr + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32) * w
-    return acc
+    y = acc.to(DTYPE)
+    if HAS_SHARED:
+        shared = tl.load(shared_ptr + t * H + cols, mask=mask, other=0.0)
+        y = (y.to(tl.float32) + shared.to(tl.float32)).to(DTYPE)
+    return y
 
 
 @triton.jit
@@ -61,11 +69,10 @@ def _combine_kernel(
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
-    acc = weighted_token_rows(rows_ptr, H, pos_ptr, weights_ptr, t, cols, mask, K)
-    y = acc.to(y_ptr.dtype.element_ty)
-    if HAS_SHARED:
-        shared = tl.load(shared_ptr + t * H + cols, mask=mask, other=0.0)
-        y = (y.to(tl.float32) + shared.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    y = combined_token_row(
+        rows_ptr, H, pos_ptr, weights_ptr, shared_ptr, t, cols, mask,
+        H, K, HAS_SHARED, y_ptr.dtype.element_ty,
+    )  # fmt: skip
     tl.store(y_ptr + t * H + cols, y, mask=mask)
 
 

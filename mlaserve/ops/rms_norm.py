@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.ops.moe_sorted_combine import weighted_token_rows
+from mlaserve.ops.moe_sorted_combine import combined_token_row
 from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
 __all__ = ["add_partials_rms_norm", "add_rms_norm", "add_sorted_rms_norm", "rms_norm"]
@@ -59,11 +59,10 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
     wait_for_previous_kernel(PDL)
     if SORTED_K > 0:  # x: rows sorted by expert; this token's K of them weighted, summed in order
-        acc = weighted_token_rows(x_ptr, x_stride, pos_ptr, weights_ptr, row, offs, mask, SORTED_K)
-        x = acc.to(res_out_ptr.dtype.element_ty)
-        if HAS_SHARED:  # a second rounding, as the combine's `y + shared`
-            shared = tl.load(shared_ptr + row * N + offs, mask=mask, other=0.0).to(tl.float32)
-            x = (x.to(tl.float32) + shared).to(res_out_ptr.dtype.element_ty)
+        x = combined_token_row(
+            x_ptr, x_stride, pos_ptr, weights_ptr, shared_ptr, row, offs, mask,
+            N, SORTED_K, HAS_SHARED, res_out_ptr.dtype.element_ty,
+        )  # fmt: skip
     else:
         x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
     if PARTS > 1:  # x: PARTS fp32 partial sums per row, summed in order, rounded once
