@@ -20,12 +20,22 @@ which moved the break-even across the accept length and the decision with it.
 
 A served cost below its start-up figure says the start-up rounds ran slow (noise only adds
 time), and the other kind's figure, measured in the same rounds, is taken as slow by the same
-factor: its start-up copies count scaled down (never up) until its own served steps outvote them.
-A policy that serves one kind observes nothing of the other, so without this a start-up slowed
-by the host set the break-even for good: on an H200 (default model, k = 2, bs 1) the start-up
-rounds read plain 0.72 / spec 1.60 ms where serving took 0.38 / 0.96, the served spec cost over
-the start-up plain one put the break-even at 1.3 against the true 2.5, and the policy speculated
+factor: its start-up copies count scaled down until its own served steps outvote them. A policy
+that serves one kind observes nothing of the other, so without this a start-up slowed by the
+host set the break-even for good: on an H200 (default model, k = 2, bs 1) the start-up rounds
+read plain 0.72 / spec 1.60 ms where serving took 0.38 / 0.96, the served spec cost over the
+start-up plain one put the break-even at 1.3 against the true 2.5, and the policy speculated
 every step at 1.75x the TPOT of speculation off.
+
+Served plain steps above their start-up figure scale the speculative figure up alike; served
+speculative ones above theirs leave the plain figure alone. While the policy serves plain steps,
+a slower plain cost says the host runs slower (a slow stretch, longer contexts), which moves
+both kinds, and only the speculative steps' own observations (probes) may lower the break-even
+and turn speculation on: on an H100 (default model, k = 2, bs 16, host-bound steps) a stretch
+of plain steps served at 2.2x their start-up figure lowered the break-even from 2.8 to 1.4,
+under the accept length, and the policy speculated 73 steps where it did not pay. While it
+speculates, a dearer speculative cost is what must turn it off (a start-up figure too low,
+speculation's cost growing with the contexts), so it is not taken as the host's.
 
 A kind's served steps expire when the other kind has been observed `EXPIRE_AFTER` times at that
 size since its last one: its cost falls back to its (scaled) start-up figure. Served steps of a
@@ -272,7 +282,7 @@ class SpecPolicy:
         self._epoch += 1
         self._costs = None
         # per (kind, size): the served steps' seconds, and what the start-up figure counts as
-        # (itself, or scaled down with the other kind's; module doc)
+        # (itself, or scaled with the other kind's served steps; module doc)
         self._served: dict[tuple[str, int], deque[float]] = {}
         self._seed: dict[tuple[str, int], float] = {}
         # per (kind, size): the other kind's steps observed since this kind's last one
@@ -313,10 +323,12 @@ class SpecPolicy:
         changed = self._update(kind, size)
         # A served cost below the start-up figure means the start-up rounds ran slow by that
         # factor (noise only adds time): the other kind's figure, measured in the same rounds,
-        # counts as scaled down alike.
+        # counts as scaled down alike. Plain steps above theirs scale the speculative figure up
+        # alike (the host runs slower); speculative ones above theirs do not (module doc).
         startup = self._startup(kind, size)
         own = lower_quartile(_window(startup, served))  # this kind's own evidence alone
-        seed = self._startup(other, size) * min(1.0, own / startup)
+        factor = own / startup if kind == "plain" else min(1.0, own / startup)
+        seed = self._startup(other, size) * factor
         if expired or seed != self._seed.get((other, size)):  # the other's window changed
             self._seed[(other, size)] = seed
             changed |= self._update(other, size)
@@ -338,9 +350,9 @@ class SpecPolicy:
 
     def cost_window(self, kind: str, bs: int) -> list[float]:
         """The seconds the current `kind` cost at bs's size is the lower quartile of: the
-        start-up figure (`STARTUP_WEIGHT` times, until pushed out; scaled down where the other
-        kind's served steps say the start-up ran slow) and the served steps since, oldest
-        first."""
+        start-up figure (`STARTUP_WEIGHT` times, until pushed out; scaled as the other kind's
+        served steps moved theirs: down for either kind, up for the speculative figure only)
+        and the served steps since, oldest first."""
         size = self._costs.size_for(bs) if self._costs is not None else None
         if size is None:
             return []

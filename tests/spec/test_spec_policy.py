@@ -273,11 +273,12 @@ def test_repeat_is_decide_for_an_all_stale_batch() -> None:
     nothing the decision was made from changes: the same decision, counted alike, and the
     decisions off it counts lead to the next probe as decide's do. Two policies, one deciding
     every step and one repeating where it can, through served costs that move the break-even
-    across 1 / (1 + margin) (spec dearer, then cheaper than plain), `forced`, a fresh batch."""
+    across 1 / (1 + margin) (speculative steps served cheaper than plain ones, then expired by
+    plain ones), `forced`, a fresh batch."""
     costs = StepCosts(plain_s={4: 1.0}, spec_s={4: 2.0})
     twins = SpecPolicy(K, costs), SpecPolicy(K, costs)
     deciding, repeating = twins
-    schedule = [("plain", 1.0)] * 40 + [("plain", 3.0)] * 60 + [("plain", 1.0)] * 60
+    schedule = [("plain", 1.0)] * 40 + [("spec", 0.5)] * 60 + [("plain", 1.0)] * 140
     repeated, reasons = 0, set()
     for i, (kind, seconds) in enumerate(schedule):
         if i == 70:
@@ -348,14 +349,39 @@ def test_a_slow_startup_scales_the_unserved_kind_down() -> None:
     assert dearer.costs.plain_s[1] == pytest.approx(0.72e-3)
 
 
+def test_a_slow_stretch_of_plain_steps_scales_the_speculative_figure_up() -> None:
+    """As in the H100 case of the module doc (default model, bs 16): served plain steps run
+    1.3x their start-up figure (the host runs slower) while no speculative step is served: the
+    speculative figure scales up alike and the break-even stays the start-up ratio (2.0), so an
+    accept length of ~1.8 still does not pay (scaled down only, the break-even fell to 1.54 and
+    speculation turned on). Speculative steps served dearer than their start-up figure do not
+    scale the plain one up: that is what turns speculation off."""
+    costs = StepCosts(plain_s={16: 0.26e-3}, spec_s={16: 0.52e-3})
+    policy = SpecPolicy(2, costs)
+    policy.observe([2] * 40 + [1] * 10)  # L_hat ~ 1.8
+    assert policy.decide(16, num_stale=0).reason == "does_not_pay"
+    policy.observe_steps("plain", 16, [0.338e-3] * COST_WINDOW)
+    assert policy.costs.plain_s[16] == pytest.approx(0.338e-3)
+    assert policy.costs.spec_s[16] == pytest.approx(0.52e-3 * 1.3)
+    assert policy.costs.break_even(16) == pytest.approx(2.0)
+    assert policy.decide(16, num_stale=0).reason == "does_not_pay"
+    dearer = SpecPolicy(2, costs)
+    dearer.observe_steps("spec", 16, [1.04e-3] * COST_WINDOW)
+    assert dearer.costs.plain_s[16] == pytest.approx(0.26e-3)
+    assert dearer.costs.break_even(16) == pytest.approx(4.0)
+
+
 def test_an_unobserved_kinds_slow_stretch_expires() -> None:
     """The H100 case in the module doc (default model, k = 2, bs 1): a stretch of 32 plain steps
-    at 7x their cost makes speculation look paying; the policy then serves only speculative
-    steps, and after EXPIRE_AFTER of them the plain steps it no longer sees expire, its plain
-    cost is the start-up figure again and it turns back to plain (after the hysteresis)."""
+    at 7x their cost, after a probe's speculative steps were served at their start-up cost,
+    makes speculation look paying (the served speculative steps, not the scaled start-up
+    figure, are its cost's lower quartile); the policy then serves only speculative steps, and
+    after EXPIRE_AFTER of them the plain steps it no longer sees expire, its plain cost is the
+    start-up figure again and it turns back to plain (after the hysteresis)."""
     policy = SpecPolicy(2, StepCosts(plain_s={1: 0.26e-3}, spec_s={1: 0.84e-3}))
     policy.observe([2] * 30 + [1] * 30)  # L_hat ~ 1.6 against a break-even of 3.2
     assert policy.decide(1).reason == "does_not_pay"
+    policy.observe_steps("spec", 1, [0.84e-3] * 8)
     policy.observe_steps("plain", 1, [1.9e-3] * COST_WINDOW)
     assert policy.costs.plain_s[1] == pytest.approx(1.9e-3)
     assert policy.decide(1).reason == "pays"
