@@ -39,6 +39,7 @@ watchdog exits the process if that step never ends (no orphan holding the GPU).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import pickle
@@ -102,6 +103,19 @@ def run_engine_core(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s"
     )
     EngineCore(config, commands, outputs, engine_factory, torch_threads).run()
+
+
+def _freeze_heap() -> int:
+    """Move every object alive now (the model's modules, the graphs, the buffers: ~245k tracked
+    objects for the default model) to the garbage collector's permanent generation -> how many.
+    They live as long as this process, which owns the engine alone and never drops it while
+    serving; later collections then skip them. A full collection of that heap took 90 ms on the
+    CPU machine, a pause of every stream whenever the collector runs one (and the heap grows
+    with the layers of a larger model); vLLM freezes its workers' heaps after warm-up for the
+    same reason (vllm-project/vllm#44363). Collected first, so no garbage is frozen with it."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 class EngineCore:
@@ -206,6 +220,7 @@ class EngineCore:
         logger.info("warming up (kernel compilation, graph capture)")
         engine.warmup()
         logger.info("warm-up done in %.1f s", time.perf_counter() - t1)
+        logger.info("froze the engine process's heap: %d objects", _freeze_heap())
         stats = engine.get_stats()
         self._last_stats, self._last_stats_time = stats, time.monotonic()
         self._engine = engine

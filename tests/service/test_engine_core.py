@@ -1,6 +1,7 @@
 """The engine process against real servers: it never outlives the server, however the server
-ends (SIGTERM drain, SIGKILL), and it is not the one that answers a Ctrl-C; and its command
-thread compiles structured requests' grammars off the engine loop."""
+ends (SIGTERM drain, SIGKILL), and it is not the one that answers a Ctrl-C; it freezes its heap
+once warmed up; and its command thread compiles structured requests' grammars off the engine
+loop."""
 
 from __future__ import annotations
 
@@ -55,6 +56,10 @@ def test_engine_process_stops_with_the_server(model_dir, tmp_path) -> None:
         proc.wait_ready()
         pid = _engine_pid(proc)
         assert _exists(pid)
+        # Ready means warmed up, and the engine process's long-lived heap frozen (no collector
+        # pass over the model's objects while serving)
+        frozen = re.search(r"froze the engine process's heap: (\d+) objects", proc.logs())
+        assert frozen and int(frozen.group(1)) > 10_000, proc.logs()
         assert proc.post("/v1/completions", json=BODY).status_code == 200
         # A Ctrl-C reaches the whole process group; the engine process ignores it, so the
         # server still drains and serves (here: nothing to drain, it exits 0).
