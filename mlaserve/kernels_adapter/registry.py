@@ -88,7 +88,12 @@ def resolve_backend_name(
         except BackendUnsupportedError as e:
             skipped.append(f"{candidate}: {e}")
             continue
-        logger.info(
+        # On a GPU, pure torch is a fallback an operator must see: its decode steps take
+        # several times a kernel backend's (on an H100 without sgl-flash-mla installed, the
+        # V3-lite checkpoint's bs-1 decode step took 4.1 ms instead of 2.4, bench/RESULTS.md)
+        on_gpu = target is not None or device.type == "cuda"
+        logger.log(
+            logging.WARNING if candidate == "reference" and on_gpu else logging.INFO,
             "attention_backend auto -> %s (%s, %s KV, page %d; %s)%s",
             candidate,
             target.sm_name if target is not None else _device_name(device),

@@ -561,6 +561,9 @@ def test_auto_choice_by_capability_and_kv_dtype(target, kv_dtype, expected, capl
         got = resolve_backend_name("auto", deepseek_config(), 64, kv_dtype, CPU, target=target)
     assert got == expected
     assert f"attention_backend auto -> {expected}" in caplog.text and target.sm_name in caplog.text
+    # pure torch on a GPU is a warning (several times slower decode), a kernel backend info
+    (record,) = [r for r in caplog.records if "attention_backend auto" in r.getMessage()]
+    assert record.levelno == (logging.WARNING if expected == "reference" else logging.INFO)
 
 
 def test_missing_cubins_are_reported_before_the_first_request(tmp_path) -> None:
