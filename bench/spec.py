@@ -7,7 +7,8 @@
 Part 1, the default model (its trained MTP layer, real prompts, real accept lengths): time per
 output token through `LLMEngine.step()` (all graphed) with speculation off and on (k = 1, 2, 3),
 at batch sizes 1, 4, 16, 32. "on" is what the engine does (the cost policy decides per step);
-"forced" overrides the policy (FORCED_SPEC), so every decode step speculates. Each round runs,
+"forced" overrides the policy (FORCED_SPEC) on an engine of its own per k, so every decode step
+speculates and the "on" engine's policy learns only from its own steps. Each round runs,
 per k, an off run and an on run back to back (which goes first alternates), then a forced one;
 the on/off and forced/off ratios are medians over rounds of each round's ratio to its own off
 run (the host's speed drifts between runs far apart by more than the 3% the policy is held
@@ -15,7 +16,10 @@ to), the TPOT columns medians of the runs. TPOT is per request, averaged over th
 (last token time - first token time) / (tokens - 1), as vLLM and SGLang report it; the batch
 column is the batch's decode-phase wall time per token, which waits for the request whose drafts
 were accepted least. Each (bs, k) first runs once "on" unmeasured (the policy's estimate starts
-at its prior and learns from its first verified requests; that run's TPOT is printed).
+at its prior and learns from its first verified requests; that run's TPOT is printed). Each
+round also runs an A/A pair: a second engine without speculation ("off2", built alike) beside
+"off". Its ratio is what two identical engines differ by in this harness, against which an
+on/off ratio of a policy that decided every step plain is read.
 
 Part 2, a V2-Lite-sized DeepSeek-V3-architecture checkpoint with one MTP layer (random weights,
 so accept lengths mean nothing there): per captured batch size, on the rows of real requests
@@ -132,9 +136,18 @@ def _ratios(run: tuple, off: tuple) -> tuple[float, float]:
 def part1(new_tokens: int, rounds: int) -> list[dict]:
     kw = {"max_num_seqs": 32, "num_pages": 1024, "cuda_graph_batch_sizes": BATCH_SIZES}
     rows = []
-    engines = {"off": LLM(**kw)}
+    # "off2": a second engine without speculation, built like "off": an A/A pair per round
+    # (off2 over off) measures what two identical engines differ by in this harness, the
+    # yardstick for the 3% the policy is held to
+    engines = {"off": LLM(**kw), "off2": LLM(**kw)}
+    forced_engines = {}
     for k in (1, 2, 3):
         engines[k] = LLM(num_speculative_tokens=k, **kw)
+        # Forced runs have an engine of their own: the policy of the "on" engine then sees what
+        # a serving engine's does (its own steps, probes), not the forced runs' step costs and
+        # accept lengths, taken at other moments of a host whose speed drifts between runs
+        forced_engines[k] = LLM(num_speculative_tokens=k, **kw)
+        forced_engines[k].engine.spec_decoder.policy.forced = FORCED_SPEC  # every step
     for bs in BATCH_SIZES:
         # rounds interleaved (per k: off and on in a pair, then forced), so host noise hits
         # all alike; each run -> (per-request TPOT, batch TPOT, accept length)
@@ -147,6 +160,7 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
             "forced": {k: [] for k in (1, 2, 3)},
         }
         decided: dict[int, Counter] = {k: Counter() for k in (1, 2, 3)}  # the "on" runs'
+        aa: list[tuple[float, float]] = []  # per round: off2 over the off run beside it
         # One unmeasured "on" run per k first: the policy's estimate is per engine and learns
         # over its first verified requests (from the prior; see spec_policy.py); what is
         # measured is the steady state. The first run's TPOT is printed, for the transient.
@@ -154,6 +168,10 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
             first = tpot_ms(engines[k], bs, new_tokens)[0]
             print(f"bs {bs} k {k} first on-run (learning): TPOT {first:.3f} ms", flush=True)
         for r in range(rounds):
+            # the A/A pair (which of the two runs first alternates)
+            order = ("off", "off2") if r % 2 == 0 else ("off2", "off")
+            runs = {name: tpot_ms(engines[name], bs, new_tokens) for name in order}
+            aa.append(_ratios(runs["off2"], runs["off"]))
             for k in (1, 2, 3):
                 llm = engines[k]
                 policy = llm.engine.spec_decoder.policy
@@ -176,14 +194,13 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
                         f"accept this run {on[k][-1][2]}",
                         flush=True,
                     )
-                policy.forced = FORCED_SPEC  # every step speculates
-                forced[k].append(tpot_ms(llm, bs, new_tokens))
-                policy.forced = None
+                forced[k].append(tpot_ms(forced_engines[k], bs, new_tokens))
                 paired["forced"][k].append(_ratios(forced[k][-1], off[-1]))
 
         def med(runs: list[tuple], i: int) -> float:
             return round(statistics.median(r[i] for r in runs), 4)
 
+        print(f"bs {bs} A/A (off2/off) per round: " + " ".join(f"{a:.3f}" for a, _ in aa))
         for k in (1, 2, 3):
             print(
                 f"bs {bs} k {k} on/off per round: "
@@ -206,6 +223,13 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
                     "forced_over_off": med(paired["forced"][k], 0),
                     "batch_on_over_off": med(paired["on"][k], 1),
                     "batch_forced_over_off": med(paired["forced"][k], 1),
+                    # the A/A control at this batch size: two engines without speculation
+                    "aa_over_off": med(aa, 0),
+                    "aa_range": [round(min(a for a, _ in aa), 4), round(max(a for a, _ in aa), 4)],
+                    "on_range": [
+                        round(min(a for a, _ in paired["on"][k]), 4),
+                        round(max(a for a, _ in paired["on"][k]), 4),
+                    ],
                     "batch_tpot_off_ms": med(off, 1),
                     "batch_tpot_on_ms": med(on[k], 1),
                     "batch_tpot_forced_ms": med(forced[k], 1),
@@ -221,11 +245,13 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
     print(
         "\ndefault model: TPOT (ms, per request, averaged) speculation off / on (policy) / "
         "forced, medians over rounds; the ratios are medians of each round's ratio to the off "
-        "run beside it; batch = the batch's wall time per token (waits for its slowest request)"
+        "run beside it; batch = the batch's wall time per token (waits for its slowest request);"
+        " A/A = a second engine without speculation over the first (the harness's own spread),"
+        " with the per-round ranges of A/A and on/off"
     )
     print(
         " bs  k    off      on   forced  on/off forced/off | batch on/off forced/off |"
-        " accept  break-even  policy decisions (on runs)"
+        "  A/A  A/A range   on/off range | accept  break-even  policy decisions (on runs)"
     )
     for r in rows:
         decisions = " ".join(f"{key}={n}" for key, n in r["on_decisions"].items())
@@ -233,7 +259,9 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
             f"{r['bs']:3d} {r['k']:2d} {r['tpot_off_ms']:7.3f} {r['tpot_on_ms']:7.3f} "
             f"{r['tpot_forced_ms']:7.3f} {r['on_over_off']:6.3f}x "
             f"{r['forced_over_off']:9.2f}x |"
-            f" {r['batch_on_over_off']:11.3f}x {r['batch_forced_over_off']:9.2f}x"
+            f" {r['batch_on_over_off']:11.3f}x {r['batch_forced_over_off']:9.2f}x |"
+            f" {r['aa_over_off']:5.3f} {r['aa_range'][0]:.3f}-{r['aa_range'][1]:.3f}"
+            f" {r['on_range'][0]:.3f}-{r['on_range'][1]:.3f}"
             f" | {r['accept_length'] or 0:6.2f} {r['break_even'] or 0:11.2f}  {decisions}"
         )
     return rows
