@@ -200,6 +200,10 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
         def med(runs: list[tuple], i: int) -> float:
             return round(statistics.median(r[i] for r in runs), 4)
 
+        def span(pairs: list[tuple[float, float]]) -> list[float]:
+            """[min, max] of the per-request ratios of per-round pairs"""
+            return [round(min(a for a, _ in pairs), 4), round(max(a for a, _ in pairs), 4)]
+
         print(f"bs {bs} A/A (off2/off) per round: " + " ".join(f"{a:.3f}" for a, _ in aa))
         for k in (1, 2, 3):
             print(
@@ -225,11 +229,8 @@ def part1(new_tokens: int, rounds: int) -> list[dict]:
                     "batch_forced_over_off": med(paired["forced"][k], 1),
                     # the A/A control at this batch size: two engines without speculation
                     "aa_over_off": med(aa, 0),
-                    "aa_range": [round(min(a for a, _ in aa), 4), round(max(a for a, _ in aa), 4)],
-                    "on_range": [
-                        round(min(a for a, _ in paired["on"][k]), 4),
-                        round(max(a for a, _ in paired["on"][k]), 4),
-                    ],
+                    "aa_range": span(aa),
+                    "on_range": span(paired["on"][k]),
                     "batch_tpot_off_ms": med(off, 1),
                     "batch_tpot_on_ms": med(on[k], 1),
                     "batch_tpot_forced_ms": med(forced[k], 1),

@@ -30,10 +30,10 @@ every step at 1.75x the TPOT of speculation off.
 Served plain steps above their start-up figure scale the speculative figure up alike; served
 speculative ones above theirs leave the plain figure alone. While the policy serves plain steps,
 a slower plain cost says the host runs slower (a slow stretch, longer contexts), which moves
-both kinds, and only the speculative steps' own observations (probes) may lower the break-even
-and turn speculation on: on an H100 (default model, k = 2, bs 16, host-bound steps) a stretch
-of plain steps served at 2.2x their start-up figure lowered the break-even from 2.8 to 1.4,
-under the accept length, and the policy speculated 73 steps where it did not pay. While it
+both kinds, and only speculative steps' own costs (served while it speculated: a probe's
+steps are never settled ones) may lower the break-even and turn speculation on: on an H100
+(default model, k = 2, bs 16, host-bound steps) a stretch of plain steps served at 2.2x their
+start-up figure lowered the break-even from 2.8 to 1.4, under the accept length, and the policy speculated 73 steps where it did not pay. While it
 speculates, a dearer speculative cost is what must turn it off (a start-up figure too low,
 speculation's cost growing with the contexts), so it is not taken as the host's.
 

@@ -373,7 +373,7 @@ def test_a_slow_stretch_of_plain_steps_scales_the_speculative_figure_up() -> Non
 
 def test_an_unobserved_kinds_slow_stretch_expires() -> None:
     """The H100 case in the module doc (default model, k = 2, bs 1): a stretch of 32 plain steps
-    at 7x their cost, after a probe's speculative steps were served at their start-up cost,
+    at 7x their cost, after speculative steps were served at their start-up cost,
     makes speculation look paying (the served speculative steps, not the scaled start-up
     figure, are its cost's lower quartile); the policy then serves only speculative steps, and
     after EXPIRE_AFTER of them the plain steps it no longer sees expire, its plain cost is the
