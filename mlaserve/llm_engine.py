@@ -24,6 +24,7 @@ from mlaserve.config import EngineConfig, ModelConfig
 from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.engine.grammar import GrammarBackend, GrammarError
 from mlaserve.engine.model_runner import ModelRunner, PendingSample, StepResult
+from mlaserve.engine.overlap import StepLedger
 from mlaserve.engine.prompt_logprobs import PromptLogprobs
 from mlaserve.engine.request import FinishReason, Request
 from mlaserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -108,10 +109,17 @@ def _without_finished(scheduled: SchedulerOutput) -> SchedulerOutput:
 
 @dataclass
 class _InFlight:
-    """A launched step whose sampled tokens are still on the device."""
+    """A launched step the host has not waited on yet: its sampled tokens are still on the
+    device, or (it samples nothing) its fence has not been waited on."""
 
     scheduled: SchedulerOutput
     sample: PendingSample
+    step: int  # its `StepLedger` id
+
+    @property
+    def samples(self) -> bool:
+        """Whether it sampled tokens (whose read-back may end requests)."""
+        return self.sample.read_back is not None
 
 
 class LLMEngine:
@@ -166,7 +174,9 @@ class LLMEngine:
         self.recent_step_num_tokens: deque[int] = deque(maxlen=STEP_HISTORY)
         self._seed_rng = random.Random(config.seed)
         self.overlap = config.resolved_overlap_schedule()
-        self._inflight: _InFlight | None = None  # the launched step not yet read back
+        # At most one launched step is not yet waited on (overlap rule 1, engine/overlap.py).
+        self.ledger = StepLedger()
+        self._inflight: _InFlight | None = None  # the launched step not yet waited on
 
     # ----- requests -----
     def add_request(
@@ -330,7 +340,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """schedule -> (draft) run (verify, accept) -> postprocess. With overlap scheduling the
         step is launched, then the previous step's tokens are read back and postprocessed while
-        the GPU runs it: the outputs returned are the previous step's."""
+        the GPU runs it: the outputs returned are the previous step's. A step that samples
+        nothing (a prompt chunk) stays in flight the same way, in either mode, until the next
+        step has been launched; at most one step is ever in flight (engine/overlap.py)."""
         t0 = time.perf_counter()
         prev, self._inflight = self._inflight, None
         scheduled = self.scheduler.schedule()
@@ -350,28 +362,42 @@ class LLMEngine:
         # the speculative decoder runs every step but the plain ones it overlaps
         by_spec = spec is not None and not (decision is not None and decision.plain)
         outputs = []
-        if prev is not None and (by_spec or not overlap):
+        if prev is not None and prev.samples and (by_spec or not overlap):
             # Read back first; those tokens may end requests this step has scheduled.
             outputs, prev = self._resolve(prev), None
             scheduled = _without_finished(scheduled)
             if scheduled.is_empty:
                 return outputs
         if by_spec:
-            result, num_accepted = spec.step(scheduled, decision)
-            self.scheduler.after_step(scheduled, num_accepted)
-            outputs += self._postprocess(scheduled, result)
+            done, self._inflight = self._run_spec(scheduled, decision)
+            if prev is not None:  # a step that sampled nothing: only its fence to wait on
+                outputs += self._resolve(prev)
             # the step's wall time feeds the policy's online costs
             spec.observe_step_time(time.perf_counter() - t0)
-            return outputs
+            return outputs + done
         launched = self._launch(scheduled, prev)
         if prev is not None:
-            outputs = self._resolve(prev)  # the host's work, while the GPU runs `launched`
+            outputs += self._resolve(prev)  # the host's work, while the GPU runs `launched`
         if spec is not None:  # a plain step's wall time, overlapped as the policy will serve it
             spec.observe_step_time(time.perf_counter() - t0)
-        if overlap:
+        if overlap or not launched.samples:
             self._inflight = launched
             return outputs
         return outputs + self._resolve(launched)
+
+    def _run_spec(
+        self, scheduled: SchedulerOutput, decision
+    ) -> tuple[list[RequestOutput], _InFlight | None]:
+        """One step of the speculative decoder -> (its outputs, the step if still in flight).
+        Synchronous when it samples (its read-back is its wait); one that samples nothing is
+        left in flight with a fence, as a plain engine's is."""
+        step = self.ledger.launch()
+        result, num_accepted = self.spec_decoder.step(scheduled, decision)
+        self.scheduler.after_step(scheduled, num_accepted)
+        if not scheduled.sampled_requests:
+            return [], _InFlight(scheduled, PendingSample(None, None, self.runner.fence()), step)
+        self.ledger.waited(step)
+        return self._postprocess(scheduled, result), None
 
     @staticmethod
     def _needs_host_tokens(scheduled: SchedulerOutput) -> bool:
@@ -386,7 +412,12 @@ class LLMEngine:
 
     def _launch(self, scheduled: SchedulerOutput, prev: _InFlight | None) -> _InFlight:
         """Forward and sample on the device; the sampled tokens stay pending there."""
-        host = self.runner.build_host_batch(scheduled, prev.sample.feed if prev else None)
+        step = self.ledger.launch()
+        host = self.runner.build_host_batch(
+            scheduled,
+            prev.sample.feed if prev is not None else None,
+            prev.step if prev is not None else None,
+        )
         target = self.graphs.run_with_hidden(host)
         logits = target.logits[: target.num_rows]
         if host.prompt_spans:
@@ -397,11 +428,14 @@ class LLMEngine:
         for row, r in enumerate(scheduled.sampled_requests):
             r.num_pending_tokens += 1
             r.pending_row = row
-        return _InFlight(scheduled, sample)
+            r.pending_step = step
+        return _InFlight(scheduled, sample, step)
 
     def _resolve(self, step: _InFlight) -> list[RequestOutput]:
-        """Read a launched step's tokens back (its one host sync) and postprocess them."""
+        """Read a launched step's tokens back (its one host sync; a fence for a step that
+        sampled nothing) and postprocess them."""
         result = step.sample.result()
+        self.ledger.waited(step.step)
         for r in step.scheduled.sampled_requests:
             r.num_pending_tokens -= 1
         return self._postprocess(step.scheduled, result)

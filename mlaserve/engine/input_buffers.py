@@ -6,11 +6,12 @@ storage never moves, a CUDA graph captured against these views replays correctly
 step's copies.
 
 Host -> device traffic is one copy per step: every array is packed into a pinned int64 staging
-row (two of them, used in turn, so a row is never rewritten while its copy may be in flight),
-copied to a device staging row, and split into the typed buffers by device-side copies. The four
-int64 token arrays are rows of one device tensor and the two int32 length arrays rows of
-another, laid out as in the staging row, so the split is two copies (each a kernel launch on
-CUDA), not six. Rows are 256-byte aligned, as separate allocations would be.
+row (two of them, used in turn; an event recorded after each row's copy is waited on before the
+host writes that row again, so a row is never rewritten while its copy is in flight: overlap
+rule 2, `engine/overlap.py`), copied to a device staging row, and split into the typed buffers
+by device-side copies. The four int64 token arrays are rows of one device tensor and the two
+int32 length arrays rows of another, laid out as in the staging row, so the split is two copies
+(each a kernel launch on CUDA), not six. Rows are 256-byte aligned, as separate allocations would be.
 
 A CUDA graph may replay the split itself (`split`, captured at the start of the graph; `fill`
 with `split=False` then stages and uploads only): on a small model a decode step is host-bound,
@@ -41,9 +42,13 @@ import numpy as np
 import torch
 
 from mlaserve.engine.forward_batch import ForwardBatch, ForwardMode
+from mlaserve.engine.overlap import RowFences
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from mlaserve.engine.prompt_logprobs import PromptLogprobSpan
+    from mlaserve.engine.scheduler import ScheduledRequest
 
 __all__ = ["HostBatch", "InputBuffers"]
 
@@ -81,17 +86,43 @@ class HostBatch:
     # EXTEND: only the logits rows' final hidden states are read (`ForwardBatch` says what
     # that changes); whoever builds the batch knows whether a draft model reads the others.
     logits_hidden_only: bool = False
+    # Per sequence: the scheduler's entry it was built from (`build_host_batch`), so that an
+    # error found while staging names the request; empty for batches built by hand.
+    scheduled: Sequence[ScheduledRequest] = ()
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
+    def owner(self, seq: int) -> str:
+        """Sequence `seq`'s request id, for error messages."""
+        if seq < len(self.scheduled):
+            return self.scheduled[seq].request.request_id
+        return f"#{seq} of the batch"
+
+    def owner_of(self, token_row: int) -> str:
+        """The request id of the sequence owning token row `token_row` (error messages)."""
+        end = 0
+        for seq, q_len in enumerate(self.q_lens):
+            end += q_len
+            if token_row < end:
+                return self.owner(seq)
+        return f"token row {token_row} (past the batch)"
+
 
 class InputBuffers:
     def __init__(
-        self, max_num_seqs: int, max_num_tokens: int, max_pages_per_seq: int, device: torch.device
+        self,
+        max_num_seqs: int,
+        max_num_tokens: int,
+        max_pages_per_seq: int,
+        device: torch.device,
+        num_pages: int | None = None,
     ) -> None:
+        """`num_pages`: the KV pool's pages; page ids at or past it are refused when staged
+        (a clear error naming the request instead of an out-of-bounds read on the device)."""
         self.max_num_seqs = max_num_seqs
+        self.num_pages = num_pages
         self.max_num_tokens = max_num_tokens
         self.max_pages_per_seq = max_pages_per_seq
         self.device = device
@@ -132,6 +163,12 @@ class InputBuffers:
         ]
         self._host_np = [h.numpy() for h in self._host]
         self._turn = 0
+        self.fences = RowFences.for_device(2, device)  # overlap rule 2
+        self._stream_index = (
+            (device.index if device.index is not None else torch.cuda.current_device())
+            if pin
+            else None
+        )
         self._dev = zeros(self._staging_len, dtype=torch.int64) if pin else None
         # The device staging row's input-id row: where `fill(split=False)` resolves future ids
         # (the split that a graph replays copies them on with the rest).
@@ -195,6 +232,7 @@ class InputBuffers:
         uniform = mode.is_uniform
         n_logits = num_tokens if uniform else len(host.logits_indices)
 
+        self.fences.before_write(self._turn)
         tokens, (seq_lens, cu), table = self._stage_np[self._turn]
         # Token rows; padded tokens: id 0, position 0, slot 0 (the dummy page).
         tokens[0, :real_tokens] = host.input_ids
@@ -298,10 +336,13 @@ class InputBuffers:
         index: list[int] = []
         values: list[int] = []
         row_len, row_pages, row_last = self._row_len, self._row_pages, self._row_last
-        for row, pages in zip(rows, host.block_tables, strict=True):
+        for seq, (row, pages) in enumerate(zip(rows, host.block_tables, strict=True)):
             n, done, base = len(pages), row_len[row], row * width
             if n > width:
-                raise ValueError(f"{n} pages exceed the page table's {width} per sequence")
+                raise ValueError(
+                    f"request {host.owner(seq)}: {n} pages exceed the page table's {width} per "
+                    "sequence"
+                )
             if (
                 owned
                 and row_pages[row] is pages
@@ -318,6 +359,13 @@ class InputBuffers:
             row_len[row] = n
             row_pages[row] = pages if owned else None
             row_last[row] = pages[-1] if n else None
+        pool = self.num_pages
+        if values and pool is not None and not 0 <= min(values) <= max(values) < pool:
+            bad = next(v for v in values if not 0 <= v < pool)
+            seq = next(i for i, pages in enumerate(host.block_tables) if bad in pages)
+            raise ValueError(
+                f"request {host.owner(seq)}: page {bad} is outside the KV pool's {pool} pages"
+            )
         stage[:num_seqs] = rows
         stage[num_seqs:bs] = smax  # padding rows gather the zero row
         k = len(index)
@@ -336,6 +384,7 @@ class InputBuffers:
         if self._dev is not None:
             used = self._table_off + smax + 2 * n_writes
             self._dev[:used].copy_(self._host[turn][:used], non_blocking=True)
+            self.fences.after_copy(turn, torch.cuda.current_stream(self._stream_index))
         if n_writes:
             writes = self._sources[turn][2][smax : smax + 2 * n_writes]
             values = writes[n_writes:].view(torch.int32)[:n_writes]

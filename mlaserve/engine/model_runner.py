@@ -22,6 +22,7 @@ from mlaserve.config import ConfigError, EngineConfig, ModelConfig
 from mlaserve.engine.forward_batch import ForwardBatch
 from mlaserve.engine.grammar import GrammarBackend
 from mlaserve.engine.input_buffers import HostBatch, InputBuffers
+from mlaserve.engine.overlap import OverlapError, StepFence
 from mlaserve.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs, plan_spans
 from mlaserve.engine.scheduler import SchedulerOutput
 from mlaserve.kernels_adapter import get_backend_class, resolve_backend_name
@@ -140,17 +141,21 @@ class ModelRunner:
             ),
             max_pages_per_seq=self.max_pages_per_seq,
             device=self.device,
+            num_pages=self.num_pages,
         )
         self.sampler = Sampler()
         self.sampling_slots = SamplingSlots(
             config.max_num_seqs, model_config.vocab_size, self.device, eos_token_ids
         )
         # The step's one device->host transfer: sampled ids into pinned memory, then one wait.
-        # Two pinned rows and events, used in turn (`start_read_back`).
+        # Two pinned rows and events, used in turn (`start_read_back`); each row's generation
+        # counts its uses, so a read-back whose row was reused before it was read fails
+        # (overlap rule 3, `engine/overlap.py`).
         rows = config.max_num_seqs * 32  # room for several values per row (ids, flags, k+1)
         pin = self.device.type == "cuda"
         self._ids_host = [torch.empty(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._ids_ready = [torch.cuda.Event() if pin else None for _ in range(2)]
+        self._ids_generation = [0, 0]
         # The device's index, so the read-back finds its stream without torch's current-device
         # lookup (~20 us of a host-bound step on the H100 host: it checks CUDA's availability).
         self._device_index = (
@@ -203,11 +208,15 @@ class ModelRunner:
 
     # ----- one step -----
     def build_host_batch(
-        self, sched: SchedulerOutput, future_ids: torch.Tensor | None = None
+        self,
+        sched: SchedulerOutput,
+        future_ids: torch.Tensor | None = None,
+        future_step: int | None = None,
     ) -> HostBatch:
         """The scheduler's decision as host rows; the forward mode is the scheduler's.
         `future_ids`: the previous step's sampled tokens on the device (`PendingSample.feed`),
-        read by the rows of requests whose last token is still pending there."""
+        read by the rows of requests whose last token is still pending there; `future_step`:
+        that step's id, which every pending row must name (overlap rule 4)."""
         ps = self.page_size
         tokens = _TokenRows()
         seq_lens: list[int] = []
@@ -222,6 +231,12 @@ class ModelRunner:
             if n == 1:  # a decode: one token, no ranges to build
                 if r.num_pending_tokens and start == r.num_tokens - 1:
                     # Overlap scheduling: the token is still on the device; `fill` reads it there.
+                    if future_ids is None or r.pending_step != future_step:
+                        raise OverlapError(
+                            f"request {r.request_id}: its pending token was sampled by step "
+                            f"{r.pending_step}, but the step in flight is {future_step} "
+                            "(overlap rule 4)"
+                        )
                     future.append((tokens.count, r.pending_row))
                     token = -1 - r.pending_row
                 else:
@@ -240,12 +255,18 @@ class ModelRunner:
             sched.mode, ids, positions, slot_mapping, seq_lens, q_lens, tables, logits_indices,
             table_rows=rows,
             logits_hidden_only=not sched.mode.is_uniform and not self.draft_reads_hidden,
+            scheduled=sched.scheduled,
         )  # fmt: skip
         if future:
-            if future_ids is None:
-                raise ValueError("a scheduled token is pending on the device, but no future_ids")
-            host.future_ids = future_ids
             steady = all(row == j == i for i, (row, j) in enumerate(future))
+            top = len(future) - 1 if steady else max(j for _, j in future)
+            if top >= future_ids.shape[0]:
+                row = next(row for row, j in future if j == top)
+                raise OverlapError(
+                    f"request {host.owner_of(row)}: pending row {top} is outside the "
+                    f"{future_ids.shape[0]} tokens of step {future_step} (overlap rule 4)"
+                )
+            host.future_ids = future_ids
             host.future_identity = len(future) if steady else 0
         if not sched.mode.is_uniform and any(
             s.request.prompt_logprobs is not None for s in sched.scheduled
@@ -321,6 +342,7 @@ class ModelRunner:
         the next step starts its own (overlap scheduling)."""
         turn = self._ids_turn
         self._ids_turn ^= 1
+        self._ids_generation[turn] += 1
         if values.numel() > self._ids_host[turn].numel():
             pin = self.device.type == "cuda"
             self._ids_host[turn] = torch.empty(values.numel(), dtype=torch.int64, pin_memory=pin)
@@ -329,7 +351,12 @@ class ModelRunner:
         event = self._ids_ready[turn]
         if event is not None:
             event.record(torch.cuda.current_stream(self._device_index))
-        return ReadBack(self, host, event)
+        return ReadBack(self, host, event, turn, self._ids_generation[turn])
+
+    def fence(self) -> StepFence:
+        """A fence after the work queued so far: what the host waits on for a step that reads
+        nothing back (overlap rule 1)."""
+        return StepFence.record(self.device)
 
     def admit(self, sched: SchedulerOutput) -> None:
         """Write the per-slot sampling state of the requests admitted this step."""
@@ -365,8 +392,8 @@ class ModelRunner:
         slots = self.sampling_slots
         self.admit(sched)
         sampling = sched.sampled_requests
-        if not sampling:
-            return PendingSample(None, None)
+        if not sampling:  # nothing to read back: the host waits on a fence instead (rule 1)
+            return PendingSample(None, None, self.fence())
         sb = slots.batch([r.slot for r in sampling], [r.num_output_tokens for r in sampling])
         mask = None
         if grammar is not None and any(r.grammar is not None for r in sampling):
@@ -397,10 +424,17 @@ class ReadBack:
     runner: ModelRunner
     host: torch.Tensor  # pinned, being written by the copy
     event: torch.cuda.Event | None  # recorded after the copy (None on CPU: already done)
+    turn: int  # which of the runner's two pinned rows
+    generation: int  # that row's use count when this read-back started
 
     def wait(self) -> list:
         if self.event is not None:
             self.event.synchronize()
+        if self.runner._ids_generation[self.turn] != self.generation:
+            raise OverlapError(
+                "a read-back row was reused before it was read: more than two read-backs per "
+                "host wait (overlap rule 3)"
+            )
         self.runner.num_host_waits += 1
         return self.host.tolist()
 
@@ -411,6 +445,7 @@ class PendingSample:
 
     read_back: ReadBack | None  # None: the step sampled nothing
     out: SamplerOutput | None  # the sampler's output (logprob tensors, read after the wait)
+    fence: StepFence | None = None  # what the host waits on when there is no read-back
 
     @property
     def feed(self) -> torch.Tensor | None:
@@ -420,6 +455,8 @@ class PendingSample:
     def result(self) -> StepResult:
         """Wait for the tokens (the step's one host sync) and return them."""
         if self.read_back is None:
+            if self.fence is not None:
+                self.fence.wait()
             return StepResult(token_ids=[])
         ids = self.read_back.wait()
         result = StepResult(token_ids=[[t] for t in ids])

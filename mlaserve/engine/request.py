@@ -45,6 +45,7 @@ class Request:
     # straight from the device (`HostBatch.future_ids`).
     num_pending_tokens: int = 0
     pending_row: int = 0  # with a pending token: its row among that step's sampled tokens
+    pending_step: int = 0  # and that step's id (`StepLedger`; overlap rule 4)
     status: RequestStatus = RequestStatus.WAITING
     # Tokens whose KV is in the cache. A token is "computed" once a forward wrote its KV.
     num_computed_tokens: int = 0

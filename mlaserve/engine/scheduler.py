@@ -186,6 +186,10 @@ class Scheduler:
                 self.waiting.popleft()
                 self._num_finished_waiting -= 1
                 continue
+            if request.num_pending_tokens:
+                # Preempted with its last token still on the device: its recomputation needs
+                # that token on the host first (overlap rule 5, engine/overlap.py).
+                break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._reserve(request, num_new):
                 break

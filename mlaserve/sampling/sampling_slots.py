@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mlaserve.row_fences import RowFences
 from mlaserve.sampling.random import to_int64
 from mlaserve.sampling.sampling_batch import SamplingBatch, check_ids, host_switches
 from mlaserve.sampling_params import SamplingParams
@@ -89,12 +90,15 @@ class SamplingSlots:
         self.output_counts: torch.Tensor | None = None  # [S, V] float32, lazily
         pin = self.device.type == "cuda"
         # Two pinned staging rows used in turn: the copy of step t may still be in flight while
-        # step t + 1 is being prepared (the engine syncs on the sampled ids once per step).
+        # step t + 1 is being prepared. A row is rewritten only once its last copy is done
+        # (overlap rule 2, mlaserve/engine/overlap.py): under the engine's one step in flight
+        # that wait never blocks.
         self._staging = [
             torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)
         ]
         self._staging_np = [s.numpy() for s in self._staging]
         self._turn = 0
+        self.fences = RowFences.for_device(2, self.device)
         # Per row order (the slots of a batch, in order): what `batch` reuses. Cleared by every
         # admit and release, the only changes to what it holds.
         self._rows: dict[tuple[int, ...], _Rows] = {}
@@ -196,11 +200,14 @@ class SamplingSlots:
             pin = self.device.type == "cuda"
             self._staging = [torch.zeros(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
             self._staging_np = [s.numpy() for s in self._staging]
-        staging = self._staging[self._turn][:n]
-        self._staging_np[self._turn][:n] = steps
+        turn = self._turn
+        self.fences.before_write(turn)
+        staging = self._staging[turn][:n]
+        self._staging_np[turn][:n] = steps
         self._turn ^= 1
         # copy=True: on CPU too, the batch must not alias the staging row reused two steps on.
         step_t = staging.to(self.device, non_blocking=True, copy=True)
+        self.fences.after_copy(turn)
 
         batch = copy.copy(rows.template)
         batch.steps = step_t
