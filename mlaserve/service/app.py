@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import mlaserve
-from mlaserve.service.async_engine import AsyncEngine
+from mlaserve.service.async_engine import AsyncEngine, EngineState
 from mlaserve.service.auth import UNAUTHENTICATED_PATHS, APIKeyMiddleware
 from mlaserve.service.body_limit import BodySizeLimitMiddleware
 from mlaserve.service.chat import Chat, ChatOptions, render_chat
@@ -184,7 +184,11 @@ def build_app(
     async def health() -> JSONResponse:
         if engine.is_alive:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "dead", "error": repr(engine.error)}, status_code=503)
+        # `is_alive` also asks the OS: a process that just died reads as dead even before its
+        # pipe's EOF (which sets `engine.error`) is read.
+        error = repr(engine.error) if engine.error is not None else "the engine is not running"
+        status = "stopped" if engine.state is EngineState.STOPPED else "dead"
+        return JSONResponse({"status": status, "error": error}, status_code=503)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:

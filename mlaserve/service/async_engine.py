@@ -9,9 +9,10 @@ The engine's messages are read on the event loop itself (`loop.add_reader` on th
 a step's outputs are unpickled and routed to the `RequestStream` of the HTTP request that owns
 them without a thread hop or a GIL hand-off.
 
-If the engine process dies (it raised, or it was killed: the pipe reaches EOF), every in-flight
-stream raises `EngineDeadError`, /health turns 503 and `on_fatal` is called (the CLI then exits
-non-zero so that an orchestrator restarts the server).
+If the engine process dies (it raised and sent FAILED, or it was killed: the pipe reaches EOF,
+read on the loop as soon as it happens), every in-flight stream raises `EngineDeadError`,
+/health turns 503 and `on_fatal` is called (the CLI then exits 1 so that an orchestrator restarts
+the server; `shutdown` kills a dead engine's process at once rather than wait for it).
 
 Shutdown: `begin_drain` (SIGTERM) stops admitting and arms a `shutdown_timeout` deadline; what is
 still running then is aborted and its streams raise `ServerShutdownError`, so that every open
@@ -98,13 +99,15 @@ class AsyncEngine:
         on_load_error: Callable[[BaseException], None] | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
         shutdown_timeout: float = 30.0,
-        tokenizer_queue: int = 64,
+        tokenizer_queue: int | None = None,
         torch_threads: int | None = None,
     ) -> None:
         self.config = config
         self.max_queue = max_queue
         self.shutdown_timeout = shutdown_timeout
-        self.tokenizer_worker = TokenizerWorker(tokenizer_queue)
+        self.tokenizer_worker = TokenizerWorker(
+            tokenizer_queue if tokenizer_queue is not None else self.admission_bound
+        )
         self.torch_threads = torch_threads  # set in the engine process
         self.metrics = metrics if metrics is not None else Metrics()
         self._engine_factory = engine_factory
@@ -143,6 +146,14 @@ class AsyncEngine:
     @property
     def is_ready(self) -> bool:
         return self.state is EngineState.READY and self.is_alive
+
+    @property
+    def admission_bound(self) -> int:
+        """Most sequences in flight at once (running + waiting); more get 503 queue_full. Every
+        request is tokenized before admission counts it, so this also sizes the tokenizer's
+        queue by default: a smaller one refused bursts that admission takes (issue 40: 434 of
+        512 requests under --max-queue 1024)."""
+        return self.config.max_num_seqs + self.max_queue
 
     @property
     def pid(self) -> int | None:
@@ -218,12 +229,15 @@ class AsyncEngine:
         proc = self._proc
         if proc is not None:
             self._stopping = True
-            if self._engine_warm:  # serving: it aborts what runs and exits
+            # Serving, STOP makes it abort what runs and exit. Otherwise it is killed at once:
+            # still loading (commands wait until warm-up ends) there is nothing to save, and a
+            # dead engine (it failed) answers nothing: one hung on a faulted device must not
+            # hold up the exit that an orchestrator waits for.
+            if self._engine_warm and self.state is not EngineState.DEAD:
                 self._send(core.STOP)
                 await asyncio.to_thread(proc.join, timeout)
                 if proc.is_alive():
                     logger.warning("the engine process did not stop in %.0f s: killing it", timeout)
-            # Still loading (commands wait until warm-up ends), or stuck: nothing to save.
             await asyncio.to_thread(self._kill)
             self._close()
             atexit.unregister(self._kill)
@@ -314,7 +328,7 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine died: {self.error!r}")
         if self.state is not EngineState.READY:
             raise EngineNotReadyError(f"the engine is {self.state.value.replace('_', ' ')}")
-        capacity = self.max_num_seqs + self.max_queue
+        capacity = self.admission_bound
         if len(self._streams) + num_requests > capacity:
             raise QueueFullError(
                 f"the server is at capacity ({len(self._streams)} requests in flight, "

@@ -1,4 +1,4 @@
-"""`mlaserve serve [MODEL]`: resolve the options, start uvicorn and the engine thread, stop cleanly.
+"""`mlaserve serve [MODEL]`: resolve the options, start uvicorn and the engine process, stop cleanly.
 
 vLLM's command lines work: the model may be given positionally, and `--gpu-memory-utilization`,
 `--tensor-parallel-size`/`-tp` (1), `--enforce-eager`, `--max-logprobs`, `--chat-template`,
@@ -9,12 +9,14 @@ there.
 Before anything starts, the options are checked, the model folder is looked at (config.json,
 tokenizer) and the port is bound: any problem is one line on stderr and exit 2 (a bad option or
 model path) or 1 (the port cannot be bound), with no traceback and no engine started. Then the
-HTTP server comes up (so /health and /ready answer while the weights load); the engine thread
+HTTP server comes up (so /health and /ready answer while the weights load); the engine process
 loads and warms up the model, then /ready turns 200. SIGTERM or SIGINT stops admitting
 requests, lets in-flight ones finish for up to `--shutdown-timeout` seconds, then ends every
 open response itself (an SSE error event `server_shutdown` and `[DONE]`, or a 503 body) and
-exits 0. A model that fails to load exits 1, and so does an engine thread that dies while
-serving (after failing the open requests), so that an orchestrator restarts the server.
+exits 0. A model that fails to load exits 1, and so does an engine process that dies while
+serving: /health turns 503 at once, the open requests fail with `engine_dead`, then the server
+stops listening and exits 1 without waiting for the dead engine, so that an orchestrator
+restarts it (docs/api.md).
 """
 
 from __future__ import annotations
@@ -212,7 +214,7 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> int:
     exit_code = 0
     server: _Server | None = None
 
-    def on_engine_error(_: BaseException) -> None:  # engine thread; the cause is logged there
+    def on_engine_error(_: BaseException) -> None:  # on the loop; AsyncEngine logged the cause
         nonlocal exit_code
         exit_code = 1
         if server is not None:
@@ -226,6 +228,11 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> int:
         shutdown_timeout=server_cfg.shutdown_timeout,
         tokenizer_queue=server_cfg.tokenizer_queue,
         torch_threads=threads,
+    )
+    logger.info(
+        "admission: %d sequences in flight (max_num_seqs + max_queue); tokenizer queue: %d",
+        engine.admission_bound,
+        engine.tokenizer_worker.max_pending,
     )
     app = build_app(
         engine,

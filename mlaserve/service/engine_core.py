@@ -33,7 +33,10 @@ every other stream: the ADD reaches the loop with its matchers (or its refusal) 
 Life and death: the child ignores SIGINT and SIGTERM (a Ctrl-C or a signal sent to the process
 group must not kill it under a draining server); the frontend stops it with STOP, or kills it.
 If the frontend dies, the command pipe reaches EOF: the loop stops after the current step, and a
-watchdog exits the process if that step never ends (no orphan holding the GPU).
+watchdog exits the process if that step never ends (no orphan holding the GPU). Any exception
+out of loading or the step loop (a CUDA error such as a device-side assert surfaces as one at
+the next synchronisation), or out of the command thread, is logged, sent as FAILED and ends the
+process with `os._exit(1)` at once: no cleanup that could hang on a faulted device.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ STATS_INTERVAL_S = 0.05
 ORPHAN_GRACE_S = 10.0
 _NO_PROMPT: list[int] = []  # sent instead of the prompt after a request's first output
 _PARENT_GONE = (STOP, "parent_gone")
+_READER_FAILED = -1  # (_READER_FAILED, exception): the command thread died; the loop raises it
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +176,12 @@ class EngineCore:
                 self._commands.put(command)
         except (EOFError, OSError):
             pass
+        except BaseException as e:
+            # A command that cannot be read (a bug): without this thread the loop would wait
+            # for commands forever while the server waits for their answers. The loop raises
+            # it instead, which sends FAILED and exits 1.
+            self._commands.put((_READER_FAILED, e))
+            return
         self._commands.put(_PARENT_GONE)
         time.sleep(ORPHAN_GRACE_S)
         logger.error("the server process is gone and the engine did not stop: exiting")
@@ -283,6 +293,9 @@ class EngineCore:
         if command[0] == ABORT:
             self._abort(engine, command[1])
             return
+        if command[0] == _READER_FAILED:
+            cause = command[1]
+            raise RuntimeError(f"the engine's command thread failed: {cause!r}") from cause
         _, add_id, requests, arrival_time, *prepared = command
         grammars = prepared[0] if prepared else {}
         if isinstance(grammars, Exception):  # a schema the command thread's compile refused

@@ -163,7 +163,7 @@ class Serving:
                 param="prompt",
                 code="too_many_prompts",
             )
-        capacity = self.engine.max_num_seqs + self.engine.max_queue
+        capacity = self.engine.admission_bound
         if num_prompts * n > capacity:
             raise BadRequestError(
                 f"the request needs {num_prompts * n} sequences (prompts x n) but the "

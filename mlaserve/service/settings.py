@@ -46,7 +46,9 @@ class ServerConfig:
     # Checked before any prompt is tokenized (see docs/api.md, "Limits").
     max_prompts_per_request: int = MAX_PROMPTS
     max_prompt_tokens_per_request: int = 131072
-    tokenizer_queue: int = 64  # requests waiting for the tokenizer thread; more get 503
+    # Requests waiting for the tokenizer thread; more get 503. None: max_num_seqs + max_queue
+    # (AsyncEngine derives it), so that the tokenizer never refuses what admission takes.
+    tokenizer_queue: int | None = None
     torch_threads: int | None = None  # None: CPUs available minus the service's own threads
     # vLLM's names, so that `vllm serve` command lines work unchanged.
     tensor_parallel_size: int = 1  # one GPU until multi-GPU serving exists
@@ -74,7 +76,8 @@ class ServerConfig:
             "max_prompt_tokens_per_request", self.max_prompt_tokens_per_request, 1,
             MAX_PROMPT_TOKENS,
         )  # fmt: skip
-        _check_range("tokenizer_queue", self.tokenizer_queue, 1, None)
+        if self.tokenizer_queue is not None:
+            _check_range("tokenizer_queue", self.tokenizer_queue, 1, None)
         if self.torch_threads is not None:
             _check_range("torch_threads", self.torch_threads, 1, None)
         if self.log_level not in LOG_LEVELS:
@@ -151,7 +154,9 @@ _HELP = {
     "max_prompts_per_request": f"most prompts in one /v1/completions request (at most {MAX_PROMPTS})",
     "max_prompt_tokens_per_request": "most prompt tokens in one request, all prompts together; "
     "also bounds the JSON values (commas) a body may hold",
-    "tokenizer_queue": "requests that may wait for the tokenizer thread; more get 503",
+    "tokenizer_queue": "requests that may wait for the tokenizer thread; more get 503 "
+    "tokenizer_busy (default: max_num_seqs + max_queue, the admission bound, so that a burst "
+    "the server admits is never refused by the tokenizer)",
     "torch_threads": "torch intra-op threads; default: the CPUs available to the process minus "
     "the server's own threads (event loop, tokenizer), at least 1",
     "tensor_parallel_size": "GPUs to shard the model over (-tp); only 1 until multi-GPU exists",

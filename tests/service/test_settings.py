@@ -123,3 +123,11 @@ def test_describe_masks_the_api_key() -> None:
     assert "api_key = '***'  (cli)" in lines
     assert not any("very-secret" in line for line in lines)
     assert len(lines) == len(options())
+
+
+def test_tokenizer_queue_is_derived_unless_given() -> None:
+    assert load_settings({}, {}).server.tokenizer_queue is None  # AsyncEngine derives it
+    assert load_settings({"tokenizer_queue": "16"}, {}).server.tokenizer_queue == 16
+    assert load_settings({}, {"MLASERVE_TOKENIZER_QUEUE": "none"}).server.tokenizer_queue is None
+    with pytest.raises(ConfigError, match=r"tokenizer_queue: must be >= 1, got 0 \(cli\)"):
+        load_settings({"tokenizer_queue": "0"}, {})

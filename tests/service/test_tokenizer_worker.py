@@ -77,3 +77,18 @@ def test_min_num_tokens_is_a_lower_bound(tokenizer) -> None:
     for text in ["", "hi", " " * 500, ",,,," * 300, "def f(x):\n    return x\n" * 50, "é" * 99]:
         assert tokenizer.min_num_tokens(text) <= len(tokenizer.encode(text)), text[:20]
     assert tokenizer.min_num_tokens("x" * 7_000_000) > 100_000  # refused without encoding
+
+
+def test_the_queue_defaults_to_the_admission_bound() -> None:
+    """Issue 40: a 64-job queue refused 434 of a 512-request burst that --max-queue 1024 admits;
+    every request passes the tokenizer before admission counts it, so the bounds must agree."""
+    from mlaserve.service.async_engine import AsyncEngine
+
+    config = EngineConfig(device="cpu", max_num_seqs=8)
+    engine = AsyncEngine(config, max_queue=1024)  # nothing starts before start()
+    assert engine.admission_bound == 8 + 1024
+    assert engine.tokenizer_worker.max_pending == engine.admission_bound
+    explicit = AsyncEngine(config, max_queue=1024, tokenizer_queue=5)  # --tokenizer-queue 5
+    assert explicit.tokenizer_worker.max_pending == 5
+    for e in (engine, explicit):
+        e.tokenizer_worker.shutdown()
