@@ -5,7 +5,8 @@ per-token work (routing outputs, SSE framing, uvicorn) runs in parallel with the
 instead of sharing one GIL with them (vLLM V1's AsyncLLM + EngineCore split). This side loads its
 own tokenizer (for the tokenizer worker) while the engine process loads the weights.
 
-The engine's messages are read on the event loop itself (`loop.add_reader` on the output pipe):
+The engine's messages are read on the event loop itself (`loop.add_reader` on the output pipe,
+reassembled by `FrameReader`, which never blocks: uvloop makes that descriptor non-blocking):
 a step's outputs are unpickled and routed to the `RequestStream` of the HTTP request that owns
 them without a thread hop or a GIL hand-off.
 
@@ -33,6 +34,7 @@ import logging
 import multiprocessing
 import pickle
 import signal
+from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -47,6 +49,7 @@ from mlaserve.service.engine_errors import (
 )
 from mlaserve.service.metrics import Metrics
 from mlaserve.service.output_wire import decode_outputs
+from mlaserve.service.pipe_frames import FrameReader
 from mlaserve.service.request_stream import RequestStream, SubRequest
 from mlaserve.service.tokenizer_worker import TokenizerWorker
 
@@ -129,6 +132,9 @@ class AsyncEngine:
         self._proc: BaseProcess | None = None
         self._commands: Connection | None = None  # to the engine process
         self._outputs: Connection | None = None  # from it
+        self._frames: FrameReader | None = None  # its messages, reassembled
+        self._inbox: deque[bytes] = deque()  # read, not yet handled
+        self._handle_scheduled = False
         self._stopping = False  # STOP sent: the process ending is no death
         self._add_ids = itertools.count()
         self._adds: dict[int, asyncio.Future[None]] = {}  # ADD sent, ADDED not yet back
@@ -185,6 +191,7 @@ class AsyncEngine:
         commands_rx.close()  # the child's ends: its exit must read as EOF here
         outputs_tx.close()
         atexit.register(self._kill)
+        self._frames = FrameReader(self._outputs.fileno())
         loop.add_reader(self._outputs.fileno(), self._on_readable)
         logger.info("engine process started (pid %d)", self._proc.pid)
         task = loop.create_task(asyncio.to_thread(self._load_tokenizer))
@@ -258,6 +265,7 @@ class AsyncEngine:
                 self._loop.remove_reader(self._outputs.fileno())
             self._outputs.close()
             self._outputs = None
+            self._frames = None
         if self._commands is not None:
             self._commands.close()
             self._commands = None
@@ -345,17 +353,32 @@ class AsyncEngine:
 
     # ----- messages from the engine process (on the event loop) -----
     def _on_readable(self) -> None:
-        """One message per call: the selector calls again while the pipe holds more (asking
-        `conn.poll()` instead would build a selector object per message)."""
-        conn = self._outputs
-        if conn is None:
+        """One read of the pipe (`FrameReader`: never `recv_bytes`, which fails halfway through
+        a message larger than the pipe's buffer on the non-blocking descriptor uvloop makes);
+        the messages it completed join the inbox, handled one per loop iteration."""
+        frames = self._frames
+        if frames is None:
             return
         try:
-            data = conn.recv_bytes()
+            self._inbox.extend(frames.read())
         except (EOFError, OSError):
+            while self._inbox:  # what it sent before it went (a FAILED names the cause)
+                self._handle(pickle.loads(self._inbox.popleft()))
             self._on_eof()
             return
-        self._handle(pickle.loads(data))
+        if not self._handle_scheduled:
+            self._handle_one()
+
+    def _handle_one(self) -> None:
+        """The oldest unhandled message; the next after the loop's other ready callbacks (the
+        streams this one woke), as when each readiness callback read one message: a stream's
+        tokens then leave as they come, not several steps to a chunk."""
+        self._handle_scheduled = False
+        if self._inbox and self._outputs is not None:
+            self._handle(pickle.loads(self._inbox.popleft()))
+        if self._inbox and self._loop is not None:
+            self._handle_scheduled = True
+            self._loop.call_soon(self._handle_one)
 
     def _handle(self, message: tuple) -> None:
         tag = message[0]

@@ -52,7 +52,9 @@ from mlaserve.spec.spec_policy import (
     lower_quartile,
 )
 
-__all__ = ["measure_engine_step_costs", "replay_step_times", "time_replays"]
+__all__ = ["measurable_sizes", "measure_engine_step_costs", "replay_step_times", "time_replays"]
+
+PROMPT_TOKENS = 8  # each throwaway request's prompt in the engine step measurement
 
 
 def time_replays(fn, iters: int) -> float:
@@ -153,13 +155,25 @@ def _prefill(engine: Any, ids: list[str]) -> None:
         engine.step()
 
 
+def measurable_sizes(engine: Any, max_tokens: int) -> list[int]:
+    """The captured batch sizes whose throwaway requests (PROMPT_TOKENS + `max_tokens` each)
+    all fit in the KV pool at once, whole: in a smaller pool some would finish before the last
+    one started (a `--num-pages 64` server's start-up failed on that), and the steps timed would
+    not be of that batch size. Larger batches then go unmeasured (`StepCosts.size_for`)."""
+    scheduler = engine.scheduler
+    per_request = scheduler.num_pages_for(
+        PROMPT_TOKENS + max_tokens + scheduler.num_lookahead_tokens
+    )
+    fits = min(engine.config.max_num_seqs, engine.allocator.num_usable_pages // per_request)
+    return [b for b in engine.graphs.batch_sizes if b <= fits]
+
+
 def measure_engine_step_costs(engine: Any, steps: int = 10, rounds: int = 5) -> StepCosts | None:
     """engine: an `LLMEngine` with a speculative decoder and captured graphs (typed loosely:
     the engine composes this package, not the other way round). Runs throwaway requests to
     completion of the measurement, then aborts them. None without graphs."""
     dec = engine.spec_decoder
-    sizes = [b for b in engine.graphs.batch_sizes if b <= engine.config.max_num_seqs]
-    if dec is None or not engine.graphs.use_graphs or not sizes:
+    if dec is None or not engine.graphs.use_graphs:
         return None
     from mlaserve.sampling_params import SamplingParams  # the request API, not the engine's
 
@@ -167,6 +181,9 @@ def measure_engine_step_costs(engine: Any, steps: int = 10, rounds: int = 5) -> 
     params = SamplingParams(
         max_tokens=4 * steps * (dec.k + 1) + 8, temperature=0.0, ignore_eos=True
     )
+    sizes = measurable_sizes(engine, params.max_tokens)
+    if not sizes:
+        return None
     policy = dec.policy
     times: dict[str, dict[int, list[float]]] = {"spec": {}, "refresh": {}, "plain": {}}
     # Spec first and plain last in a round: a plain step without draft work leaves the caches
@@ -175,7 +192,10 @@ def measure_engine_step_costs(engine: Any, steps: int = 10, rounds: int = 5) -> 
     kinds = ((FORCED_SPEC, "spec"), (FORCED_REFRESH, "refresh"), (FORCED_PLAIN, "plain"))
     for size in sizes:
         for r in range(rounds):
-            prompts = [[(31 * i + 7 * j + 3 * r) % vocab for j in range(8)] for i in range(size)]
+            prompts = [
+                [(31 * i + 7 * j + 3 * r) % vocab for j in range(PROMPT_TOKENS)]
+                for i in range(size)
+            ]
             with _throwaway_requests(engine, f"spec_cost_{size}_{r}", prompts, params) as ids:
                 for forced, kind in kinds:
                     policy.forced = forced
