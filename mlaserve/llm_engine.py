@@ -33,6 +33,7 @@ from mlaserve.kv_cache import PageAllocator
 from mlaserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from mlaserve.sampling_params import RequestOutputKind, SamplingParams
 from mlaserve.spec import (
+    Decision,
     MTPDrafter,
     SpecDecoder,
     SpecPolicy,
@@ -386,7 +387,7 @@ class LLMEngine:
         return outputs + self._resolve(launched)
 
     def _run_spec(
-        self, scheduled: SchedulerOutput, decision
+        self, scheduled: SchedulerOutput, decision: Decision | None
     ) -> tuple[list[RequestOutput], _InFlight | None]:
         """One step of the speculative decoder -> (its outputs, the step if still in flight).
         Synchronous when it samples (its read-back is its wait); one that samples nothing is
