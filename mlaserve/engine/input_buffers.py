@@ -11,7 +11,8 @@ host writes that row again, so a row is never rewritten while its copy is in fli
 rule 2, `engine/overlap.py`), copied to a device staging row, and split into the typed buffers
 by device-side copies. The four int64 token arrays are rows of one device tensor and the two
 int32 length arrays rows of another, laid out as in the staging row, so the split is two copies
-(each a kernel launch on CUDA), not six. Rows are 256-byte aligned, as separate allocations would be.
+(each a kernel launch on CUDA), not six. Rows are 256-byte aligned, as separate allocations
+would be.
 
 A CUDA graph may replay the split itself (`split`, captured at the start of the graph; `fill`
 with `split=False` then stages and uploads only): on a small model a decode step is host-bound,
@@ -164,11 +165,6 @@ class InputBuffers:
         self._host_np = [h.numpy() for h in self._host]
         self._turn = 0
         self.fences = RowFences.for_device(2, device)  # overlap rule 2
-        self._stream_index = (
-            (device.index if device.index is not None else torch.cuda.current_device())
-            if pin
-            else None
-        )
         self._dev = zeros(self._staging_len, dtype=torch.int64) if pin else None
         # The device staging row's input-id row: where `fill(split=False)` resolves future ids
         # (the split that a graph replays copies them on with the rest).
@@ -384,7 +380,7 @@ class InputBuffers:
         if self._dev is not None:
             used = self._table_off + smax + 2 * n_writes
             self._dev[:used].copy_(self._host[turn][:used], non_blocking=True)
-            self.fences.after_copy(turn, torch.cuda.current_stream(self._stream_index))
+            self.fences.after_copy(turn)
         if n_writes:
             writes = self._sources[turn][2][smax : smax + 2 * n_writes]
             values = writes[n_writes:].view(torch.int32)[:n_writes]

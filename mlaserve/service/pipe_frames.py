@@ -43,9 +43,7 @@ class FrameReader:
         buf += chunk
         messages: list[bytes] = []
         start = 0
-        while True:
-            if len(buf) - start < 4:
-                break
+        while len(buf) - start >= 4:
             (size,) = struct.unpack_from("!i", buf, start)
             head = 4
             if size == -1:
