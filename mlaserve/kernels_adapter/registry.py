@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mlaserve.backend_names import ATTENTION_BACKENDS
 from mlaserve.kernels_adapter.base import BackendUnsupportedError
 from mlaserve.kernels_adapter.gpu_target import GpuTarget
 
@@ -26,13 +27,18 @@ _BACKENDS: dict[str, str] = {
     "trtllm": "mlaserve.kernels_adapter.trtllm:TrtllmBackend",
     "tokenspeed": "mlaserve.kernels_adapter.tokenspeed:TokenspeedBackend",
 }
+# Config validates `attention_backend` against the leaf's list; one list, so they cannot drift.
+if sorted(_BACKENDS) != sorted(ATTENTION_BACKENDS):
+    raise ImportError(
+        f"mlaserve.backend_names.ATTENTION_BACKENDS {sorted(ATTENTION_BACKENDS)} != the "
+        f"registry's {sorted(_BACKENDS)}"
+    )
 # What `auto` tries, first that can run wins; each backend's `check_supported` filters by compute
 # capability and KV dtype: SM90 -> flashmla; SM100/103 -> trtllm (bf16 or fp8 KV); SM107 with
 # fp8 KV -> tokenspeed; anything else -> reference (runs everywhere).
 # On SM100 trtllm-gen comes before tokenspeed on purpose: this server is for the lowest TPOT,
-# i.e. small batches, and vLLM's B200 measurement (PR #41778, H16, q_len 4, 80k context; peers.md
-# section 1.1) has tokenspeed at 0.56-0.79x of trtllm-gen at bs <= 4 (it wins 1.6-2.3x at
-# bs >= 8). Throughput-oriented deployments should name `tokenspeed` explicitly.
+# i.e. small batches, where tokenspeed is the slower of the two (it wins at large batches;
+# bench/RESULTS.md). Throughput-oriented deployments should name `tokenspeed` explicitly.
 _AUTO_ORDER = ("flashmla", "trtllm", "tokenspeed", "reference")
 _AUTO_WHY = {
     "flashmla": "Hopper: FlashMLA's dense decode kernels",
@@ -43,7 +49,7 @@ _AUTO_WHY = {
 
 
 def available_backends() -> list[str]:
-    return sorted(_BACKENDS)
+    return sorted(ATTENTION_BACKENDS)
 
 
 def get_backend_class(name: str) -> type[AttentionBackend]:
@@ -88,9 +94,8 @@ def resolve_backend_name(
         except BackendUnsupportedError as e:
             skipped.append(f"{candidate}: {e}")
             continue
-        # On a GPU, pure torch is a fallback an operator must see: its decode steps take
-        # several times a kernel backend's (on an H100 without sgl-flash-mla installed, the
-        # V3-lite checkpoint's bs-1 decode step took 4.1 ms instead of 2.4, bench/RESULTS.md)
+        # On a GPU, pure torch is a fallback an operator must see: its decode steps are much
+        # slower than a kernel backend's (bench/RESULTS.md)
         on_gpu = target is not None or device.type == "cuda"
         logger.log(
             logging.WARNING if candidate == "reference" and on_gpu else logging.INFO,
