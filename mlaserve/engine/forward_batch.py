@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from mlaserve.kernels_adapter.base import AttentionBackend
     from mlaserve.kv_cache.kv_pool import MLAKVPool
 
-__all__ = ["ForwardBatch", "ForwardMode"]
+__all__ = ["BatchAttention", "ForwardBatch", "ForwardMode"]
 
 
 class ForwardMode(enum.Enum):
@@ -46,6 +45,42 @@ class ForwardMode(enum.Enum):
         return self is not ForwardMode.EXTEND
 
 
+class BatchAttention(Protocol):
+    """The attention backend as the model reaches it through `batch.attn_backend`. Declared
+    here because this module sits below kernels_adapter and must not import it;
+    `kernels_adapter.base.AttentionBackend` satisfies it (shapes and contract are there)."""
+
+    mha_extend: ClassVar[bool]
+    accepts_written_kv: ClassVar[bool]
+
+    def forward(
+        self,
+        layer_id: int,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_c: torch.Tensor | None,
+        k_pe: torch.Tensor | None,
+        batch: ForwardBatch,
+    ) -> torch.Tensor: ...
+
+    def joined_q_dtype(self, batch: ForwardBatch) -> torch.dtype | None: ...
+
+    def forward_joined(
+        self, layer_id: int, q: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor: ...
+
+    def forward_extend_mha(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor: ...
+
+
 @dataclass
 class ForwardBatch:
     """Inputs of one model forward. Shapes use bs = sequences, T = tokens (T = bs*q_len in DECODE).
@@ -70,7 +105,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64, page_id * page_size + offset: where new KV goes
     logits_indices: torch.Tensor  # [num_logits] int64, rows of the hidden states to sample from
     kv_pool: MLAKVPool
-    attn_backend: AttentionBackend
+    attn_backend: BatchAttention
     attn_metadata: Any = field(default=None)  # whatever attn_backend.prepare() built
     num_seqs: int = -1  # real (unpadded) sequences; rows >= num_seqs are padding. -1: = bs
     # EXTEND batches run eagerly, so the host's own per-sequence lengths come along for kernels

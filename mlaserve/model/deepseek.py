@@ -29,73 +29,19 @@ import torch
 from torch import nn
 
 from mlaserve.config import ModelConfig, QuantizationConfig
+from mlaserve.model.layers.decoder_layer import DeepseekDecoderLayer
 from mlaserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from mlaserve.model.layers.linear import NO_TP, TensorParallel
 from mlaserve.model.layers.mla import MLAAttention
-from mlaserve.model.layers.mlp import DeepseekMLP
 from mlaserve.model.layers.moe import DeepseekMoE
 from mlaserve.model.layers.norm import RMSNorm
 from mlaserve.model.layers.rotary import RotaryEmbedding
-from mlaserve.ops.moe_partials import MoePartials, SortedExpertRows
+from mlaserve.model.mtp import DeepseekMTP
 
 if TYPE_CHECKING:
     from mlaserve.engine.forward_batch import ForwardBatch
-    from mlaserve.model.mtp import DeepseekMTP
 
-__all__ = ["DeepseekDecoderLayer", "DeepseekForCausalLM", "DeepseekModel"]
-
-
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(
-        self,
-        config: ModelConfig,
-        layer_id: int,
-        *,
-        params_dtype: torch.dtype = torch.float32,
-        tp: TensorParallel = NO_TP,
-        quant: QuantizationConfig | None = None,
-    ) -> None:
-        super().__init__()
-        kw = {"params_dtype": params_dtype, "tp": tp, "quant": quant}
-        self.self_attn = MLAAttention(config, layer_id, **kw)
-        self.mlp: DeepseekMoE | DeepseekMLP
-        if config.is_moe_layer(layer_id):
-            self.mlp = DeepseekMoE(config, **kw)
-        else:
-            self.mlp = DeepseekMLP(
-                config.hidden_size, config.intermediate_size, hidden_act=config.hidden_act, **kw
-            )
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, params_dtype=params_dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, params_dtype=params_dtype)
-
-    def forward_residual(
-        self,
-        x: torch.Tensor | MoePartials | SortedExpertRows,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        batch: ForwardBatch,
-        rows: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor | MoePartials | SortedExpertRows, torch.Tensor]:
-        """The layer on input `x + residual` (`x` alone when residual is None), returned as the
-        pair (FFN output, residual stream before it) whose sum is the layer's output. The sum is
-        left to the next norm, which fuses it (`RMSNorm.forward_with_residual`): the same
-        roundings as adding first, one kernel fewer per norm on CUDA. An MoE layer's output may
-        come uncombined (`MoePartials`, `SortedExpertRows`, on CUDA): the next norm sums it in
-        the same launch.
-        `rows`: the only rows read after this layer; past attention it runs on them alone."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.forward_with_residual(x, residual)
-        h = self.self_attn(h, cos, sin, batch, rows)
-        if rows is not None:
-            residual = residual.index_select(0, rows)
-        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
-        if isinstance(self.mlp, DeepseekMoE):  # its combine happens in the next norm
-            return self.mlp(h, combine=False), residual
-        return self.mlp(h), residual
+__all__ = ["DeepseekForCausalLM", "DeepseekModel"]
 
 
 class DeepseekModel(nn.Module):
@@ -159,8 +105,6 @@ class DeepseekForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp: DeepseekMTP | None = None
         if with_mtp:
-            from mlaserve.model.mtp import DeepseekMTP
-
             self.mtp = DeepseekMTP(config, params_dtype=params_dtype, tp=tp, quant=quant)
 
     @torch.no_grad()

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from mlaserve.config import ModelConfig, QuantizationConfig
-from mlaserve.model.deepseek import DeepseekDecoderLayer
+from mlaserve.model.layers.decoder_layer import DeepseekDecoderLayer
 from mlaserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from mlaserve.model.layers.linear import NO_TP, ReplicatedLinear, TensorParallel
 from mlaserve.model.layers.norm import RMSNorm

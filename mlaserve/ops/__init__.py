@@ -14,18 +14,13 @@ This package imports nothing else from mlaserve, so every layer may depend on it
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import os
 
 import torch
 
+from mlaserve.ops.triton_support import triton_available
+
 __all__ = ["fused_ops_enabled", "triton_available"]
-
-
-@functools.cache
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def fused_ops_enabled(device: torch.device | str) -> bool:

@@ -15,9 +15,10 @@ CUDA (device-side only: graph-capturable) and the same math in torch elsewhere.
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from mlaserve.ops.fp8_layout import FP8_DTYPE, FP8_MAX, column_major_scale_buffer
+from mlaserve.ops.triton_support import triton_available
 
 __all__ = [
     "FP8_DTYPE",
@@ -31,18 +32,7 @@ __all__ = [
     "triton_available",
 ]
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 _EPS = 1e-10  # amax floor: zero groups get a tiny positive scale, never a division by zero
-
-
-@functools.cache
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _blocks(n: int, block: int) -> int:
@@ -110,16 +100,6 @@ def per_token_group_quant_fp8_torch(
     scale = groups.abs().amax(dim=-1).clamp_min(_EPS) / FP8_MAX  # [M, Kb]
     q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(m, kb * group)[:, :k].contiguous(), scale
-
-
-def column_major_scale_buffer(
-    m: int, kb: int, device: torch.device, align_rows: int = 1
-) -> torch.Tensor:
-    """An empty [m, kb] fp32 tensor stored column-major (stride (1, m_pad)), m_pad = m rounded up
-    to `align_rows`: the layout of torch's blockwise and flashinfer's 1x128 activation scales
-    (align 4 keeps every column 16-byte aligned)."""
-    m_pad = -(-m // align_rows) * align_rows
-    return torch.empty((kb, m_pad), dtype=torch.float32, device=device)[:, :m].t()
 
 
 def per_token_group_quant_fp8(

@@ -1,8 +1,8 @@
 """Triton kernels for FP8 block-scaled compute (SM89+; written and timed for SM90).
 
-Imported only where Triton is installed (`fp8_quant.triton_available()`). Every launch here is
-shape-dispatched on the host and reads no device value back, so all of it can be captured in a
-CUDA graph. The GEMMs follow the published design of SGLang's / vLLM's
+Imported only where Triton is installed (`triton_support.triton_available()`). Every launch
+here is shape-dispatched on the host and reads no device value back, so all of it can be
+captured in a CUDA graph. The GEMMs follow the published design of SGLang's / vLLM's
 `w8a8_block_fp8_matmul` and `fused_moe` (block-FP8 variant): fp8 x fp8 `tl.dot` per 128-wide K
 step, each partial product rescaled by its activation-group and weight-block scales into an fp32
 accumulator.
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.ops.fp8_quant import FP8_DTYPE, FP8_MAX, column_major_scale_buffer
+from mlaserve.ops.fp8_layout import FP8_DTYPE, FP8_MAX, column_major_scale_buffer
 
 __all__ = [
     "grouped_block_fp8_matmul_triton",
