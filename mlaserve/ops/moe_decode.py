@@ -11,7 +11,7 @@
 
 Weights are in the model dtype, or float8_e4m3fn with fp32 block scales (`fp8_linear.py`
 layout: `[..., ceil(N/128) or N, ceil(K/128)]`), widened in registers (W8A16: the activations
-are never quantised).
+are never quantised). `moe_weights.MoeDecodeWeights` checks that layout once, after loading.
 
 The shared MLP of width S*I is the sum of S MLPs of width I over consecutive slices of its
 intermediate dim, so every (token, slot) pair is one expert of width I: the K routed slots, then
@@ -27,11 +27,11 @@ S shared ones with weight 1.
                      PDL wait (only h is the previous kernel's output), as do the shared
                      slots' tiles in the gate_up kernel: under PDL each kernel's first bytes
                      stream while the kernel before it finishes
-    _combine_kernel  grid (T, cdiv(H, 1024)): each token's K + S partials summed in a fixed order
-                     (deterministic, unlike atomics), rounded once -> y
+    combine          `moe_partials_combine.combine_partials`: each token's K + S partials summed
+                     in a fixed order (deterministic, unlike atomics), rounded once -> y
 
 (One program per token looping over its slots in the down kernel would save the partials, but
-at batch 1 that is 128 programs streaming 8 experts each: 5x slower than the pairs on an H100.)
+at small batches too few programs stream the experts: the pairs are faster.)
 
 Why: at decode sizes the MoE is bound by reading the touched experts' weights, and the sorted
 grouped-GEMM path (`FusedExperts._forward_sorted`) spends ~15 launches per layer around its two
@@ -42,9 +42,9 @@ Past a few tokens the pairs re-read the same experts and the grouped GEMM wins; 
 picks by token count (`DeepseekMoE.decode_max_tokens`).
 
 Why the selection inside: at batch 1 the selection kernel is a few microseconds of latency
-between the router GEMV and the experts (2.5 us a layer on an H200, bench/RESULTS.md), while
-recomputing it in every routed program costs a few reductions over E scores, and the shared
-slots' programs start streaming their weights without it.
+between the router GEMV and the experts, while recomputing it in every routed program costs a
+few reductions over E scores, and the shared slots' programs start streaming their weights
+without it.
 
 Rounding follows the unfused path: gate and up outputs rounded to the dtype, SiLU rounded, the
 product rounded (h), each routed expert's down output rounded before its weight is applied; the
@@ -60,9 +60,18 @@ import triton
 import triton.language as tl
 
 from mlaserve.ops.moe_partials import MoePartials
+from mlaserve.ops.moe_partials_combine import combine_partials
+from mlaserve.ops.moe_weights import (
+    MoeDecodeWeights,
+    expert_down_cols,
+    expert_gate_up_rows,
+    scale_args,
+)
 from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 from mlaserve.ops.routing import Routing, route_token
 
+# MoeDecodeWeights, combine_partials, expert_*, scale_args: re-exported (their import path before
+# the split into moe_weights / moe_partials_combine).
 __all__ = [
     "DecodeTiles",
     "MoeDecodeWeights",
@@ -73,55 +82,6 @@ __all__ = [
     "moe_decode",
     "scale_args",
 ]
-
-_SCALE_BLOCK = 128  # the FP8 block size along K (both GEMMs)
-
-
-@triton.jit
-def expert_gate_up_rows(
-    routed, index, offs_n, w_ptr, s_ptr, sw_ptr, ss_ptr, s_e_stride, s_r_stride, ss_r_stride,
-    INTER: tl.constexpr, S: tl.constexpr, ROW_DIV: tl.constexpr, SHARED_ROW_DIV: tl.constexpr,
-):  # fmt: skip
-    """Where the gate and up rows `offs_n` of one width-I expert live: routed expert `index`
-    (rows of w13 seen as [E * 2I, H]) or shared slice `index` (rows of the shared MLP's
-    [gate (SI) | up (SI)]). -> (weight base, gate rows, up rows, scale base, gate and up scale
-    offsets: add the K block). Shared by this file's and `moe_grouped`'s gate_up kernels."""
-    if routed:
-        base = w_ptr
-        gate_rows = index * (2 * INTER) + offs_n
-        up_rows = gate_rows + INTER
-        sbase = s_ptr
-        sg = index * s_e_stride + (offs_n // ROW_DIV) * s_r_stride
-        su = index * s_e_stride + ((offs_n + INTER) // ROW_DIV) * s_r_stride
-    else:
-        base = sw_ptr
-        gate_rows = index * INTER + offs_n
-        up_rows = gate_rows + S * INTER
-        sbase = ss_ptr
-        sg = (gate_rows // SHARED_ROW_DIV) * ss_r_stride
-        su = (up_rows // SHARED_ROW_DIV) * ss_r_stride
-    return base, gate_rows, up_rows, sbase, sg, su
-
-
-@triton.jit
-def expert_down_cols(
-    routed, index, offs_n, w_ptr, s_ptr, sw_ptr, ss_ptr, s_e_stride, s_r_stride, ss_r_stride,
-    H: tl.constexpr, INTER: tl.constexpr, S: tl.constexpr,
-):  # fmt: skip
-    """Where the down projection's output rows `offs_n` of one width-I expert live: w2[index]
-    [H, I] for a routed expert, columns [s*I, (s+1)*I) of the shared MLP's [H, S*I] for shared
-    slice s = `index`. -> (base, row stride, first column, scale pointers of the rows: add the
-    K block); element (n, k) is at base + n * row stride + first column + k. Shared by this
-    file's and `moe_grouped`'s down kernels."""
-    row_stride = tl.where(routed, INTER, S * INTER)
-    col0 = tl.where(routed, 0, index * INTER)
-    if routed:
-        base = w_ptr + index * H * INTER
-        srow = s_ptr + index * s_e_stride + (offs_n // 128) * s_r_stride
-    else:
-        base = sw_ptr
-        srow = ss_ptr + (offs_n // 128) * ss_r_stride + col0 // 128
-    return base, row_stride, col0, srow
 
 
 @triton.jit
@@ -315,115 +275,6 @@ def _down_kernel(
     tl.store(part_ptr + pair * H + offs_n, weight * part, mask=mask_n)
 
 
-@triton.jit
-def _combine_kernel(
-    part_ptr, y_ptr, H: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
-):
-    t = tl.program_id(0).to(tl.int64)
-    wait_for_previous_kernel(PDL)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < H
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for slot in tl.static_range(SLOTS):  # a fixed order: the same bits on every run
-        acc += tl.load(part_ptr + (t * SLOTS + slot) * H + offs, mask=mask, other=0.0)
-    tl.store(y_ptr + t * H + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-class MoeDecodeWeights:
-    """One MoE layer's weights as the kernels read them, checked once (at the first forward,
-    after loading): the routed stack, the shared MLP's (or none), FP8 scales where quantised.
-
-    Raises ValueError naming what does not fit."""
-
-    def __init__(
-        self,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        shared_w13: torch.Tensor | None = None,
-        shared_w2: torch.Tensor | None = None,
-        *,
-        w13_scale: torch.Tensor | None = None,
-        w2_scale: torch.Tensor | None = None,
-        shared_w13_scale: torch.Tensor | None = None,
-        shared_w2_scale: torch.Tensor | None = None,
-    ) -> None:
-        num_experts, two_i, hidden = w13.shape
-        inter = two_i // 2
-        if tuple(w2.shape) != (num_experts, hidden, inter):
-            raise ValueError(f"moe_decode: w2 {list(w2.shape)} vs w13 {list(w13.shape)}")
-        self.hidden, self.inter = hidden, inter
-        self.num_shared = 0
-        if shared_w13 is not None:
-            assert shared_w2 is not None  # internal: both or neither
-            width = shared_w13.shape[0] // 2
-            if width % inter or tuple(shared_w2.shape) != (hidden, width):
-                raise ValueError(
-                    f"moe_decode: shared MLP {list(shared_w13.shape)} / {list(shared_w2.shape)} "
-                    f"is not S slices of the experts' width {inter}"
-                )
-            if shared_w13.dtype != w13.dtype:
-                raise ValueError("moe_decode: shared and routed weights differ in dtype")
-            self.num_shared = width // inter
-        self.quantized = w13_scale is not None
-        if self.quantized:
-            assert w2_scale is not None  # internal: scales come together
-            if self.num_shared and (shared_w13_scale is None or shared_w2_scale is None):
-                raise ValueError("moe_decode: FP8 experts with unquantised shared experts")
-            if self.num_shared and inter % _SCALE_BLOCK:
-                raise ValueError(f"moe_decode: FP8 shared slices need I % 128 == 0, I = {inter}")
-        for t in (
-            w13,
-            w2,
-            shared_w13,
-            shared_w2,
-            w13_scale,
-            w2_scale,
-            shared_w13_scale,
-            shared_w2_scale,
-        ):
-            if t is not None and not t.is_contiguous():
-                raise ValueError("moe_decode: weights and scales must be contiguous")
-        self.w13, self.w2 = w13, w2
-        # Absent tensors are passed as a harmless stand-in of the right pointer type; the
-        # kernels never read them (S = 0 or HAS_SCALE off).
-        self.shared_w13 = shared_w13 if shared_w13 is not None else w13
-        self.shared_w2 = shared_w2 if shared_w2 is not None else w2
-        self.w13_scale = w13_scale
-        self.w2_scale = w2_scale
-        self.shared_w13_scale = shared_w13_scale
-        self.shared_w2_scale = shared_w2_scale
-        self.row_div = self._row_div(w13_scale, two_i)
-        self.shared_row_div = self._row_div(shared_w13_scale, 2 * inter * self.num_shared)
-        # Gate and up rows of every expert (and shared slice) start on 128-row scale blocks:
-        # a tile of up to 128 rows then has one scale per K block (moe_decode's x scaling).
-        self.block_scaled = (
-            self.row_div == _SCALE_BLOCK
-            and (self.num_shared == 0 or self.shared_row_div == _SCALE_BLOCK)
-            and inter % _SCALE_BLOCK == 0
-        )
-        for scale in (w2_scale, shared_w2_scale):
-            if scale is not None and scale.shape[-2] != triton.cdiv(hidden, _SCALE_BLOCK):
-                raise ValueError("moe_decode: down-projection scales must be 128-row blocks")
-
-    @staticmethod
-    def _row_div(scale: torch.Tensor | None, rows: int) -> int:
-        """Output rows per scale row: 1 (per-row scales) or 128 (block scales)."""
-        if scale is None or rows == 0 or scale.shape[-2] == rows:
-            return 1
-        if scale.shape[-2] == triton.cdiv(rows, _SCALE_BLOCK):
-            return _SCALE_BLOCK
-        raise ValueError(f"moe_decode: {scale.shape[-2]} scale rows for {rows} weight rows")
-
-
-def scale_args(scale: torch.Tensor | None, stand_in: torch.Tensor) -> tuple:
-    """(pointer, expert stride, row stride); strides are 0 where there is no such dim."""
-    if scale is None:
-        return stand_in, 0, 0
-    if scale.dim() == 3:
-        return scale, scale.stride(0), scale.stride(1)
-    return scale, 0, scale.stride(0)
-
-
 class DecodeTiles(NamedTuple):
     """Tiles of (gate_up, down) and warps per program."""
 
@@ -435,12 +286,11 @@ class DecodeTiles(NamedTuple):
 def decode_tiles(weights: MoeDecodeWeights, num_tokens: int) -> DecodeTiles:
     """The tiles `bench/moe_decode.py --sweep` chose on an H100 (V2-Lite layer, kernels alone):
 
-    - bf16: 16-row tiles of 128 columns, 8 warps at one token, 4 beyond (52 us at one token,
-      1.11x the floor; the tiles within 2% of it, from 8 x 512 to 4 x 2048, gain nothing).
-    - FP8 with 128-row block scales: 8 rows of whole 2048-column runs, 4 warps: 30.7 / 46.6 /
-      81.1 / 139.5 us at 1 / 2 / 4 / 8 tokens, against 44.3 / 70.9 / 128.9 / 243.8 with the bf16
-      tiles. A one-byte row read 128 columns per step is one 128-byte line per row per step:
-      short runs, and per-step reductions over half the bytes of a bf16 step."""
+    - bf16: 16-row tiles of 128 columns, 8 warps at one token, 4 beyond (wider tiles gain
+      nothing).
+    - FP8 with 128-row block scales: 8 rows of whole 2048-column runs, 4 warps. A one-byte row
+      read 128 columns per step is one 128-byte line per row per step: short runs, and per-step
+      reductions over half the bytes of a bf16 step."""
     if weights.quantized and weights.block_scaled:
         wide = (min(2048, triton.next_power_of_2(weights.hidden)),
                 min(2048, triton.next_power_of_2(weights.inter)))  # fmt: skip
@@ -530,18 +380,3 @@ def moe_decode(
         return MoePartials(part.view(num_tokens, top_k + shared, hidden), x.dtype)
     combine_partials(part, y, top_k + shared)
     return y
-
-
-def combine_partials(part: torch.Tensor, y: torch.Tensor, slots: int) -> None:
-    """part [T * slots, H] fp32 -> y [T, H]: each token's partials summed in slot order."""
-    hidden = y.shape[1]
-    block = min(triton.next_power_of_2(hidden), 1024)
-    _combine_kernel[(y.shape[0], triton.cdiv(hidden, block))](
-        part,
-        y,
-        H=hidden,
-        SLOTS=slots,
-        BLOCK=block,
-        num_warps=4,
-        **pdl_args(y.device),
-    )

@@ -54,14 +54,14 @@ import triton
 import triton.language as tl
 
 from mlaserve.ops.fp8_grouped_gemm import max_expert_blocks
-from mlaserve.ops.moe_decode import (
+from mlaserve.ops.moe_partials import MoePartials
+from mlaserve.ops.moe_partials_combine import combine_partials
+from mlaserve.ops.moe_weights import (
     MoeDecodeWeights,
-    combine_partials,
     expert_down_cols,
     expert_gate_up_rows,
     scale_args,
 )
-from mlaserve.ops.moe_partials import MoePartials
 from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
 __all__ = ["moe_grouped", "moe_grouped_block_m", "moe_grouped_warm_up"]

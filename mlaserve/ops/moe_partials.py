@@ -24,7 +24,8 @@ class MoePartials(NamedTuple):
         num_tokens, slots, hidden = self.parts.shape
         y = torch.empty(num_tokens, hidden, dtype=self.dtype, device=self.parts.device)
         if num_tokens:
-            from mlaserve.ops.moe_decode import combine_partials
+            # here, not at the top: importing this module needs no Triton (a leaf, no cycle)
+            from mlaserve.ops.moe_partials_combine import combine_partials
 
             combine_partials(self.parts.view(num_tokens * slots, hidden), y, slots)
         return y

@@ -4,7 +4,7 @@
     bias    [E] fp32 `e_score_correction_bias` (noaux_tc) or None
     returns (weights [T, K] fp32, ids [T, K] int64)
 
-Same math as `select_experts` in `mlaserve/model/layers/moe.py` (the reference):
+Same math as `select_experts` in `mlaserve/model/layers/moe_router.py` (the reference):
     scores   softmax(logits) or sigmoid(logits), fp32
     greedy               top-k of scores
     group_limited_greedy keep the `topk_group` groups with the highest max score (others 0),

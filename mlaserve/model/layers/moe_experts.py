@@ -1,0 +1,218 @@
+"""A layer's routed experts run over its tokens' (token, expert) pairs, outside the fused kernels.
+
+`FusedExperts` (weights and loading from `ExpertWeights`) runs one of:
+    grouped_mm  sort (token, expert) pairs by expert, device-side offsets, two
+                `torch._grouped_mm` calls. No host sync on CUDA SM90+ in bf16 (CUDA-graph
+                safe); also runs on CPU (tests).
+    loop        the same sorted layout, one GEMM per expert with tokens; reads the per-expert
+                counts on the host, so CPU only (the default there).
+    dense       every expert over every token, weighted by a [T, E] routing matrix that is zero
+                off the top-k. No sync, any dtype/device, E times the FLOPs: the CUDA fallback
+                when grouped_mm cannot run.
+With FP8 weights both GEMMs of the sorted layout run `grouped_block_fp8_linear` (a Triton
+block-FP8 grouped GEMM on CUDA, graph-safe; a per-expert loop on CPU).
+
+On CUDA the sorted layout's pairs are sorted by two kernels (`ops/expert_sort.py`, up to its size
+limit), in bf16 the gate_up GEMM runs with x's gather and SiLU-and-mul inside it
+(`ops/moe_prefill_gemm.py`, up to a few hundred rows an expert; past that `torch._grouped_mm`).
+Called with `combine=False`, the sorted path returns its expert rows uncombined
+(`SortedExpertRows`): the next residual-add + RMSNorm weights, sums and adds them in its own
+launch, so the combined [T, H] tensor is never written.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from mlaserve.config import QuantizationConfig
+from mlaserve.model.layers.linear import NO_TP, TensorParallel
+from mlaserve.model.layers.mlp import silu_and_mul
+from mlaserve.model.layers.moe_expert_weights import ExpertWeights
+from mlaserve.ops import fused_ops_enabled
+from mlaserve.ops.fp8_grouped_gemm import grouped_block_fp8_linear, grouped_layout
+from mlaserve.ops.moe_partials import SortedExpertRows
+
+__all__ = ["ExpertsImpl", "FusedExperts"]
+
+ExpertsImpl = Literal["auto", "grouped_mm", "loop", "dense"]
+
+
+def _no_join() -> None:
+    """`FusedExperts.forward`'s join when the shared experts ran on this stream."""
+
+
+@functools.cache
+def _has_sync_free_grouped_mm(device: torch.device) -> bool:
+    """torch's bf16 `_grouped_mm` runs a CUTLASS kernel with device-side offsets on SM90+;
+    below that it falls back to a loop that copies the offsets to the host (a sync)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+class FusedExperts(ExpertWeights):
+    """All routed experts of a layer (`ExpertWeights`) and the paths that run them; `impl`
+    picks one (`auto`: by device and dtype, `resolved_impl`)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        params_dtype: torch.dtype = torch.float32,
+        tp: TensorParallel = NO_TP,
+        impl: ExpertsImpl = "auto",
+        quant: QuantizationConfig | None = None,
+    ) -> None:
+        super().__init__(
+            num_experts,
+            hidden_size,
+            intermediate_size,
+            params_dtype=params_dtype,
+            tp=tp,
+            quant=quant,
+        )
+        self.impl: ExpertsImpl = impl
+        # On CUDA the sorted path's SiLU-and-mul and its return to token order (unsort, weight,
+        # sum, + shared) are Triton kernels (`ops/silu_and_mul.py`, `ops/moe_sorted_combine.py`);
+        # the torch code below is their reference and the CPU path.
+        self.act = silu_and_mul
+        self._sorted_combine = None
+        self._sort_by_expert, self._sort_max_pairs = None, 0
+        self._gate_up_silu, self._gate_up_silu_max_rows = None, 0
+        if fused_ops_enabled(self.gate_up_proj.device):
+            from mlaserve.ops.expert_sort import EXPERT_SORT_MAX_PAIRS, sort_by_expert
+            from mlaserve.ops.moe_sorted_combine import moe_sorted_combine
+            from mlaserve.ops.silu_and_mul import silu_and_mul as fused_silu_and_mul
+
+            self.act, self._sorted_combine = fused_silu_and_mul, moe_sorted_combine
+            self._sort_by_expert, self._sort_max_pairs = sort_by_expert, EXPERT_SORT_MAX_PAIRS
+            if quant is None:
+                from mlaserve.ops.moe_prefill_gemm import (
+                    PREFILL_GATE_UP_MAX_ROWS,
+                    expert_gate_up_silu,
+                )
+
+                self._gate_up_silu = expert_gate_up_silu
+                self._gate_up_silu_max_rows = PREFILL_GATE_UP_MAX_ROWS * num_experts
+
+    def resolved_impl(self, x: torch.Tensor) -> ExpertsImpl:
+        if self.impl != "auto":
+            return self.impl
+        if x.device.type == "cpu":
+            return "loop"
+        if x.dtype == torch.bfloat16 and _has_sync_free_grouped_mm(x.device):
+            return "grouped_mm"
+        return "dense"
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared: torch.Tensor | None = None,
+        join: Callable[[], None] | None = None,
+        *,
+        combine: bool = True,
+    ) -> torch.Tensor | SortedExpertRows:
+        """x [T, H]; topk_weights [T, K] fp32; topk_ids [T, K]; shared [T, H] (the shared
+        experts' output, added last) or None -> [T, H] (partial under TP). `join`: called
+        before `shared` is first read (it is still being computed on another stream).
+        `combine=False`: the sorted path's fused kernels may return the rows uncombined
+        (`SortedExpertRows`), for the next norm to combine in its launch."""
+        join = join or _no_join
+        if x.shape[0] == 0:
+            join()
+            return torch.zeros_like(x)
+        if self.quant is not None:
+            return self._forward_sorted(x, topk_weights, topk_ids, shared, False, join, combine)
+        impl = self.resolved_impl(x)
+        if impl == "dense":
+            y = self._forward_dense(x, topk_weights, topk_ids)
+            join()
+            return y if shared is None else y + shared
+        grouped = impl == "grouped_mm"
+        return self._forward_sorted(x, topk_weights, topk_ids, shared, grouped, join, combine)
+
+    def _forward_sorted(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared: torch.Tensor | None,
+        use_grouped_mm: bool,
+        join: Callable[[], None],
+        combine: bool = True,
+    ) -> torch.Tensor | SortedExpertRows:
+        num_tokens, top_k = topk_ids.shape
+        num_rows = topk_ids.numel()
+        pos = None  # pair -> sorted position, where the sort gives it
+        if self._sort_by_expert is not None and num_rows <= self._sort_max_pairs:
+            # one launch for the torch ops below
+            order, token, pos, counts = self._sort_by_expert(
+                topk_ids.contiguous(), self.num_experts
+            )
+        else:
+            flat_ids = topk_ids.reshape(-1)  # [T*K], pair p = (token p // K, slot p % K)
+            # Narrow sort keys: one radix pass for up to 256 experts instead of eight for
+            # int64 (the same stable order).
+            keys = flat_ids.to(torch.uint8 if self.num_experts <= 256 else torch.int32)
+            order = torch.argsort(keys, stable=True)  # pairs grouped by expert
+            counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+            counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+            token = order // top_k
+        if self.gate_up_proj_scale_inv is not None and self.down_proj_scale_inv is not None:
+            xs = x[token]  # [T*K, H], rows of expert e are contiguous
+            # one block -> expert map for both GEMMs (CPU: the emulated loop needs none)
+            layout = grouped_layout(counts, num_rows) if x.is_cuda else None
+            w13, s13 = self.gate_up_proj, self.gate_up_proj_scale_inv
+            h = self.act(grouped_block_fp8_linear(xs, counts, w13, s13, layout=layout))
+            w2, s2 = self.down_proj, self.down_proj_scale_inv
+            out = grouped_block_fp8_linear(h, counts, w2, s2, layout=layout)
+        elif use_grouped_mm:
+            offs = counts.cumsum(0, dtype=torch.int32)  # [E] end row of each expert
+            w13 = self.gate_up_proj
+            if self._gate_up_silu is not None and num_rows <= self._gate_up_silu_max_rows:
+                # x's rows gathered and SiLU-and-mul applied inside the GEMM
+                h = self._gate_up_silu(x.contiguous(), order, counts, w13)
+            else:
+                h = self.act(torch._grouped_mm(x[token], w13.transpose(1, 2), offs=offs))
+            out = torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)  # [T*K, H]
+        else:
+            xs = x[token]
+            out = torch.empty_like(xs)
+            start = 0
+            for e, n in enumerate(counts.tolist()):  # host sync: CPU path only
+                if n:
+                    rows = xs[start : start + n]
+                    h = silu_and_mul(F.linear(rows, self.gate_up_proj[e]))
+                    out[start : start + n] = F.linear(h, self.down_proj[e])
+                    start += n
+        join()
+        if self._sorted_combine is not None:
+            if not combine and pos is not None:  # the next norm combines (the same bits)
+                weights = topk_weights.contiguous()
+                return SortedExpertRows(out, order, pos, weights, shared)
+            return self._sorted_combine(out, order, topk_weights, shared, pos=pos)
+        unsorted = torch.empty_like(out).index_copy_(0, order, out)  # back to pair order
+        y = (unsorted.view(num_tokens, top_k, -1).float() * topk_weights[..., None]).sum(1)
+        y = y.to(x.dtype)
+        return y if shared is None else y + shared
+
+    def _forward_dense(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        routing = torch.zeros(
+            x.shape[0], self.num_experts, dtype=torch.float32, device=x.device
+        ).scatter_(1, topk_ids, topk_weights)  # [T, E], zero off the top-k
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in range(self.num_experts):
+            h = silu_and_mul(F.linear(x, self.gate_up_proj[e]))
+            y += routing[:, e : e + 1] * F.linear(h, self.down_proj[e]).float()
+        return y.to(x.dtype)
