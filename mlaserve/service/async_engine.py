@@ -5,10 +5,8 @@ per-token work (routing outputs, SSE framing, uvicorn) runs in parallel with the
 instead of sharing one GIL with them (vLLM V1's AsyncLLM + EngineCore split). This side loads its
 own tokenizer (for the tokenizer worker) while the engine process loads the weights.
 
-The engine's messages are read on the event loop itself (`loop.add_reader` on the output pipe,
-reassembled by `FrameReader`, which never blocks: uvloop makes that descriptor non-blocking):
-a step's outputs are unpickled and routed to the `RequestStream` of the HTTP request that owns
-them without a thread hop or a GIL hand-off.
+The engine's messages are read on the event loop itself (`EngineInbox`): a step's outputs are
+routed to the `RequestStream` of the HTTP request that owns them without a thread hop.
 
 If the engine process dies (it raised and sent FAILED, or it was killed: the pipe reaches EOF,
 read on the loop as soon as it happens), every in-flight stream raises `EngineDeadError`,
@@ -32,9 +30,7 @@ import enum
 import itertools
 import logging
 import multiprocessing
-import pickle
 import signal
-from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -47,9 +43,9 @@ from mlaserve.service.engine_errors import (
     QueueFullError,
     ServerShutdownError,
 )
+from mlaserve.service.engine_inbox import EngineInbox
 from mlaserve.service.metrics import Metrics
 from mlaserve.service.output_wire import decode_outputs
-from mlaserve.service.pipe_frames import FrameReader
 from mlaserve.service.request_stream import RequestStream, SubRequest
 from mlaserve.service.tokenizer_worker import TokenizerWorker
 
@@ -131,10 +127,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: BaseProcess | None = None
         self._commands: Connection | None = None  # to the engine process
-        self._outputs: Connection | None = None  # from it
-        self._frames: FrameReader | None = None  # its messages, reassembled
-        self._inbox: deque[bytes] = deque()  # read, not yet handled
-        self._handle_scheduled = False
+        self._inbox: EngineInbox | None = None  # its messages, read on the loop
         self._stopping = False  # STOP sent: the process ending is no death
         self._add_ids = itertools.count()
         self._adds: dict[int, asyncio.Future[None]] = {}  # ADD sent, ADDED not yet back
@@ -157,8 +150,7 @@ class AsyncEngine:
     def admission_bound(self) -> int:
         """Most sequences in flight at once (running + waiting); more get 503 queue_full. Every
         request is tokenized before admission counts it, so this also sizes the tokenizer's
-        queue by default: a smaller one refused bursts that admission takes (issue 40: 434 of
-        512 requests under --max-queue 1024)."""
+        queue by default: a smaller one would refuse bursts that admission takes."""
         return self.config.max_num_seqs + self.max_queue
 
     @property
@@ -174,7 +166,7 @@ class AsyncEngine:
         self.state = EngineState.LOADING
         ctx = multiprocessing.get_context("spawn")
         commands_rx, self._commands = ctx.Pipe(duplex=False)
-        self._outputs, outputs_tx = ctx.Pipe(duplex=False)
+        outputs, outputs_tx = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
             target=core.run_engine_core,
             args=(
@@ -191,8 +183,7 @@ class AsyncEngine:
         commands_rx.close()  # the child's ends: its exit must read as EOF here
         outputs_tx.close()
         atexit.register(self._kill)
-        self._frames = FrameReader(self._outputs.fileno())
-        loop.add_reader(self._outputs.fileno(), self._on_readable)
+        self._inbox = EngineInbox(loop, outputs, self._handle, self._on_eof)
         logger.info("engine process started (pid %d)", self._proc.pid)
         task = loop.create_task(asyncio.to_thread(self._load_tokenizer))
         task.add_done_callback(self._tokenizer_done)
@@ -260,12 +251,9 @@ class AsyncEngine:
             proc.join(_KILL_WAIT_S)
 
     def _close(self) -> None:
-        if self._outputs is not None:
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.remove_reader(self._outputs.fileno())
-            self._outputs.close()
-            self._outputs = None
-            self._frames = None
+        if self._inbox is not None:
+            self._inbox.close()
+            self._inbox = None
         if self._commands is not None:
             self._commands.close()
             self._commands = None
@@ -352,34 +340,6 @@ class AsyncEngine:
             self._commands.send_bytes(core.dumps(message))
 
     # ----- messages from the engine process (on the event loop) -----
-    def _on_readable(self) -> None:
-        """One read of the pipe (`FrameReader`: never `recv_bytes`, which fails halfway through
-        a message larger than the pipe's buffer on the non-blocking descriptor uvloop makes);
-        the messages it completed join the inbox, handled one per loop iteration."""
-        frames = self._frames
-        if frames is None:
-            return
-        try:
-            self._inbox.extend(frames.read())
-        except (EOFError, OSError):
-            while self._inbox:  # what it sent before it went (a FAILED names the cause)
-                self._handle(pickle.loads(self._inbox.popleft()))
-            self._on_eof()
-            return
-        if not self._handle_scheduled:
-            self._handle_one()
-
-    def _handle_one(self) -> None:
-        """The oldest unhandled message; the next after the loop's other ready callbacks (the
-        streams this one woke), as when each readiness callback read one message: a stream's
-        tokens then leave as they come, not several steps to a chunk."""
-        self._handle_scheduled = False
-        if self._inbox and self._outputs is not None:
-            self._handle(pickle.loads(self._inbox.popleft()))
-        if self._inbox and self._loop is not None:
-            self._handle_scheduled = True
-            self._loop.call_soon(self._handle_one)
-
     def _handle(self, message: tuple) -> None:
         tag = message[0]
         if tag == core.STEP:

@@ -1,4 +1,4 @@
-"""Prometheus metrics named after vLLM's (`vllm:*` -> `mlaserve:*`), so dashboards carry over.
+"""The engine's events, recorded into the Prometheus families of metric_families.py.
 
 Everything here is fed on the event loop from the engine process's messages: each step's
 outputs, the requests it added and aborted, and its `EngineStats` when they change (the
@@ -16,7 +16,8 @@ per-request bookkeeping is only touched there):
 - gauges from `LLMEngine.get_stats()`;
 - the speculative-decoding family, fed through `on_spec_decode` once the engine reports it.
 
-Every series carries a `model_name` label, bound once the engine has loaded.
+Every series carries a `model_name` label, bound once the engine has loaded; nothing is
+recorded before.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
+from prometheus_client import CollectorRegistry, generate_latest
+
+from mlaserve.service.metric_families import (
+    PREFIX,
+    REQUEST_LATENCY_BUCKETS,
+    TOKEN_LATENCY_BUCKETS,
+    MetricFamilies,
 )
 
 if TYPE_CHECKING:
@@ -52,30 +53,6 @@ class _SpecSeen:
     accept_lengths: dict[int, int]
 
 
-PREFIX = "mlaserve:"
-# Per-token latencies: sub-millisecond (small batches on a GPU) to seconds (a stalled step).
-TOKEN_LATENCY_BUCKETS = (
-    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
-    0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
-# Per-request latencies: a millisecond (a cached one-token prompt) to ten minutes.
-REQUEST_LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
-)  # fmt: skip
-ACCEPT_LENGTH_BUCKETS = tuple(float(i) for i in range(1, 17))
-# Token counts per request (prompt, generation) and per engine step: vLLM's 1-2-5 series.
-TOKEN_COUNT_BUCKETS = tuple(
-    float(m * 10**e) for e in range(0, 7) for m in (1, 2, 5) if m * 10**e <= 1_000_000
-)
-FINISH_REASONS = ("stop", "length", "abort")
-# Why a step ran without a CUDA graph (the graph runner's reasons).
-EAGER_REASONS = ("extend", "batch_too_large", "graphs_off", "no_graphs")
-
-# NOTE: `*_created` timestamp series double the exposition and no dashboard reads them.
-disable_created_metrics()
-
-
 @dataclass(slots=True)
 class _Tracked:
     """What one in-flight request has shown so far."""
@@ -84,152 +61,14 @@ class _Tracked:
     last_token_time: float | None = None
 
 
-class Metrics:
+class Metrics(MetricFamilies):
+    """The families, fed on the event loop from the engine process's messages."""
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+        super().__init__(registry)
         self._model_name: str | None = None
         self._tracked: dict[str, _Tracked] = {}
-        r, labels = self.registry, ["model_name"]
-
-        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, registry=r, buckets=buckets)
-
-        self.time_to_first_token = histogram(
-            "time_to_first_token_seconds", "Time to first token (TTFT).", REQUEST_LATENCY_BUCKETS
-        )
-        self.inter_token_latency = histogram(
-            "inter_token_latency_seconds",
-            "Inter-token latency (TPOT); k tokens in one step count as k samples of interval/k.",
-            TOKEN_LATENCY_BUCKETS,
-        )
-        self.request_time_per_output_token = histogram(
-            "request_time_per_output_token_seconds",
-            "Per-request mean time per output token after the first.",
-            TOKEN_LATENCY_BUCKETS,
-        )
-        self.e2e_request_latency = histogram(
-            "e2e_request_latency_seconds", "End-to-end request latency.", REQUEST_LATENCY_BUCKETS
-        )
-        self.request_queue_time = histogram(
-            "request_queue_time_seconds",
-            "Time from arrival to first scheduling.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.request_prefill_time = histogram(
-            "request_prefill_time_seconds",
-            "Time from first scheduling to the first token (prefill phase).",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.request_decode_time = histogram(
-            "request_decode_time_seconds",
-            "Time from the first to the last token (decode phase).",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.request_prompt_tokens = histogram(
-            "request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_COUNT_BUCKETS
-        )
-        self.request_generation_tokens = histogram(
-            "request_generation_tokens",
-            "Generated tokens per finished request.",
-            TOKEN_COUNT_BUCKETS,
-        )
-        self.iteration_tokens = histogram(
-            "iteration_tokens_total",
-            "Tokens (prompt + generated) run by each engine step.",
-            TOKEN_COUNT_BUCKETS,
-        )
-        self.num_preemptions = Counter(
-            PREFIX + "num_preemptions",
-            "Requests preempted (KV pages freed, recomputed later).",
-            labels,
-            registry=r,
-        )
-        self.num_requests_running = Gauge(
-            PREFIX + "num_requests_running", "Requests in the running batch.", labels, registry=r
-        )
-        self.num_requests_waiting = Gauge(
-            PREFIX + "num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=r
-        )
-        self.kv_cache_usage_perc = Gauge(
-            PREFIX + "kv_cache_usage_perc", "KV-cache page usage, 0 to 1.", labels, registry=r
-        )
-        self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Prefilled prompt tokens.", labels, registry=r
-        )
-        self.generation_tokens = Counter(
-            PREFIX + "generation_tokens", "Generated tokens.", labels, registry=r
-        )
-        self.request_success = Counter(
-            PREFIX + "request_success",
-            "Finished requests by finish reason.",
-            [*labels, "finished_reason"],
-            registry=r,
-        )
-        # Speculative decoding (vLLM's names; fed once the engine drafts tokens).
-        self.spec_decode_num_drafts = Counter(
-            PREFIX + "spec_decode_num_drafts", "Verification steps.", labels, registry=r
-        )
-        self.spec_decode_num_draft_tokens = Counter(
-            PREFIX + "spec_decode_num_draft_tokens", "Draft tokens proposed.", labels, registry=r
-        )
-        self.spec_decode_num_accepted_tokens = Counter(
-            PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels, registry=r
-        )
-        self.spec_decode_num_accepted_tokens_per_pos = Counter(
-            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted at each draft position.",
-            [*labels, "position"],
-            registry=r,
-        )
-        self.spec_decode_accept_length = histogram(
-            "spec_decode_accept_length",
-            "Tokens emitted per verification step (accepted drafts + the bonus token).",
-            ACCEPT_LENGTH_BUCKETS,
-        )
-        self.spec_decode_policy_steps = Counter(
-            PREFIX + "spec_decode_policy_steps",
-            "Steps by the speculation policy's decision (on/off) and its reason "
-            "(pays, hold, does_not_pay, probe, cap, unmeasured, too_large, forced).",
-            [*labels, "decision", "reason"],
-            registry=r,
-        )
-        self.spec_decode_accept_length_estimate = Gauge(
-            PREFIX + "spec_decode_accept_length_estimate",
-            "The policy's running accept-length estimate (compared with the measured "
-            "break-even per batch size).",
-            labels,
-            registry=r,
-        )
-        self.spec_decode_break_even = Gauge(
-            PREFIX + "spec_decode_break_even",
-            "Accept length above which speculation pays at this captured batch size "
-            "(speculative / plain step cost, followed from the served steps' wall times).",
-            [*labels, "batch_size"],
-            registry=r,
-        )
-        # CUDA graphs: how steps ran, and JIT compiles after start-up (expected 0).
-        self.cuda_graph_replays = Counter(
-            PREFIX + "cuda_graph_replays", "Forward steps replayed from a CUDA graph.", labels,
-            registry=r,
-        )  # fmt: skip
-        self.piecewise_graph_replays = Counter(
-            PREFIX + "piecewise_graph_replays",
-            "EXTEND (prefill) forwards replayed from piecewise CUDA graphs (attention eager).",
-            labels,
-            registry=r,
-        )
-        self.eager_steps = Counter(
-            PREFIX + "eager_steps",
-            "Forward steps run eagerly, by reason (extend, too_large, no_graphs, ...).",
-            [*labels, "reason"],
-            registry=r,
-        )
-        self.compiles_while_serving = Counter(
-            PREFIX + "compiles_while_serving",
-            "JIT compilations (Triton kernels, torch.compile graphs) after warm-up; expected 0.",
-            labels,
-            registry=r,
-        )
+        # The engine's running totals at the last `on_stats` call: counters advance by the rest.
         self._seen = {"replays": 0, "piecewise": 0, "compiles": 0, "preemptions": 0, "steps": -1}
         self._seen_eager: dict[str, int] = {}
         self._seen_spec = _SpecSeen(0, 0, [], {})
@@ -237,24 +76,9 @@ class Metrics:
 
     # ----- lifecycle -----
     def bind_model(self, model_name: str) -> None:
-        """Create the labelled series, so they read 0 rather than being absent."""
+        """Label every series with the served model (before this, nothing is recorded)."""
         self._model_name = model_name
-        for family in (
-            self.time_to_first_token, self.inter_token_latency, self.request_time_per_output_token,
-            self.e2e_request_latency, self.request_queue_time, self.num_requests_running,
-            self.num_requests_waiting, self.kv_cache_usage_perc, self.prompt_tokens,
-            self.generation_tokens, self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
-            self.spec_decode_num_accepted_tokens, self.spec_decode_accept_length,
-            self.cuda_graph_replays, self.piecewise_graph_replays, self.compiles_while_serving,
-            self.request_prefill_time,
-            self.request_decode_time, self.request_prompt_tokens, self.request_generation_tokens,
-            self.iteration_tokens, self.num_preemptions,
-        ):  # fmt: skip
-            family.labels(model_name)
-        for reason in FINISH_REASONS:
-            self.request_success.labels(model_name, reason)
-        for reason in EAGER_REASONS:
-            self.eager_steps.labels(model_name, reason)
+        self.create_series(model_name)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
