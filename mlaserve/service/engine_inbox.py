@@ -69,7 +69,10 @@ class EngineInbox:
         streams this one woke), as when each readiness callback read one message: a stream's
         tokens then leave as they come, not several steps to a chunk."""
         self._handle_scheduled = False
-        if self._inbox and self._outputs is not None:
+        if self._outputs is None:  # closed: nobody waits for what is left
+            self._inbox.clear()
+            return
+        if self._inbox:
             self._on_message(pickle.loads(self._inbox.popleft()))
         if self._inbox:
             self._handle_scheduled = True
