@@ -28,7 +28,8 @@ class RowFences:
     ) -> None:
         self._events = [make_event() if make_event is not None else None for _ in range(num_rows)]
         # Events record on this device's current stream, found by index: torch's lookup of the
-        # current device costs a host-bound step ~20 us on the H100 host (model_runner.py).
+        # current device is a sizeable cost on a host-bound step (model_runner.py; bench/RESULTS.md,
+        # "Where a default-model decode step's host time went").
         self._device_index = device_index
         self.num_blocking_waits = 0  # writes that had to wait for the device (0 under rule 1)
 

@@ -16,7 +16,7 @@ would be.
 
 A CUDA graph may replay the split itself (`split`, captured at the start of the graph; `fill`
 with `split=False` then stages and uploads only): on a small model a decode step is host-bound,
-and the split's three launches were ~30-40 us of its host time on the H100 host.
+and the split's three launches are a measurable share of its host time.
 
 A decode step's shapes repeat, so the views a `ForwardBatch` hands out (and the upload's
 source and destination views) are built once per shape and reused: a view is a Python object

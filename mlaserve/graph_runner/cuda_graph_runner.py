@@ -182,7 +182,7 @@ class CudaGraphRunner:
                 self.runner.buffers.split(batch)
             logits, hidden = self.runner.forward_with_hidden(batch)
             if decode:
-                # ~3 us of GPU time a step whether or not the batch is greedy; it saves an
+                # A little GPU time every step, greedy batch or not; it saves an
                 # all-greedy batch the sampler's launches, the step's largest host cost on a
                 # small model (`sampler.py`)
                 greedy = greedy_rows(logits)

@@ -1,7 +1,7 @@
 """Causal attention of fresh prompts (no cached prefix) through cuDNN's fused SDPA kernel, one
-call per sequence: on an H100 it runs the MHA form of MLA prefill 1.3-2.2x faster than torch's
-varlen FA2 (`flash_varlen.py`), and it takes v's 128-wide head without padding
-(bench/prefill_attention.py; numbers in bench/RESULTS.md).
+call per sequence: faster than torch's varlen FA2 (`flash_varlen.py`) for the MHA form of MLA
+prefill, and it takes v's 128-wide head without padding (bench/prefill_attention.py; measured:
+bench/RESULTS.md, "Prefill attention kernels, one layer, V2-Lite heads (16)").
 
 Kernel boundary (`F.scaled_dot_product_attention` under `sdpa_kernel([CUDNN_ATTENTION])`):
 
@@ -12,8 +12,8 @@ Kernel boundary (`F.scaled_dot_product_attention` under `sdpa_kernel([CUDNN_ATTE
     out [T, H, D_v] in q's dtype.
 
 One launch per sequence, so it is meant for batches of few long prompts (`MAX_SEQS`). cuDNN
-refuses a key length of 1 ("cudnn SDPA does not support key/value sequence length 1", seen on
-an H100 with torch 2.11), so a batch holding a 1-token prompt goes to FA2 (`takes`); any other
+refuses a key length of 1 ("cudnn SDPA does not support key/value sequence length 1", torch
+2.11), so a batch holding a 1-token prompt goes to FA2 (`takes`); any other
 shape cuDNN's dispatcher refuses raises on the host before a launch, and `__call__` returns None
 for the caller to use FA2 instead.
 """

@@ -17,9 +17,9 @@ with q_len new tokens and L keys sees keys 0 .. L - q_len + i, the mask of `mha_
 prefill chunk over a cached prefix is exact. torch 2.10 spells causal `is_causal=True`; 2.11
 spells it `window_size=(-1, 0)` (and adds `scale`); the signature is read once, here.
 
-Measured against the alternatives on an H100 (bench/prefill_attention.py, bench/RESULTS.md):
-torch 2.11's FA2 rejects v 128 with q 192 (so v is padded) and runs at 110-230 TFLOP/s; cuDNN's
-SDPA is 1.3-2.2x faster but its causal mask is top-left, so it only takes fresh prompts
+Why this kernel (bench/prefill_attention.py; measured: bench/RESULTS.md, "Prefill attention
+kernels, one layer, V2-Lite heads (16)"): torch 2.11's FA2 rejects v 128 with q 192 (so v is
+padded); cuDNN's SDPA is faster but its causal mask is top-left, so it only takes fresh prompts
 (`cudnn_fresh.py`); SDPA's flash backend has no kernel for these head dims.
 """
 

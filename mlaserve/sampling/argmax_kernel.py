@@ -5,10 +5,11 @@
              lowest column, as torch's); finite [n] bool: the row's max is finite
 
 Why: torch's argmax reduces a row in one block, so at bs 1 the [1, 102400] logits of a decode
-step are one program on one SM: 22.7 us on an H100 (bench/RESULTS.md, step_gaps.py), about 1%
-of a V2-Lite bs-1 step, on the GPU's critical path between two steps. Here the row is split
-over ~100 programs (stage 1: each column block's max and its column), and one program per row
-reduces the block maxima in block order (stage 2), which keeps torch's lowest-column tie rule.
+step are one program on one SM, on the GPU's critical path between two steps (measured:
+bench/RESULTS.md, "bench/step_gaps.py: what a graphed bs-1 step runs outside its graph").
+Here the row is split over ~100 programs (stage 1: each column block's max and its column),
+and one program per row reduces the block maxima in block order (stage 2), which keeps torch's
+lowest-column tie rule.
 Stage 2 also writes the finite flag that greedy rows need (`sampler.finite_rows` gathered the
 chosen logit and tested it: two more kernels).
 
@@ -68,7 +69,7 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     runs (float32 on CUDA), torch's elsewhere. For argmaxes whose finite flag no one reads: the
     draft chain's tokens (a draft from a NaN row is verified like any other) and greedy
     acceptance's target tokens (checked by `sampler.finite_rows`). torch's one block per row
-    took 22.6 us of each of the three in a V3-lite bs-4 draft graph on an H100."""
+    is slow in the draft graph (bench/RESULTS.md, "Session of 2026-11-26 (fifth)")."""
     if x.dtype == torch.float32 and argmax_available(x.device):
         return fused_argmax(x)[0]
     return x.argmax(dim=-1)

@@ -13,7 +13,8 @@ one argmax (no upcast of float32 logits, no log-softmax, no ranks): on CUDA the 
 graph runs those kernels itself, on its static logits (`greedy_rows`), and hands their outputs
 over as `GreedyRows`: such a batch then launches nothing here. On a small model a decode step
 is host-bound, and the two Triton launches, their four buffers and the read-back's `where`
-took ~115 us of a ~390 us bs-1 step on the H100 host (bench/RESULTS.md).
+were a large share of its host time (bench/RESULTS.md, "Moved from
+mlaserve/sampling/sampler.py").
 
 Reported log-probs are vLLM's default "raw logprobs": the model's own distribution, before
 penalties, temperature and filtering, so they do not depend on the sampling settings. The

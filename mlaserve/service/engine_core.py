@@ -7,7 +7,7 @@ step n's outputs into SSE chunks, so the HTTP per-token work overlaps the steps 
 to them.
 
 Wire protocol: two one-way `multiprocessing` pipes carrying pickled tuples (protocol 5; a bs-1
-step is one ~150-byte message, ~10 us to pickle and unpickle on a CPU core: `output_wire.py`).
+step is one small message, cheap to pickle and unpickle: `output_wire.py`).
 
     frontend -> engine   (ADD, add_id, [SubRequest], arrival_time) | (ABORT, [request_id]) | (STOP,)
     engine -> frontend   (LOADED, EngineInfo)                 weights loaded, warming up
@@ -113,9 +113,9 @@ def _freeze_heap() -> int:
     """Move every object alive now (the model's modules, the graphs, the buffers: ~245k tracked
     objects for the default model) to the garbage collector's permanent generation -> how many.
     They live as long as this process, which owns the engine alone and never drops it while
-    serving; later collections then skip them. A full collection of that heap took 90 ms on the
-    CPU machine, a pause of every stream whenever the collector runs one (and the heap grows
-    with the layers of a larger model); vLLM freezes its workers' heaps after warm-up for the
+    serving; later collections then skip them. A full collection of that heap is a long pause of
+    every stream whenever the collector runs one (bench/RESULTS.md, thirteenth session; the heap
+    grows with the layers of a larger model); vLLM freezes its workers' heaps after warm-up for the
     same reason (vllm-project/vllm#44363). Collected first, so no garbage is frozen with it."""
     gc.collect()
     gc.freeze()

@@ -1,10 +1,10 @@
 """A step's `RequestOutput`s as plain tuples, for the pipe from the engine process.
 
 Pickling dataclass instances costs a class lookup and a state dict per object, and unpickling
-rebuilds each through `__new__` + `__setstate__`. Measured on a (shared) CPU core, per step,
-pickle + unpickle including the conversions here: 1 output 14 + 17 us -> 4.5 + 4.9 us; 64 outputs
-418 + 451 us -> 184 + 238 us. The engine side (dumps) is on the step's critical path. Each object becomes the tuple of its fields' values
-in declaration order (`__dict__` order: every field is set by the generated `__init__`), so a
+rebuilds each through `__new__` + `__setstate__`; tuples cost a fraction of that (measured:
+bench/RESULTS.md, "Moved from mlaserve/service/output_wire.py"), and the engine side (dumps) is
+on the step's critical path. Each object becomes the tuple of its fields' values in declaration
+order (`__dict__` order: every field is set by the generated `__init__`), so a
 field added to these dataclasses travels without a change here. Logprob dicts travel as they
 are (only requests that ask for logprobs have them).
 """

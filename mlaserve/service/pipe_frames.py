@@ -8,10 +8,10 @@ a long prompt) therefore reaches the reader in several pieces, the writer blocke
 `Connection.recv_bytes` assumes a blocking descriptor. uvloop's `add_reader` (libuv's
 `uv_poll_init`) makes it non-blocking, so a `recv_bytes` that started on the first piece raised
 `BlockingIOError` on the second; the frontend took that for the engine's death, closed its end,
-and the engine died of a broken pipe (a V3-lite server under bench/soak.py on an H100, in its
-first two seconds; the asyncio loop the CPU tests run keeps descriptors blocking, so they never
-saw it). `FrameReader` does one `os.read` per readiness callback, which never blocks in either
-mode, and hands back every message completed so far.
+and the engine died of a broken pipe (found by bench/soak.py: bench/RESULTS.md, "Death 2"; the
+asyncio loop the CPU tests run keeps descriptors blocking, so they never saw it). `FrameReader`
+does one `os.read` per readiness callback, which never blocks in either mode, and hands back
+every message completed so far.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Every chunk of a stream repeats the same envelope (id, object, created, model) a
 choice, and a token's choice differs from the last only in its text (and, at the end, its
 finish reason). The envelope and the choice are therefore rendered by pydantic ONCE per
 response, with sentinel values that are then cut out; a token's frame is a join of the fixed
-pieces with `json.dumps` of its text. This makes a plain text chunk ~4x cheaper on the event
-loop (measured: 15.6 -> 4.3 us per completion chunk, 22.2 us for chat). Chunks with logprobs,
+pieces with `json.dumps` of its text. This makes a plain text chunk several times cheaper on
+the event loop (measured: bench/RESULTS.md, "Moved from mlaserve/service/sse_chunks.py").
+Chunks with logprobs,
 the chat role chunk and the usage chunk still go through pydantic (`choice`, `frame`).
 
 The output is byte-for-byte what pydantic renders (same field order, same escaping: non-ASCII as

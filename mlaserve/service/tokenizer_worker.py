@@ -15,9 +15,9 @@ interrupted), but it counts against the bound until it does.
 The server sizes the queue to its admission bound, max_num_seqs + max_queue (`AsyncEngine`;
 `--tokenizer-queue` overrides it): every request is tokenized before admission counts it, so a
 smaller queue refused bursts that admission would take (issue 40). Waiting there is short: the
-thread encodes ~570 prompts of 1k tokens a second on a busy 2-core CPU
-(bench/tokenizer_throughput.py), so even a 1088-job queue drains in about 2 s. Encodes are not
-batched: HF's batch call gained 0.9-1.4x there, and a job would then wait for its whole batch.
+thread drains even a full queue in seconds (bench/tokenizer_throughput.py; measured:
+bench/RESULTS.md, "Moved from mlaserve/service/tokenizer_worker.py"). Encodes are not batched:
+HF's batch call gained little there, and a job would then wait for its whole batch.
 """
 
 from __future__ import annotations

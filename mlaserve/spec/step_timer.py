@@ -8,21 +8,19 @@ then `steps` plain steps that refresh the draft caches, then `steps` plain steps
 work (after two steps each to settle: drafts are made one step ahead), the lower quartile of
 each kind's steps over its rounds (timing noise only adds time, as the policy's served costs
 assume). Interleaved rounds, because a speculating engine never observes a plain step while
-serving, so a noisy plain figure sets its break-even for good. (They did not remove the bias
-seen on an H100: the start-up plain figure still read 20-30% above served plain steps; cause not
-found yet. On an H200 one engine's bs-32 plain median read 1.26 ms against 0.72 served and
-0.72-0.74 in the two engines beside it, which made speculation look paying at 1.24.) On a small
-model the
-host work is a large share of a step, which device time alone would miss. These are the
-policy's starting point; it follows the served steps' own wall times from there.
+serving, so a noisy plain figure sets its break-even for good. (A start-up bias of the plain
+figure remains, cause not found: bench/RESULTS.md, "Moved from mlaserve/spec/step_timer.py".)
+On a small model the host work is a large share of a step, which device time alone would
+miss. These are the policy's starting point; it follows the served steps' own wall times from
+there.
 
 `replay_step_times` / `time_replays` (bench/spec.py): device time of the graphs alone, on
 the input buffers a real engine step left: `size` requests with distinct random prompts are
 prefilled and decoded through `LLMEngine.step()` with the policy forced (speculating, then
 plain), and each kind's graphs are replayed right after a real step of that kind. So every row
 is a different token at its own position, and a MoE layer routes each row on its own (padding
-rows, all token 0 at position 0, route every row alike: a plain step at bs 16 then read 6
-experts instead of ~50 and looked 2.4x cheaper than it is). A plain step: the DECODE graph,
+rows, all token 0 at position 0, route every row alike, and a plain step then read far fewer
+experts and looked much cheaper than it is). A plain step: the DECODE graph,
 whose own argmax is the greedy sampler's work. A speculative step: the VERIFY graph on the
 requests' next VERIFY rows (each one's last token and its k drafts), the argmax over its logits
 (greedy acceptance's `row_argmax` over [bs*(k+1), V]), the (k+1)-row DRAFT_EXTEND graph on those
@@ -115,8 +113,8 @@ def replay_step_times(engine: Any, size: int, iters: int, prompt_len: int = 64) 
             engine.step()  # verify steps; each request now holds k drafts
         # A step's draft-extend overwrites the VERIFY rows' ids with the tokens it emitted
         # (`after_decode`), and a random-weight model emits one token over and over: rows of
-        # one repeated token route alike (at bs 1 on V3-lite the VERIFY graph then took 4.05
-        # ms against 4.8 on the rows it really verifies). So the requests' next VERIFY batch
+        # one repeated token route alike (the VERIFY graph then timed faster than on the rows it
+        # really verifies). So the requests' next VERIFY batch
         # is built and run as a step would, and its ids are what the VERIFY graph is timed on.
         graphs.run_with_hidden(dec._verify_batch([engine.requests[rid] for rid in ids]))
         verify_ids = ids_buf[:rows].clone()
