@@ -11,7 +11,7 @@
 `order` is `torch.argsort(ids.flatten(), stable=True)`: within an expert the pairs keep their
 order. Why not that (the CPU path's, and past EXPERT_SORT_MAX_PAIRS): torch's radix sort over
 uint8 keys, the counts by `scatter_add_`, the token division and `moe_sorted_combine`'s inversion
-are seven launches, ~30-40 us of a 2048-8192-token V2-Lite layer on an H100.
+are seven launches (measured: bench/RESULTS.md, "Session of 2026-11-26 (twelfth)").
 
 The pairs are cut into chunks of BLOCK consecutive pairs, one program each:
 
@@ -21,9 +21,8 @@ The pairs are cut into chunks of BLOCK consecutive pairs, one program each:
                          in registers (`tl.sort` of expert * BLOCK + offset: stable) give each
                          pair's rank among its expert's pairs of the chunk
 
-So every pair id is read twice, whatever E: 4.7 us at 12288 pairs (V2-Lite, 2048 tokens), 7.5
-us at 49152 (8192 tokens). The one-launch form before this, one program per expert reading all
-R ids, read them E times: 15.2 and 54.0 us; torch's sort took over from it at 24576 pairs.
+So every pair id is read twice, whatever E (the one-launch form before this, one program per
+expert, read them E times).
 No host reads: CUDA-graph safe.
 """
 
@@ -45,9 +44,7 @@ EXPERT_SORT_MAX_PAIRS = 65536
 # Pairs a program sorts: R over about _CHUNKS, a power of two of at least _MIN_BLOCK and at most
 # _MAX_BLOCK, then doubled while the placing programs' histogram table [C_PAD, E_PAD] would pass
 # _MAX_TABLE entries. A program's in-register sort grows as BLOCK log^2 BLOCK, its table read as
-# C x E: H100, V2-Lite's top-6 of 64, both kernels graph-timed, us at 128 / 256 / 512 / 1024
-# pairs a chunk: 4.0 / 4.2 / 6.1 / 11.9 at 1024 tokens, 5.6 / 4.7 / 6.3 / 12.2 at 2048, 8.6 /
-# 6.4 / 5.9 / 11.9 at 4096, 15.9 / 9.4 / 7.5 / 12.4 at 8192 (bench/RESULTS.md).
+# C x E (chunk sizes measured: bench/RESULTS.md, "Session of 2026-11-26 (twelfth)", "The sort").
 _CHUNKS, _MIN_BLOCK, _MAX_BLOCK, _MAX_TABLE = 64, 128, 512, 16384
 
 

@@ -9,18 +9,18 @@ decided on the host; nothing reads device memory, so the whole op is graph-captu
     triton_w8a16     W8A16_MIN_M <= M <= W8A16_MAX_M, SM90 (and SM100 without flashinfer):
                      `fp8_triton.w8a16_block_fp8_matmul_triton`, the FP8 weight widened to the
                      activations' dtype in registers. One launch where W8A8 takes an activation
-                     quantisation, a split-K GEMM and its reduction: measured on an H100, W8A8
-                     made the V2-Lite bs-1 graphed step 1.35x the bf16 one (7.5 vs 5.5 ms) from
-                     launches alone. Exact activations, and the same FP8 weight bytes.
+                     quantisation, a split-K GEMM and its reduction, whose launches alone made
+                     a decode-sized W8A8 step slower than bf16 (bench/RESULTS.md). Exact
+                     activations, and the same FP8 weight bytes.
     triton           `fp8_triton.w8a8_block_fp8_matmul_triton` (SGLang/vLLM's design). Decode-
                      sized M is memory-bound; this kernel streams the FP8 weight once, half the
                      bytes of bf16. Any SM89+ GPU, SM90 and SM100 included; the fallback for
                      every shape the others refuse (partial blocks, per-row scales).
     torch_blockwise  SM90, M >= TORCH_BLOCKWISE_MIN_M: torch's own `F.scaled_mm` with
                      ScalingType.BlockWise1x128 (x) x BlockWise128x128 (W), i.e. cuBLASLt's
-                     VEC128 / BLK128x128 scale modes. Measured on an H100 (torch 2.11): faster
-                     than bf16 at M = 2048 (32 us vs 48 us at 2048x4096x2048), slower at
-                     M <= 64, M = 1 rejected. NVIDIA documents those cuBLASLt scale modes as
+                     VEC128 / BLK128x128 scale modes. Faster than bf16 at prefill sizes, slower
+                     at M <= 64 (`bench/fp8_gemm.py`), M = 1 rejected (torch 2.11). NVIDIA
+                     documents those cuBLASLt scale modes as
                      SM90-only (CUDALibrarySamples issues 270, 310), so not on SM100.
     flashinfer       SM100 with flashinfer installed (`pip install '.[blackwell]'`):
                      `flashinfer.gemm.gemm_fp8_nt_groupwise(..., backend="trtllm")`, the
@@ -60,14 +60,13 @@ __all__ = [
 ]
 
 GemmBackend = Literal["triton_w8a16", "triton", "torch_blockwise", "flashinfer", "emulated"]
-# Below this M torch's blockwise scaled_mm loses to bf16 (and to the memory-bound Triton kernel).
-# Measured points: loses at 16 and 64, wins at 2048; bench/fp8_gemm.py refines the crossover.
+# Below this M torch's blockwise scaled_mm loses to bf16 (and to the memory-bound Triton kernel);
+# bench/fp8_gemm.py measures the crossover.
 TORCH_BLOCKWISE_MIN_M = 256
 # From W8A16_MIN_M to W8A16_MAX_M tokens the W8A16 kernel: memory- and launch-bound sizes, where
 # the activation quantisation W8A8 needs costs more than the fp8 tensor-core rate gains. At
 # M = 1 the split-K W8A8 GEMM wins despite its extra launches: the W8A16 kernel has no K split,
-# so too few weight loads are in flight (H100, V2-Lite FP8, graphed bs-1 replay: 5.76 ms with
-# W8A8 at M = 1 vs 6.21 ms with W8A16; bs 8: W8A16 8.01 vs W8A8 8.12 ms; bench/fp8_gemm.py).
+# so too few weight loads are in flight (measured: bench/fp8_gemm.py, bench/RESULTS.md).
 W8A16_MIN_M = 2
 W8A16_MAX_M = 64
 

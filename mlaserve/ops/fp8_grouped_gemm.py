@@ -13,7 +13,7 @@ activations and dequantised weights; it reads `counts` on the host.
 
 Why Triton and not torch's `F.scaled_grouped_mm`: the routed-expert GEMMs of a decode step have
 a handful of rows per expert, the regime where torch's blockwise `scaled_mm` already loses to
-bf16 (measured on an H100 with torch 2.11); a memory-bound kernel that streams each touched
+bf16 (`fp8_gemm.py`, torch 2.11); a memory-bound kernel that streams each touched
 expert's FP8 weight once is what halves the bytes.
 """
 

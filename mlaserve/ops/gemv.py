@@ -141,25 +141,22 @@ def _num_sms(device: torch.device) -> int:
 
 def gemv_config(m: int, n: int, k: int, fp8: bool, num_sms: int = 132) -> GemvConfig:
     """Tiles by shape (no autotuning: a tuning run inside graph capture would break it), for
-    16-bit activations, from `bench/gemv.py --sweep-configs` on an H100.
+    16-bit activations, from `bench/gemv.py --sweep-configs` (timings: bench/RESULTS.md).
 
     bf16 at M <= 2, and FP8 at M = 1 with K <= 2048 and W of <= 8M elements (decode at batch
     1-2, where small weights are latency-bound): rows of W read in long runs, few rows per
     program, many programs. block_k is the whole K up to 1024 elements (bf16) or 2048 (FP8), at
     most 8192 elements a tile (two tiles are in flight in registers); block_n the largest power
     of two <= 16 that still gives >= 6 programs per SM; 4 warps where a tile has >= 4096
-    elements, else 8. V2-Lite's q|kv_a (3648 x 2048) took 6.4 us bf16 / 4.5 us FP8 this way,
-    against 7.2 / 6.5 us with the rule below, and o_proj (2048 x 2048) 3.7 / 3.3 against 4.4 /
-    3.8 us; V3's bf16 q_b and kv_a 26.3 / 4.3 against 28.4 / 4.8 us. FP8 at M = 2 and V3's FP8
-    weights lost this way (V2-Lite's q|kv_a at M = 2: 10.3 against 7.9 us; V3's q_b 21.9 against
-    18.1 us, kv_a 4.9 against 3.9 us at M = 1) and keep the rule below.
+    elements, else 8. This beat the rule below on V2-Lite's and V3's bf16 weights; FP8 at M = 2
+    and V3's FP8 weights lost this way and keep the rule below.
 
     Otherwise:
     - block_n: the largest power of two <= 16 that still gives >= 3 programs per SM. Rows per
       program are the only parallelism (no K split), and at ~1.5 programs per SM the SMs
       holding two finish last; at >= 3 the imbalance is a third at worst. N = 576 gets one row
       per program (576 programs), V3's q_b (N = 24576) 16 rows, as moe_decode's measured tile.
-    - num_warps: 8 at M <= 2 (moe_decode's GEMV measured 7-10% faster than 4 at one token), 4
+    - num_warps: 8 at M <= 2 (faster than 4 at one token in moe_decode's GEMV sweep), 4
       beyond, where each thread's share of the M accumulators grows.
     - block_k: 16 bytes of weight per thread per step (one 8-element vector of bf16, two of
       FP8: x's vectors are 8 elements), one vector at M > 8 where the per-thread accumulators

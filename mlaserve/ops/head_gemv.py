@@ -24,8 +24,8 @@ when its grid has ended (`ops/pdl.py`, `wait_and_hold_next_kernel`).
 
 Why: these are the two batched GEMMs of an MLA decode step (q_nope -> latent, latent -> v). At a
 few tokens each reads 2 MB of weights (V2-Lite; 16.8 MB on V3), which cuBLAS's bmm streams at
-a fifth of the copy bandwidth (3.6 and 3.2 us per layer at bs 1, floor ~0.7 us, bench/
-RESULTS.md), and as a library kernel it cannot launch early under PDL (`ops/pdl.py`). Here each
+a fraction of the copy bandwidth (measured: bench/RESULTS.md, "Session of 2026-11-23 (fourth)"),
+and as a library kernel it cannot launch early under PDL (`ops/pdl.py`). Here each
 program owns BLOCK_N output columns of one head and walks K once, loading each weight tile once
 for every token row (plain FMAs: at T <= 8 a tensor-core tile would be mostly padding).
 Launches read no device value on the host: CUDA-graph safe.

@@ -8,8 +8,8 @@
     returns k [S, H, d_n + d_r], new, contiguous, kv's dtype: k[s, h] = [kv[s, h, :d_n] | k_pe[s]]
 
 Why: `torch.cat([kv[..., :d_n], k_pe.expand(...)], -1)` reads a strided and a broadcast input;
-torch's concatenation kernel ran at about a quarter of the copy bandwidth there (23 us a layer
-for a 2048-token V2-Lite prefill on an H200, bench/RESULTS.md). Here each program copies a
+torch's concatenation kernel runs far below the copy bandwidth there (measured:
+bench/RESULTS.md, "Router logits and the prefill's query and keys"). Here each program copies a
 block of tokens of one head as whole rows. A copy: the same bits as the concatenation.
 """
 

@@ -14,8 +14,8 @@ reads q_latent, q_pe_roped and the cache.
 
 Why: the two only read the projection's output, yet as two launches the GEMV waits for the norm
 kernel's grid to finish (`ops/pdl.py`: a kernel waits for the whole previous grid). At batch 1
-each is a few microseconds of latency, not of bytes (V2-Lite, H200: 2.7 and 2.75 us a layer,
-bench/RESULTS.md); one launch runs them side by side.
+each is a few microseconds of latency, not of bytes (measured: bench/RESULTS.md, "Session of
+2026-11-26 (second)", "Where a bs-1 decode step goes"); one launch runs them side by side.
 
 Joined query (`joined`, FlashMLA's query [q_nope @ W_UK | rope(q_pe)] [T, H, r + d_r] in its
 dtype, `head_gemv`'s tail variant): the GEMV's column-block-0 programs rope q_pe themselves

@@ -266,9 +266,9 @@ def moe_grouped(
     """x [T, H], topk_weights [T, K] fp32, topk_ids [T, K] int64 -> y [T, H] (x's dtype).
     `block_m` overrides `moe_grouped_block_m` (tests); `block_n` the tiles of (gate_up, down),
     `block_k` the K step (with FP8 it must divide 128), `num_stages` the pipeline depth; by
-    default the tiles `bench/moe_decode.py --sweep` measured best on an H100 (V2-Lite layer,
-    8-256 tokens): FP8 (64, 128) x 128, 3 stages; bf16 (64, 64) x 128 in 4 stages up to 128
-    tokens, x 64 in 3 beyond. `combine=False` returns the per-slot partials uncombined
+    default the tiles `bench/moe_decode.py --sweep` measured best (V2-Lite layer, 8-256
+    tokens; bench/RESULTS.md): FP8 (64, 128) x 128, 3 stages; bf16 (64, 64) x 128 in 4 stages
+    up to 128 tokens, x 64 in 3 beyond. `combine=False` returns the per-slot partials uncombined
     (`MoePartials`)."""
     num_tokens, top_k = topk_ids.shape
     hidden, inter, shared = weights.hidden, weights.inter, weights.num_shared

@@ -17,16 +17,15 @@ product in fp32 rounded. The down GEMM stays `torch._grouped_mm` (faster than th
 form of it at every size measured).
 
 Why not `torch._grouped_mm` + `silu_and_mul` here (the path before this one): the gather of
-x's rows, the [R, 2I] gate_up output and the SiLU kernel cost more than the GEMM's tile loses.
-H100, V2-Lite experts (bench/moe_prefill.py), gather + grouped GEMM + SiLU -> this kernel, us:
-328.2 -> 282.7 at 1024 tokens, 397.5 -> 358.9 at 2048, 667.8 -> 611.3 at 4096. At 8192 (768
-rows an expert) CUTLASS's larger tiles win, so the MoE layer takes this kernel only up to
+x's rows, the [R, 2I] gate_up output and the SiLU kernel cost more than the GEMM's tile loses
+(measured: bench/moe_prefill.py, bench/RESULTS.md, "Session of 2026-11-26 (ninth)"). At many
+rows an expert CUTLASS's larger tiles win, so the MoE layer takes this kernel only up to
 `PREFILL_GATE_UP_MAX_ROWS` rows an expert.
 
 One MMA per K step: gate's and up's columns are interleaved in one [BLOCK_K, 2 BLOCK_N] weight
 tile, so x's tile is read from shared memory once per step instead of once per projection
-(two 64-wide MMAs -> one 128-wide). Same bits; 371.7 -> 360.2 us at 2048 tokens, 286.6 ->
-283.9 at 1024, 625.6 -> 614.7 at 4096 (bench/RESULTS.md, tenth section).
+(two 64-wide MMAs -> one 128-wide). Same bits, and faster (bench/RESULTS.md, "Session of
+2026-11-26 (tenth)", "The gate_up kernel's variants").
 
 Tiles: program `pid` takes M block pid // NUM_N and N block pid % NUM_N, so the programs of one
 expert's M blocks run together and its weight tiles are read from HBM once (the rest hits L2).

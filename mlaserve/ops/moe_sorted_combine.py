@@ -15,7 +15,7 @@ once; adding `shared` is a second rounding, as the torch reference's `y + shared
 
 Two kernels replace the torch reference's unsort (`index_copy_`), fp32 upcast, broadcast
 multiply, sum, downcast and add (six launches and ~200 MB of fp32 temporaries written and read
-per 2048-token layer at the V2-Lite shape: 7 ms of a 40 ms prefill on an H100):
+per 2048-token layer at the V2-Lite shape):
 
     _invert_kernel    pos[order[i]] = i            (T*K int32 writes; skipped when the caller
                       has `pos` from `ops.expert_sort`, which writes it while sorting)

@@ -13,8 +13,8 @@ below `ops/gemv.py`'s limit keep the GEMV (one streaming pass, no tensor cores n
 Grid (cdiv(T, BLOCK_T), cdiv(E, BLOCK_E), S): narrow tiles along E and S splits of K, so that
 even a handful of tokens spreads the gate's bytes (512 KB for V2-Lite, 7.3 MB for V3) over about
 every SM. Prefill-sized batches, which fill the GPU without that, take tiles 64 experts wide
-(`_tiles`): each x row is then read once per 64 experts, not once per 16 (at 2048 tokens of
-V2-Lite: 60 -> 30 us a layer on an H100), and split K while those tiles are fewer than
+(`_tiles`): each x row is then read once per 64 experts, not once per 16, and split K while
+those tiles are fewer than
 _PREFILL_PROGRAMS: a program's K loop is a chain of dependent steps (32 at V2-Lite's unsplit
 2048), so at a few hundred programs its length is the kernel's time. The S partials go out as
 they are: the routing kernel sums them in a fixed order (deterministic, no reduction launch).
@@ -77,14 +77,12 @@ _BLOCK_T, _BLOCK_E, _BLOCK_K = 16, 16, 128
 # Wide tiles: a [64, 64] fp32 gate tile and the next one in registers at 4 warps.
 _WIDE_BLOCK_E, _WIDE_BLOCK_K = 64, 64
 # Prefill-sized batches' token rows a tile: each gate tile is read once per 64 tokens, not 16
-# (H100, V2-Lite, us, 16 -> 64 rows: 13.9 -> 9.1 at 1024 tokens, 28.9 -> 16.8 at 2048, 56.4 ->
-# 31.2 at 4096; 32 rows and 8 warps were slower, bench/moe_prefill.py --glue).
+# (measured: bench/moe_prefill.py --glue, bench/RESULTS.md, "Session of 2026-11-26 (ninth)").
 _PREFILL_BLOCK_T = 64
-_PROGRAMS_TARGET = 128  # about one per SM of an H100 (132)
+_PROGRAMS_TARGET = 128  # about one per SM of an H100 (132 SMs)
 _WIDE_PROGRAMS = 4 * _PROGRAMS_TARGET  # decode-sized wide tiles split K up to this many programs
 # Prefill-sized ones up to twice that, in 16-row tiles (a quarter of it in the 64-row tiles
-# launched): shorter K chains. H100, V2-Lite's gate, us, splits as before -> doubled: 9.3 ->
-# 7.7 at 1024 tokens (8 -> 16), 16.8 -> 12.7 at 2048 (4 -> 8), 30.9 -> 22.8 at 4096 (2 -> 4).
+# launched): shorter K chains (measured: bench/moe_prefill.py --glue, bench/RESULTS.md).
 _PREFILL_PROGRAMS = 2 * _WIDE_PROGRAMS
 _MAX_WIDE_SPLITS = 16
 # Decode-sized batches take wide tiles with K split up to this many ways (one 128-wide step a
@@ -103,15 +101,12 @@ def _tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, in
       2 * _PROGRAMS_TARGET): V2-Lite at 2048 tokens takes 8 splits of 4 steps, at 8192 two.
     - Decode-sized batches of a small gate: wide tiles of 128-wide steps, K split up to
       _MAX_SMALL_SPLITS ways within _WIDE_PROGRAMS, where that leaves <= _LATENCY_BYTES of the
-      gate a program. V2-Lite's gate (512 KB) with the selection after it, H100, us, narrow ->
-      these: 6.19 -> 5.43 at 32 tokens, 7.29 -> 5.37 at 64, 9.60 -> 6.40 at 128 (a bs-32
-      VERIFY), 15.07 -> 7.72 at 256; V3's 7.3 MB gate from 32 tokens: 27.2 -> 24.5 at 32, 43.4
-      -> 25.4 at 64, 80.8 -> 36.9 at 128, where at 9 and 16 tokens (229 KB a program) the
-      wide tiles took 23.6 us against 16.0 (bench/RESULTS.md).
+      gate a program: faster than narrow tiles for V2-Lite's and V3's gates where the bytes
+      per program stay small, slower past it (bench/RESULTS.md, "Session of 2026-11-26
+      (seventh)").
     - Otherwise (a large gate, V3's 7.3 MB, at a few tokens): narrow tiles with K splits, so
       that the launch has about _PROGRAMS_TARGET programs: a handful of tokens would otherwise
-      stream the whole gate through a few SMs (V2-Lite at 32 tokens unsplit: 8 programs, 19
-      us, vs 3 kernels and 11 us for torch's)."""
+      stream the whole gate through a few SMs."""
     t_tiles = triton.cdiv(num_tokens, _BLOCK_T)
     wide = t_tiles * triton.cdiv(num_experts, _WIDE_BLOCK_E)
     if 2 * wide >= _PROGRAMS_TARGET:

@@ -168,8 +168,8 @@ def fused_select_experts(
 
 
 def _num_warps(num_experts: int) -> int:
-    """4 warps (8 past 512 experts). Not fewer: one warp was faster at prefill sizes (H100,
-    V2-Lite at 2048 tokens 7.3 -> 3.6 us), but a reduction's order follows the warps, and the
+    """4 warps (8 past 512 experts). Not fewer: one warp was faster at prefill sizes, but a
+    reduction's order follows the warps, and the
     selection inside `moe_decode`'s first kernel must give this kernel's bits (a speculative
     VERIFY step and a plain decode step select through the two)."""
     return 4 if num_experts <= 512 else 8
