@@ -13,7 +13,7 @@ from transformers import DeepseekV3ForCausalLM
 
 from mlaserve import LLM, SamplingParams
 from mlaserve.config import default_model_path
-from tests.engine.test_engine_parity import hf_greedy
+from tests.engine.greedy_oracle import hf_greedy
 
 HELDOUT = Path(__file__).resolve().parents[1] / "tools" / "data" / "default_model_heldout.jsonl.gz"
 NEW_TOKENS = 32

@@ -78,7 +78,8 @@ class BlackwellBackend(AttentionBackend):
     ) -> None:
         """`target`: the GPU to build for; None reads it from `device` (which must be CUDA).
         Tests pass a Blackwell target with a CPU device to build the kernels' arguments.
-        `self.on_gpu` says which: only then are the kernels loaded or compiled."""
+        `self.on_gpu` says which: only then are the kernels loaded or compiled. Subclasses do
+        their own construction in `_init_kernels`, not by overriding this."""
         super().__init__(
             model_config,
             page_size,
@@ -91,6 +92,13 @@ class BlackwellBackend(AttentionBackend):
         self.on_gpu = target is None
         self.target = GpuTarget.of(device) if self.on_gpu else target
         self.check_target(model_config, page_size, kv_cache_dtype, self.target)
+        self._init_kernels()
+
+    def _init_kernels(self) -> None:
+        """Import the package's kernels and allocate the buffers sized at construction (never
+        grown while serving: that would break captured graphs); on the GPU also load or compile
+        the kernels now, so a failure shows at start-up. Runs once the target is checked."""
+        raise NotImplementedError
 
     def check_uniform_bounds(self, batch: ForwardBatch) -> None:
         """A uniform batch must fit what the buffers were sized for at construction (they are

@@ -128,42 +128,21 @@ class TokenspeedBackend(BlackwellBackend):
             raise BackendUnsupportedError(f"attention_backend 'tokenspeed': {problem}")
         _import_tokenspeed()
 
-    def __init__(
-        self,
-        model_config: ModelConfig,
-        page_size: int,
-        kv_cache_dtype: torch.dtype,
-        device: torch.device,
-        max_num_seqs: int,
-        max_model_len: int,
-        *,
-        max_q_len: int = 1,
-        target: GpuTarget | None = None,
-    ) -> None:
-        super().__init__(
-            model_config,
-            page_size,
-            kv_cache_dtype,
-            device,
-            max_num_seqs,
-            max_model_len,
-            max_q_len=max_q_len,
-            target=target,
-        )
+    def _init_kernels(self) -> None:
         self._ts = _import_tokenspeed()
         # Once, for the largest q_len in use, never grown while serving (a lazily grown buffer
         # would allocate on the first long verify batch and break captured graphs).
         self.workspace = torch.empty(
-            workspace_bytes(self.target.num_sms, self.num_heads, max_q_len, self.kv_lora_rank),
+            workspace_bytes(self.target.num_sms, self.num_heads, self.max_q_len, self.kv_lora_rank),
             dtype=torch.int8,
-            device=device,
+            device=self.device,
         )
         if self.on_gpu:
             # 1.5-2 minutes per variant: pay it at start-up, not on the first long prompt.
             self._ts.warmup_compile_prefill(
                 q_dtype=torch.float8_e4m3fn,
-                d_qk=model_config.qk_head_dim,
-                d_v=model_config.v_head_dim,
+                d_qk=self.model_config.qk_head_dim,
+                d_v=self.model_config.v_head_dim,
             )
 
     # -- metadata ---------------------------------------------------------------------------

@@ -178,28 +178,7 @@ class TrtllmBackend(BlackwellBackend):
             raise BackendUnsupportedError(f"attention_backend 'trtllm': {problem}")
         _import_flashinfer()
 
-    def __init__(
-        self,
-        model_config: ModelConfig,
-        page_size: int,
-        kv_cache_dtype: torch.dtype,
-        device: torch.device,
-        max_num_seqs: int,
-        max_model_len: int,
-        *,
-        max_q_len: int = 1,
-        target: GpuTarget | None = None,
-    ) -> None:
-        super().__init__(
-            model_config,
-            page_size,
-            kv_cache_dtype,
-            device,
-            max_num_seqs,
-            max_model_len,
-            max_q_len=max_q_len,
-            target=target,
-        )
+    def _init_kernels(self) -> None:
         self._decode, self._prefill, counter_bytes = _import_flashinfer()
         if self.on_gpu:
             problem = missing_cubins()
@@ -215,16 +194,18 @@ class TrtllmBackend(BlackwellBackend):
                 raise BackendUnsupportedError(
                     f"attention_backend 'trtllm': cannot load flashinfer's trtllm-gen module: {e}"
                 ) from e
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.kv_counter = torch.zeros(
-            counter_bytes(max_num_seqs, self.num_heads, self.target.num_sms),
+            counter_bytes(self.max_num_seqs, self.num_heads, self.target.num_sms),
             dtype=torch.uint8,
-            device=device,
+            device=self.device,
         )
-        self.table_width = padded_table_width(max_model_len, page_size)
+        self.table_width = padded_table_width(self.max_model_len, self.page_size)
         # Allocated once; rows are overwritten per forward only when the runner's width is not
         # already a multiple of 128 / page_size. Pad columns stay 0 (the dummy page).
-        self._tables = torch.zeros(max_num_seqs, self.table_width, dtype=torch.int32, device=device)
+        self._tables = torch.zeros(
+            self.max_num_seqs, self.table_width, dtype=torch.int32, device=self.device
+        )
 
     # -- metadata ---------------------------------------------------------------------------
 

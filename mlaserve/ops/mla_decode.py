@@ -27,10 +27,9 @@ kernel). Nothing past a sequence's length is read, so stale or NaN pages never l
 rows of a CUDA graph (seq_len = q_len, page-table row of zeros) read page 0 and stay finite.
 A row that sees no key at all (seq_len < q_len, never in a valid batch) comes out 0.
 
-Why: at decode batch sizes of 1-8 sequences FlashMLA's cost is mostly fixed: per forward a
-schedule-metadata kernel, per layer `flash_fwd_splitkv_mla` (~8.8 us at bs 1, ctx 1024 on an
-H100, for ~0.7 MB of KV) and its combine (~3.3 us), library kernels that cannot launch early
-under PDL. Here two PDL kernels per layer, no metadata kernel:
+Why: at decode batch sizes of 1-8 sequences FlashMLA's cost is mostly fixed (a schedule-metadata
+kernel per forward, a split-KV kernel and its combine per layer: library kernels that cannot
+launch early under PDL). Here two PDL kernels per layer, no metadata kernel:
 
 1. split (grid bs x num_splits x head_groups): one program takes up to BLOCK_M of the
    sequence's q_len * H query rows (row m = i * H + h) over one chunk of its keys. It walks
@@ -237,15 +236,16 @@ def _chunk_len(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constex
 
 
 @triton.jit
-def _block_pages(bt_row, n0, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _block_pages(block_table_row, n0, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Page ids of keys n0 .. n0 + BLOCK_N - 1 (0 for those >= end: never dereferenced)."""
     keys = n0 + tl.arange(0, BLOCK_N)
-    return tl.load(bt_row + keys // PAGE, mask=keys < end, other=0)
+    return tl.load(block_table_row + keys // PAGE, mask=keys < end, other=0)
 
 
 @triton.jit
 def _attend_block(
-    n0, end, page, last, scale, qn_rows, qp_rows, mask_m, m_i, l_i, acc, kv_ptr, kv_sp, kv_sr,
+    n0, end, page, last, scale, q_nope_rows, q_pe_rows, mask_m, m_i, l_i, acc,
+    kv_cache_ptr, kv_cache_stride_page, kv_cache_stride_row,
     R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -259,11 +259,15 @@ def _attend_block(
     keys, and the values' tile is loaded again whole (L1 hits)."""
     keys = n0 + tl.arange(0, BLOCK_N)
     valid = keys < end
-    kv_rows = kv_ptr + page.to(tl.int64) * kv_sp + (keys % PAGE) * kv_sr
-    dtype = qn_rows.dtype.element_ty
+    kv_rows = (
+        kv_cache_ptr
+        + page.to(tl.int64) * kv_cache_stride_page
+        + (keys % PAGE) * kv_cache_stride_row
+    )
+    dtype = q_nope_rows.dtype.element_ty
     offs_dr = tl.arange(0, BLOCK_DR)
     mask_dr = offs_dr < DR
-    q_pe = tl.load(qp_rows[:, None] + offs_dr[None, :], mask=mask_m[:, None] & mask_dr[None, :],
+    q_pe = tl.load(q_pe_rows[:, None] + offs_dr[None, :], mask=mask_m[:, None] & mask_dr[None, :],
                    other=0.0)  # fmt: skip
     pe = tl.load(kv_rows[:, None] + R + offs_dr[None, :], mask=valid[:, None] & mask_dr[None, :],
                  other=0.0).to(dtype)  # fmt: skip
@@ -271,7 +275,7 @@ def _attend_block(
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     if BLOCK_D >= BLOCK_R:  # one slice: the keys' tile is the values' tile
-        q = tl.load(qn_rows[:, None] + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :],
+        q = tl.load(q_nope_rows[:, None] + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :],
                     other=0.0)  # fmt: skip
         c = tl.load(kv_rows[:, None] + offs_r[None, :], mask=valid[:, None] & mask_r[None, :],
                     other=0.0).to(dtype)  # fmt: skip
@@ -280,7 +284,7 @@ def _attend_block(
         for d0 in tl.static_range(0, BLOCK_R, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             mask_d = offs_d < R
-            q = tl.load(qn_rows[:, None] + offs_d[None, :],
+            q = tl.load(q_nope_rows[:, None] + offs_d[None, :],
                         mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # fmt: skip
             k = tl.load(kv_rows[:, None] + offs_d[None, :],
                         mask=valid[:, None] & mask_d[None, :], other=0.0).to(dtype)  # fmt: skip
@@ -299,16 +303,36 @@ def _attend_block(
 
 # q_len, num_splits and the page table's row stride are runtime values (not specialised): one
 # compile serves every batch size of a BLOCK_M bucket and any page-table width.
-@triton.jit(do_not_specialize=["q_len", "num_splits", "bt_sb"])
+@triton.jit(do_not_specialize=["q_len", "num_splits", "block_tables_stride_seq"])
 def _mla_split_kernel(
-    qn_ptr, qp_ptr, kv_ptr, k_scale_ptr, bt_ptr, seq_lens_ptr, part_ptr, lse_ptr, out_ptr,
+    q_nope_ptr, q_pe_ptr, kv_cache_ptr, k_scale_ptr, block_tables_ptr, seq_lens_ptr,
+    partial_ptr, lse_ptr, out_ptr,
     q_len, num_splits, qk_scale,
-    qn_st, qn_sh, qp_st, qp_sh, kv_sp, kv_sr, bt_sb, o_st, o_sh,
+    q_nope_stride_token, q_nope_stride_head, q_pe_stride_token, q_pe_stride_head,
+    kv_cache_stride_page, kv_cache_stride_row, block_tables_stride_seq,
+    out_stride_token, out_stride_head,
     H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DR: tl.constexpr, MIN_CHUNK: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PREC: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    """Program (b, s, g): query rows g * BLOCK_M .. (g + 1) * BLOCK_M - 1 (row m = i * H + h)
+    of sequence b over split s's chunk of its keys.
+
+    Layouts: strides in elements, every last dim contiguous; H, R, DR, PAGE are the module
+    doc's H, r, d_r, page; token row t = b * q_len + i.
+
+        q_nope    [T, H, R]          (t, h) at t * q_nope_stride_token + h * q_nope_stride_head
+        q_pe      [T, H, DR]         (t, h) at t * q_pe_stride_token + h * q_pe_stride_head
+        kv_cache  [P, PAGE, R + DR]  key row n of page p at p * kv_cache_stride_page
+                                     + (n % PAGE) * kv_cache_stride_row; c_kv = [:R], k_pe = [R:]
+        block_tables  [bs, max_pages] int32: sequence b's row at b * block_tables_stride_seq
+        seq_lens  [bs] int32;  k_scale [1] fp32 (read only when FP8)
+        out       [T, H, R]          (t, h) at t * out_stride_token + h * out_stride_head;
+                                     written only when DIRECT (num_splits == 1)
+        partial   [T * H * num_splits, R] fp32 and lse [T * H * num_splits] fp32, contiguous:
+                  the workspace (module doc), written unless DIRECT
+    """
     b = tl.program_id(0)
     s = tl.program_id(1)
     g = tl.program_id(2)
@@ -319,8 +343,8 @@ def _mla_split_kernel(
     t = b * q_len + qi  # token row
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
-    qn_rows = qn_ptr + t * qn_st + hh * qn_sh
-    qp_rows = qp_ptr + t * qp_st + hh * qp_sh
+    q_nope_rows = q_nope_ptr + t * q_nope_stride_token + hh * q_nope_stride_head
+    q_pe_rows = q_pe_ptr + t * q_pe_stride_token + hh * q_pe_stride_head
 
     # The lengths and page tables are the step's inputs, written before the first layer, and
     # k_scale is the layer's constant: none is the previous kernel's (the decode prologue's),
@@ -330,8 +354,8 @@ def _mla_split_kernel(
     chunk = _chunk_len(seq_len, num_splits, BLOCK_N, MIN_CHUNK)
     start = s * chunk
     end = tl.minimum(start + chunk, seq_len)
-    bt_row = bt_ptr + b.to(tl.int64) * bt_sb
-    page = _block_pages(bt_row, start, end, PAGE, BLOCK_N)  # none for an empty split
+    block_table_row = block_tables_ptr + b.to(tl.int64) * block_tables_stride_seq
+    page = _block_pages(block_table_row, start, end, PAGE, BLOCK_N)  # none for an empty split
     scale = qk_scale  # softmax_scale * log2(e): exp2 below
     out_scale = 1.0
     if FP8:
@@ -349,37 +373,37 @@ def _mla_split_kernel(
         if WHILE_LOOP:  # the interpreter: its scalars cannot bound a `range` (see _use_while)
             n0 = start
             while n0 < end:
-                next_page = _block_pages(bt_row, n0 + BLOCK_N, end, PAGE, BLOCK_N)
+                next_page = _block_pages(block_table_row, n0 + BLOCK_N, end, PAGE, BLOCK_N)
                 m_i, l_i, acc = _attend_block(
-                    n0, end, page, last, scale, qn_rows, qp_rows, mask_m, m_i, l_i, acc,
-                    kv_ptr, kv_sp, kv_sr, R, DR, PAGE, BLOCK_N, BLOCK_R, BLOCK_D, BLOCK_DR,
-                    DOT_PREC,
+                    n0, end, page, last, scale, q_nope_rows, q_pe_rows, mask_m, m_i, l_i, acc,
+                    kv_cache_ptr, kv_cache_stride_page, kv_cache_stride_row,
+                    R, DR, PAGE, BLOCK_N, BLOCK_R, BLOCK_D, BLOCK_DR, DOT_PREC,
                 )  # fmt: skip
                 page = next_page
                 n0 += BLOCK_N
         else:
             for n0 in range(start, end, BLOCK_N):
-                next_page = _block_pages(bt_row, n0 + BLOCK_N, end, PAGE, BLOCK_N)
+                next_page = _block_pages(block_table_row, n0 + BLOCK_N, end, PAGE, BLOCK_N)
                 m_i, l_i, acc = _attend_block(
-                    n0, end, page, last, scale, qn_rows, qp_rows, mask_m, m_i, l_i, acc,
-                    kv_ptr, kv_sp, kv_sr, R, DR, PAGE, BLOCK_N, BLOCK_R, BLOCK_D, BLOCK_DR,
-                    DOT_PREC,
+                    n0, end, page, last, scale, q_nope_rows, q_pe_rows, mask_m, m_i, l_i, acc,
+                    kv_cache_ptr, kv_cache_stride_page, kv_cache_stride_row,
+                    R, DR, PAGE, BLOCK_N, BLOCK_R, BLOCK_D, BLOCK_DR, DOT_PREC,
                 )  # fmt: skip
                 page = next_page
         # a row that saw no key here has acc = 0, l_i = 0: it stores 0 (and lse -inf)
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc * (out_scale / l_safe)[:, None]
         if DIRECT:
-            o_rows = out_ptr + t * o_st + hh * o_sh
+            out_rows = out_ptr + t * out_stride_token + hh * out_stride_head
             tl.store(
-                o_rows[:, None] + offs_r[None, :],
+                out_rows[:, None] + offs_r[None, :],
                 o.to(out_ptr.dtype.element_ty),
                 mask=mask_m[:, None] & mask_r[None, :],
             )
         else:
             ws_row = (t.to(tl.int64) * H + hh) * num_splits + s
             tl.store(
-                part_ptr + ws_row[:, None] * R + offs_r[None, :],
+                partial_ptr + ws_row[:, None] * R + offs_r[None, :],
                 o,
                 mask=mask_m[:, None] & mask_r[None, :],
             )
@@ -389,8 +413,8 @@ def _mla_split_kernel(
 
 @triton.jit(do_not_specialize=["q_len", "num_splits"])
 def _mla_combine_kernel(
-    part_ptr, lse_ptr, seq_lens_ptr, out_ptr,
-    q_len, num_splits, o_st, o_sh,
+    partial_ptr, lse_ptr, seq_lens_ptr, out_ptr,
+    q_len, num_splits, out_stride_token, out_stride_head,
     H: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -406,7 +430,7 @@ def _mla_combine_kernel(
     wait_for_previous_kernel(PDL)  # the partials are the split kernel's output
     lse = tl.load(lse_ptr + ws_row + offs_s, mask=valid, other=float("-inf"))
     part = tl.load(
-        part_ptr + (ws_row + offs_s)[:, None] * R + offs_r[None, :],
+        partial_ptr + (ws_row + offs_s)[:, None] * R + offs_r[None, :],
         mask=valid[:, None] & mask_r[None, :],
         other=0.0,
     )  # [BLOCK_S, BLOCK_R]
@@ -414,7 +438,8 @@ def _mla_combine_kernel(
     w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx))  # 0 for invalid splits
     denom = tl.sum(w, axis=0)
     o = tl.sum(part * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)  # none: 0
-    tl.store(out_ptr + t * o_st + h * o_sh + offs_r, o.to(out_ptr.dtype.element_ty), mask=mask_r)
+    out_row = out_ptr + t * out_stride_token + h * out_stride_head
+    tl.store(out_row + offs_r, o.to(out_ptr.dtype.element_ty), mask=mask_r)
 
 
 def _check(q_nope, q_pe, kv_cache, k_scale, block_tables, seq_lens, q_len, out) -> None:
@@ -529,9 +554,11 @@ def mla_decode(
         q_nope, q_pe, kv_cache, k_scale if fp8 else seq_lens, block_tables, seq_lens,
         part, lse, out,
         q_len, num_splits, float(softmax_scale) * _LOG2E,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        q_nope_stride_token=q_nope.stride(0), q_nope_stride_head=q_nope.stride(1),
+        q_pe_stride_token=q_pe.stride(0), q_pe_stride_head=q_pe.stride(1),
+        kv_cache_stride_page=kv_cache.stride(0), kv_cache_stride_row=kv_cache.stride(1),
+        block_tables_stride_seq=block_tables.stride(0),
+        out_stride_token=out.stride(0), out_stride_head=out.stride(1),
         H=heads, R=rank, DR=rope, PAGE=kv_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_R=triton.next_power_of_2(rank),
         BLOCK_D=min(config.block_d, triton.next_power_of_2(rank)),
@@ -545,7 +572,7 @@ def mla_decode(
     block_r = _combine_block_r(rank, block_s)
     _mla_combine_kernel[(num_tokens, heads, triton.cdiv(rank, block_r))](
         workspace.partial, workspace.lse, seq_lens, out,
-        q_len, num_splits, out.stride(0), out.stride(1),
+        q_len, num_splits, out_stride_token=out.stride(0), out_stride_head=out.stride(1),
         H=heads, R=rank, BLOCK_N=config.block_n, MIN_CHUNK=min_chunk,
         BLOCK_S=block_s, BLOCK_R=block_r, num_warps=4, **pdl,
     )  # fmt: skip

@@ -1,104 +1,53 @@
 """Whether the next decode step speculates: on only where it pays, on this hardware and model.
 
-Step costs. At start-up the engine measures, per captured batch size, the wall time of real
-engine steps of three kinds (`StepCosts`):
+Step costs (`StepCosts`): per captured batch size, the wall time of three kinds of engine step,
+measured at start-up in the same rounds: `spec` (verify of k+1 tokens, acceptance,
+draft-extend, k draft tokens), `plain` (decode and sampling, no draft work) and `refresh` (a
+plain step plus the draft's one-row cache update). While serving, each settled spec or plain
+step updates its kind's cost at its size (`observe_step`) to the lower quartile of the last
+`COST_WINDOW` served steps, the start-up figure counting as `STARTUP_WEIGHT` of them: timing
+noise only ever adds time and comes in stretches, so the lower quartile, not the median. For
+the same reason a served cost below its start-up figure means the start-up rounds ran slow, and
+the other kind's start-up figure is scaled down by that factor; served plain steps above theirs
+scale the spec figure up alike (the host runs slower), served spec steps above theirs scale
+nothing (a dearer spec cost is what must turn speculation off). A kind's served steps expire
+(its cost falls back to its scaled start-up figure) once the other kind has been observed
+`EXPIRE_AFTER` times at that size since, so a slow stretch of a kind no longer served cannot
+decide for good.
 
-    spec     verify of k+1 tokens, acceptance, draft-extend, k draft tokens (all graphed)
-    plain    decode and sampling, no draft work at all (what an engine without speculation does)
-    refresh  a plain step plus the draft's one-row cache update (draft-extend, no drafting)
+Accept length: `L_hat` is a prior of `PRIOR_WEIGHT` pseudo-steps at `prior_accept_length(k)`
+(every position accepted with probability `PRIOR_RATE`) plus the observed accept lengths,
+forgotten exponentially (half-life `HALF_LIFE` verified requests). The prior is optimistic on
+purpose: one that says speculate is corrected by its own observations, one that says do not
+observes nothing (plain steps verify nothing).
 
-While serving, every settled speculative or plain decode step's own wall time updates the
-cost of its kind at its size (`observe_step`): the cost is the lower quartile of the last
-`COST_WINDOW` observed steps, the start-up figure counting as `STARTUP_WEIGHT` of them. So the
-costs follow what serving really costs (longer contexts, another process on the GPU), a
-start-up figure thrown off by noise is outvoted within a few served steps (on the GPU an
-exponential average over 32 steps needed ~30 wrong decisions for that), and outliers move
-nothing. The lower quartile, not the median, because timing noise only ever adds time (a
-garbage-collection pause, the host scheduler) and comes in stretches: on an H100 the median of
-32 served speculative steps at bs 1 swung between 0.88 and 1.28 ms from one run to the next,
-which moved the break-even across the accept length and the decision with it.
+Decision, for `bs` requests of which `num_stale` have a stale draft cache (their drafts count as
+1 token), b the smallest captured size >= bs, in this order:
 
-A served cost below its start-up figure says the start-up rounds ran slow (noise only adds
-time), and the other kind's figure, measured in the same rounds, is taken as slow by the same
-factor: its start-up copies count scaled down until its own served steps outvote them. A policy
-that serves one kind observes nothing of the other, so without this a start-up slowed by the
-host set the break-even for good: on an H200 (default model, k = 2, bs 1) the start-up rounds
-read plain 0.72 / spec 1.60 ms where serving took 0.38 / 0.96, the served spec cost over the
-start-up plain one put the break-even at 1.3 against the true 2.5, and the policy speculated
-every step at 1.75x the TPOT of speculation off.
+    forced      `forced` is set: that decision
+    cap         bs > disable_batch_size: off (refresh as below)
+    unmeasured  no costs (CPU, graphs off): on
+    too_large   bs past every captured size: off
+    probe       a probe under way: on
+    pays        L_eff > (1 + SPEC_MARGIN) * spec_s(b) / plain_s(b): on, where
+                L_eff = ((bs - num_stale) * L_hat + num_stale) / bs (1 when every cache is stale)
+    hold        some cache fresh, and the last decision was pays or hold at b: on, until
+                `OFF_AFTER` decisions in a row have not paid
+    probe       some cache fresh, and this is the `probe_interval(bs)`-th decision off in a row:
+                on for `PROBE_STEPS` decisions
+    does_not_pay  off; refresh iff the start-up refresh overhead at b is at most
+                `REFRESH_MAX_OVERHEAD` and some cache is fresh
 
-Served plain steps above their start-up figure scale the speculative figure up alike; served
-speculative ones above theirs leave the plain figure alone. While the policy serves plain steps,
-a slower plain cost says the host runs slower (a slow stretch, longer contexts), which moves
-both kinds, and only speculative steps' own costs (served while it speculated: a probe's
-steps are never settled ones) may lower the break-even and turn speculation on: on an H100
-(default model, k = 2, bs 16, host-bound steps) a stretch of plain steps served at 2.2x their
-start-up figure lowered the break-even from 2.8 to 1.4, under the accept length, and the policy speculated 73 steps where it did not pay. While it
-speculates, a dearer speculative cost is what must turn it off (a start-up figure too low,
-speculation's cost growing with the contexts), so it is not taken as the host's.
-
-A kind's served steps expire when the other kind has been observed `EXPIRE_AFTER` times at that
-size since its last one: its cost falls back to its (scaled) start-up figure. Served steps of a
-kind are what pushes the policy off it when they run slow, and a policy that then serves only
-the other kind never sees them again: on an H100 (default model, k = 2, bs 1) one stretch of 32
-plain steps at 1.9 ms, against 0.26 ms everywhere else, put the break-even at 0.6 and the
-policy speculated every step after it, at 3x the TPOT of speculation off. The price, where one
-kind really does run slower than at start-up: every EXPIRE_AFTER steps of the other, a few
-decisions (the hysteresis, and until ~16 of its own steps outvote the start-up figure again)
-serve the wrong kind.
-
-Accept length. L_hat is a running estimate: a prior of `PRIOR_WEIGHT` pseudo-steps at the accept
-length of a chain whose every position is accepted with probability `PRIOR_RATE`
-(1 + p + ... + p^k: 2.95 for p = 0.8, k = 3), plus the observed lengths with exponential
-forgetting (weight halves every `HALF_LIFE` verified requests), so it follows a change of traffic.
-The prior is optimistic on purpose (DeepSeek-V3 reports 85-90% acceptance of its MTP token; the
-default model's measured 78% at k = 1): a prior that says speculate is corrected by its own
-observations within a few steps, one that says do not never observes anything (plain steps
-verify nothing, and where the refresh does not pay their caches go stale). With p = 0.6 the
-default model on an H100 at bs 1, k = 1 (break-even 1.62 by the start-up measurement, real
-accept length 1.78) never started speculating.
-
-Decision. A speculative step emits L tokens per request on average (bonus included), a plain one
-1. Requests whose draft cache is stale (they ran plain steps without the refresh) are verified
-with drafts made over an incomplete cache: counted at 1 token, so with `num_stale` of `bs`:
-
-    L_eff = ((bs - num_stale) * L_hat + num_stale) / bs
-    speculate iff L_eff > (1 + SPEC_MARGIN) spec_s(b) / plain_s(b)   (the break-even, + margin)
-
-The margin: TPOT is per request, and requests' accept lengths differ, so the mean TPOT under
-speculation is the step cost times the mean of their inverses, above the cost over the mean
-accept length. On an H100 (default model, bs 4-32, bench/spec.py) the break-even read off the
-requests' TPOT sat 6-8% above the step-cost ratio.
-
-Hysteresis. Once speculating ("pays"), a step of the same captured size that no longer clears
-the margin keeps speculating ("hold") until `OFF_AFTER` decisions in a row have said so. The two
-mistakes cost differently: speculating a few steps where it does not pay loses at most
-OFF_AFTER steps' worth of the (small, near the break-even) difference, but turning off where it
-does pay, when the refresh does not pay either, leaves every running request's draft cache
-stale, i.e. off for the rest of its life. On an H100 (default model, bs 1, k = 1 and 2, where
-speculation won 10%) a served-cost estimate that crossed the break-even for a step or two did
-exactly that, and the policy ran 12-22% slower than speculation off.
-
-When not speculating, the step refreshes the draft caches iff that costs at most
-`REFRESH_MAX_OVERHEAD` of a plain step at this size (by the start-up measurement, which times
-both kinds in the same rounds: a served plain cost inflated by a slow stretch once made refresh
-steps look free, and a refreshing engine observes no plain step to correct it) and some
-request's cache is still whole
-(on DeepSeek-V3 the MTP layer is one of 62; on the 2-layer default model it is half a step, so
-there the caches go stale instead). Fresh caches are what let speculation come back for the
-requests already running when the batch shrinks, and what makes a probe's observation
-meaningful.
-
-A step that does not speculate observes nothing, so while speculation does not pay, a probe of
-`PROBE_STEPS` speculating decisions (one steady-state speculative step: drafts are made one step
-ahead) runs now and then, as long as some request's cache is fresh: after `probe_interval` plain
-decisions, at least `PROBE_EVERY` and as many as keep the probes' extra cost within
-`PROBE_BUDGET` of the plain steps' time (PROBE_STEPS (break_even - 1) / interval; on the GPU,
-with break-even 2.5 on the default model, one probe per 64 steps was a 5% loss).
-`disable_batch_size` is a hard cap: above it, never (reason "cap"). Without measured costs (CPU,
-graphs off) speculation is always on below the cap (reason "unmeasured").
+SPEC_MARGIN because TPOT is per request: the mean of the requests' inverse accept lengths sits
+above the inverse of their mean. The hysteresis because the mistakes cost unequally: a few
+speculative steps near the break-even lose little, but turning off where the refresh does not
+pay stales every running request's draft cache for the rest of its life. Fresh caches are what
+let speculation come back and what make a probe's observation meaningful. The probe interval is
+at least `PROBE_EVERY`, and longer where the probe's extra cost would exceed `PROBE_BUDGET` of
+the plain steps' time.
 
 Decisions are counted by (speculate, reason) for the metrics. Pure host arithmetic: no device.
+The measurements behind these rules: bench/RESULTS.md, "Moved from mlaserve/spec/spec_policy.py".
 """
 
 from __future__ import annotations
@@ -410,10 +359,8 @@ class SpecPolicy:
     def repeat(self) -> Decision | None:
         """`decide` again with the arguments of the last call, when its batch had every cache
         stale, its decision was plain (no draft work) and nothing it was made from has changed
-        since (costs, observations, `forced`): that decision (counted), else None. What a plain
-        step of an unchanged batch costs the host: on a small model a step's host work is its
-        time, and `decide`'s cold caches took 8-18 us of a ~400 us step on the CPU machine
-        (bench/RESULTS.md)."""
+        since (costs, observations, `forced`): that decision (counted), else None. Spares a plain
+        step of an unchanged batch `decide`'s host work, which on a small model is a step's time."""
         last = self._last
         if last is None or last[1] != self._epoch:
             return None

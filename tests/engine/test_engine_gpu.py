@@ -14,7 +14,7 @@ from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.kernels_adapter.flashmla import flashmla_available
 from tests.checkpoints import VARIANTS, make_reference_model
 from tests.engine.greedy_agreement import NEAR_TIE, agreement, divergence_margins
-from tests.engine.test_engine_parity import GREEDY, NEW_TOKENS, hf_greedy, prompts_for, token_ids
+from tests.engine.greedy_oracle import GREEDY, NEW_TOKENS, hf_greedy, prompts_for, token_ids
 
 pytestmark = [
     pytest.mark.gpu,

@@ -15,7 +15,7 @@ import torch
 from mlaserve import LLM, SamplingParams
 from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.kernels_adapter.flashmla import flashmla_available
-from tests.engine.test_engine_parity import prompts_for
+from tests.engine.greedy_oracle import prompts_for
 
 pytestmark = [
     pytest.mark.gpu,

@@ -2,21 +2,10 @@
 
 from __future__ import annotations
 
-from mlaserve.engine.request import Request, RequestStatus
+from mlaserve.engine.request import RequestStatus
 from mlaserve.engine.scheduler import Scheduler
 from mlaserve.kv_cache import PageAllocator
-from mlaserve.sampling_params import SamplingParams
-
-
-def make(rid: str, prompt_len: int) -> Request:
-    return Request(
-        request_id=rid,
-        prompt=None,
-        prompt_token_ids=list(range(prompt_len)),
-        params=SamplingParams(max_tokens=100),
-        seed=0,
-        max_tokens=100,
-    )
+from tests.engine.scheduler_requests import make
 
 
 def run_step(sched: Scheduler):

@@ -8,7 +8,7 @@ import random
 from mlaserve.engine.request import RequestStatus
 from mlaserve.engine.scheduler import Scheduler
 from mlaserve.kv_cache import PageAllocator
-from tests.engine.test_scheduler import make
+from tests.engine.scheduler_requests import make
 
 
 def test_slots_follow_admission_finish_and_preemption() -> None:

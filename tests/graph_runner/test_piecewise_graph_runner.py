@@ -21,7 +21,7 @@ from tests.graph_runner.harness import (
     poison_kv,
     untouched_pages_still_poisoned,
 )
-from tests.model.test_mha_form_prefill import ReferenceMHA
+from tests.kernels_adapter.reference_mha import ReferenceMHA
 
 MAX_TOKENS = 64  # the engine's max_num_batched_tokens: buckets 16, 32, 64
 

@@ -22,7 +22,7 @@ pytest.importorskip("flashinfer")
 from mlaserve.kernels_adapter.tokenspeed import TokenspeedBackend
 from mlaserve.kernels_adapter.trtllm import TrtllmBackend
 from mlaserve.kv_cache import MLAKVPool
-from tests.kernels_adapter.test_blackwell_contract import (
+from tests.kernels_adapter.blackwell_problem import (
     HEADS,
     MAX_MODEL_LEN,
     PREFIX,

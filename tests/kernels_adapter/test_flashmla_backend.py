@@ -17,7 +17,7 @@ import torch
 
 from mlaserve.kernels_adapter import BackendUnsupportedError, get_backend_class
 from mlaserve.kernels_adapter.flashmla import flashmla_available
-from tests.kernels_adapter.test_reference_backend import Case, model_config, run_case
+from tests.kernels_adapter.paged_case import Case, model_config, run_case
 
 needs_hopper = pytest.mark.skipif(
     not flashmla_available(), reason="needs an SM90 GPU and sgl-flash-mla"

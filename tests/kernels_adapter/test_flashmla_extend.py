@@ -17,7 +17,7 @@ import torch
 
 from mlaserve.kernels_adapter import get_backend_class
 from mlaserve.kernels_adapter.flashmla import flashmla_available
-from tests.kernels_adapter.test_mha_extend import Case, _clone_pool, _setup
+from tests.kernels_adapter.extend_case import Case, clone_pool, extend_setup
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,7 +53,7 @@ def test_flashmla_extend_matches_latent_reference(case: Case, kernel: str) -> No
     if kernel == "fa2" and case.prefix_lens != [0] * len(case.prefix_lens):
         pytest.skip("batches with a prefix take FA2 under auto already")
     dev = torch.device("cuda")
-    mc, reference, batch, new_rows, cu = _setup(case, dev, dims=(RANK, ROPE, HEADS))
+    mc, reference, batch, new_rows, cu = extend_setup(case, dev, dims=(RANK, ROPE, HEADS))
     num_tokens, bf16 = cu[-1], torch.bfloat16
     q = torch.randn(num_tokens, HEADS, NOPE + ROPE, device=dev).to(bf16)
     w_uk, w_uv = kv_b_views(dev)
@@ -61,7 +61,7 @@ def test_flashmla_extend_matches_latent_reference(case: Case, kernel: str) -> No
     kv_c, k_pe = new_rows[:, :RANK], new_rows[:, RANK:]
 
     # Latent form, fp32, on a twin of the pool.
-    latent_batch = dataclasses.replace(batch, kv_pool=_clone_pool(batch.kv_pool))
+    latent_batch = dataclasses.replace(batch, kv_pool=clone_pool(batch.kv_pool))
     reference.prepare(latent_batch)
     q32 = q.float()
     q_latent = torch.einsum("thn,hnr->thr", q32[..., :NOPE], w_uk.float())
@@ -96,7 +96,7 @@ def test_flashmla_extend_matches_latent_reference(case: Case, kernel: str) -> No
 def test_flashmla_latent_forward_refuses_extend() -> None:
     """EXTEND never reaches the decode kernel: the model hands it to forward_extend_mha."""
     dev = torch.device("cuda")
-    mc, _, batch, _, _ = _setup(CASES[0], dev, dims=(RANK, ROPE, HEADS))
+    mc, _, batch, _, _ = extend_setup(CASES[0], dev, dims=(RANK, ROPE, HEADS))
     backend = get_backend_class("flashmla")(mc, PAGE, torch.bfloat16, dev, 3, 4096)
     assert backend.mha_extend
     q = torch.randn(batch.num_tokens, HEADS, RANK + ROPE, device=dev, dtype=torch.bfloat16)

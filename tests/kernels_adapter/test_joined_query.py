@@ -17,7 +17,7 @@ from mlaserve.engine.forward_batch import ForwardBatch, ForwardMode
 from mlaserve.kernels_adapter import flashmla, get_backend_class
 from mlaserve.kv_cache import MLAKVPool
 from mlaserve.ops import triton_available
-from tests.kernels_adapter.test_reference_backend import model_config
+from tests.kernels_adapter.paged_case import model_config
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 DIMS = (512, 64, 16)  # kv_lora_rank, qk_rope_head_dim, heads: FlashMLA's

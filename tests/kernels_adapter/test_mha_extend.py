@@ -10,33 +10,27 @@ max |ref| per sequence). Unused pages and slots are NaN, so a read outside the c
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
 
-from mlaserve.engine.forward_batch import ForwardBatch, ForwardMode
 from mlaserve.kernels_adapter.mha_extend import (
     causal_varlen_attention,
     extend_layout,
     reference_extend_mha,
     up_project,
 )
-from mlaserve.kernels_adapter.reference import ReferenceBackend
-from mlaserve.kv_cache import MLAKVPool, PageAllocator
 from tests.kernels_adapter.attention_oracle import dense_mla_attention
-from tests.kernels_adapter.test_reference_backend import model_config
-
-RANK, ROPE, HEADS, NOPE, V_DIM = 32, 16, 4, 16, 16
-
-
-@dataclasses.dataclass
-class Case:
-    prefix_lens: list[int]
-    q_lens: list[int]
-    page_size: int
-    kv_dtype: torch.dtype = torch.float32
-
+from tests.kernels_adapter.extend_case import (
+    HEADS,
+    NOPE,
+    RANK,
+    ROPE,
+    V_DIM,
+    Case,
+    clone_pool,
+    extend_setup,
+)
 
 CASES = [
     Case([0, 0, 0], [5, 1, 17], 4),  # ragged first chunks
@@ -46,97 +40,15 @@ CASES = [
 ]
 
 
-def _setup(
-    case: Case,
-    device: torch.device,
-    seed: int = 0,
-    dims: tuple[int, int, int] = (RANK, ROPE, HEADS),
-):
-    """A pool with every sequence's prefix written, and the EXTEND batch of the new tokens.
-    dims: (kv_lora_rank, qk_rope_head_dim, heads)."""
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    RANK, ROPE, HEADS = dims
-    mc = model_config(RANK, ROPE, HEADS)
-    seq_lens = [p + q for p, q in zip(case.prefix_lens, case.q_lens)]
-    max_pages = max(-(-s // case.page_size) for s in seq_lens) + 2
-    num_pages = 2 + sum(-(-s // case.page_size) for s in seq_lens) + 5
-    fp8 = case.kv_dtype == torch.float8_e4m3fn
-    pool = MLAKVPool(
-        1, num_pages, case.page_size, RANK, ROPE, case.kv_dtype, device, 0.5 if fp8 else 1.0
-    )
-    if fp8:
-        pool.kv_buffers[0].view(torch.uint8).fill_(0x7F)  # e4m3 NaN
-    else:
-        pool.kv_buffers[0].fill_(float("nan"))
-    alloc = PageAllocator(num_pages)
-    free = alloc.allocate(alloc.num_free_pages)
-    rng.shuffle(free)
-    tables, slots, full_kv = [], [], []
-    for s in seq_lens:
-        pages = [free.pop() for _ in range(-(-s // case.page_size))]
-        tables.append(pages + [0] * (max_pages - len(pages)))
-        slots.append(
-            [pages[t // case.page_size] * case.page_size + t % case.page_size for t in range(s)]
-        )
-        full_kv.append(torch.randn(s, RANK + ROPE, device=device))
-    for b, p in enumerate(case.prefix_lens):
-        if p:
-            idx = torch.tensor(slots[b][:p], device=device)
-            pool.write(0, idx, full_kv[b][:p, :RANK], full_kv[b][:p, RANK:])
-    cu = [0]
-    for n in case.q_lens:
-        cu.append(cu[-1] + n)
-    new_rows = torch.cat([full_kv[b][p:] for b, p in enumerate(case.prefix_lens)])
-    backend = ReferenceBackend(mc, case.page_size, case.kv_dtype, device, len(seq_lens), 1024)
-    batch = ForwardBatch(
-        mode=ForwardMode.EXTEND,
-        bs=len(seq_lens),
-        num_tokens=cu[-1],
-        q_len=max(case.q_lens),
-        max_seq_len=max(seq_lens),
-        input_ids=torch.zeros(cu[-1], dtype=torch.long, device=device),
-        positions=torch.zeros(cu[-1], dtype=torch.long, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        cu_q_lens=torch.tensor(cu, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-        slot_mapping=torch.tensor(
-            [s for b, p in enumerate(case.prefix_lens) for s in slots[b][p:]], device=device
-        ),
-        logits_indices=torch.zeros(0, dtype=torch.long, device=device),
-        kv_pool=pool,
-        attn_backend=backend,
-        seq_lens_host=seq_lens,
-        q_lens_host=list(case.q_lens),
-    )
-    return mc, backend, batch, new_rows, cu
-
-
-def _clone_pool(pool: MLAKVPool) -> MLAKVPool:
-    twin = MLAKVPool(
-        pool.num_layers,
-        pool.num_pages,
-        pool.page_size,
-        pool.kv_lora_rank,
-        pool.qk_rope_head_dim,
-        pool.dtype,
-        pool.device,
-        pool.k_scales if pool.is_fp8 else 1.0,
-    )
-    for dst, src in zip(twin.kv_buffers, pool.kv_buffers):
-        dst.view(torch.uint8).copy_(src.view(torch.uint8))
-    return twin
-
-
 def run_mha_vs_latent(case: Case, device: torch.device) -> float:
-    mc, backend, batch, new_rows, cu = _setup(case, device)
+    mc, backend, batch, new_rows, cu = extend_setup(case, device)
     num_tokens = cu[-1]
     q = torch.randn(num_tokens, HEADS, NOPE + ROPE, device=device)
     w_uk = torch.randn(HEADS, NOPE, RANK, device=device) / RANK**0.5
     w_uv = torch.randn(HEADS, RANK, V_DIM, device=device) / RANK**0.5
     kv_c, k_pe = new_rows[:, :RANK], new_rows[:, RANK:]
 
-    latent_batch = dataclasses.replace(batch, kv_pool=_clone_pool(batch.kv_pool))
+    latent_batch = dataclasses.replace(batch, kv_pool=clone_pool(batch.kv_pool))
     backend.prepare(latent_batch)
     q_latent = torch.einsum("thn,hnr->thr", q[..., :NOPE], w_uk)
     o_latent = backend.forward(0, q_latent, q[..., NOPE:], kv_c, k_pe, latent_batch)
@@ -173,7 +85,7 @@ def test_mha_form_equals_latent_form_cuda(case: Case) -> None:
 
 def test_layout_gathers_only_context_slots() -> None:
     case = CASES[1]
-    _, _, batch, _, cu = _setup(case, torch.device("cpu"))
+    _, _, batch, _, cu = extend_setup(case, torch.device("cpu"))
     layout = extend_layout(batch)
     assert layout.q_lens == (3, 9, 1) and layout.kv_lens == (10, 9, 31)
     assert layout.cu_kv.tolist() == [0, 10, 19, 50] and layout.cu_kv.dtype == torch.int32
@@ -198,7 +110,7 @@ def test_causal_varlen_attention_matches_dense_oracle() -> None:
     whose K is the latent itself and V its first `rank` values, MHA form = latent form."""
     torch.manual_seed(1)
     case = CASES[1]
-    _, _, batch, _, cu = _setup(case, torch.device("cpu"))
+    _, _, batch, _, cu = extend_setup(case, torch.device("cpu"))
     layout = extend_layout(batch)
     kv = torch.randn(layout.num_kv_tokens, RANK + ROPE)
     q = torch.randn(cu[-1], 1, RANK + ROPE)
@@ -213,7 +125,7 @@ def test_causal_varlen_attention_matches_dense_oracle() -> None:
 
 
 def test_layout_needs_host_lengths() -> None:
-    _, _, batch, _, _ = _setup(CASES[0], torch.device("cpu"))
+    _, _, batch, _, _ = extend_setup(CASES[0], torch.device("cpu"))
     with pytest.raises(ValueError, match="seq_lens_host"):
         extend_layout(dataclasses.replace(batch, seq_lens_host=None))
     with pytest.raises(ValueError, match="sums to"):
@@ -237,8 +149,8 @@ def test_up_project_of_kv_b_views_is_one_gemm_with_the_same_values() -> None:
 
 
 def test_layout_all_fresh() -> None:
-    fresh = extend_layout(_setup(CASES[0], torch.device("cpu"))[2])
-    chunked = extend_layout(_setup(CASES[1], torch.device("cpu"))[2])
+    fresh = extend_layout(extend_setup(CASES[0], torch.device("cpu"))[2])
+    chunked = extend_layout(extend_setup(CASES[1], torch.device("cpu"))[2])
     assert fresh.all_fresh and not chunked.all_fresh
 
 
@@ -250,9 +162,9 @@ def test_cudnn_fresh_takes_only_fresh_batches_without_one_token_prompts() -> Non
 
     cpu = torch.device("cpu")
     fresh = CudnnFreshAttention(cpu)
-    layout = extend_layout(_setup(Case([0, 0], [5, 17], 4), cpu)[2])
+    layout = extend_layout(extend_setup(Case([0, 0], [5, 17], 4), cpu)[2])
     assert not fresh.available and not fresh.takes(layout, torch.bfloat16)
     fresh.available = True  # as the probe finds it on an H100
     assert fresh.takes(layout, torch.bfloat16) and not fresh.takes(layout, torch.float32)
-    assert not fresh.takes(extend_layout(_setup(CASES[0], cpu)[2]), torch.bfloat16)  # a 1
-    assert not fresh.takes(extend_layout(_setup(CASES[1], cpu)[2]), torch.bfloat16)  # prefix
+    assert not fresh.takes(extend_layout(extend_setup(CASES[0], cpu)[2]), torch.bfloat16)  # a 1
+    assert not fresh.takes(extend_layout(extend_setup(CASES[1], cpu)[2]), torch.bfloat16)  # prefix

@@ -18,7 +18,7 @@ from mlaserve.model import load_model
 from tests.checkpoints import VARIANTS
 
 from .paged import PagedCache
-from .test_parity import Setup, run_prefill_then_decode, setups, token_rel  # noqa: F401
+from .parity_setup import Setup, run_prefill_then_decode, token_rel
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,7 +32,7 @@ MEDIAN_BOUND, DENSE_MAX_BOUND = 0.02, 0.04
 def test_fused_model_matches_unfused(
     variant: str,
     kv_dtype: torch.dtype,
-    setups: Callable[[str], Setup],  # noqa: F811
+    setups: Callable[[str], Setup],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pytest.importorskip("triton")

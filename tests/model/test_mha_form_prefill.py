@@ -7,42 +7,22 @@ W_UK / W_UV views and the Blackwell backends' prefill path has a CPU oracle in t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ClassVar
 
 import pytest
 import torch
 
-from mlaserve.engine.forward_batch import ForwardBatch, ForwardMode
-from mlaserve.kernels_adapter.mha_extend import reference_extend_mha
-from mlaserve.kernels_adapter.reference import ReferenceBackend
+from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.model import load_model
+from tests.kernels_adapter.reference_mha import ReferenceMHA
 
 from .paged import PagedCache
-from .test_parity import FP32_MAX_REL, Setup, max_rel, setups  # noqa: F401  (fixture)
-
-
-class ReferenceMHA(ReferenceBackend):
-    """The reference backend with EXTEND in the MHA form: what a prefill kernel plugs into."""
-
-    mha_extend: ClassVar[bool] = True
-
-    def forward_extend_mha(
-        self,
-        layer_id: int,
-        q: torch.Tensor,
-        kv_c: torch.Tensor,
-        k_pe: torch.Tensor,
-        w_uk: torch.Tensor,
-        w_uv: torch.Tensor,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
-        return reference_extend_mha(layer_id, q, kv_c, k_pe, w_uk, w_uv, batch, self.softmax_scale)
+from .parity_setup import FP32_MAX_REL, Setup, max_rel
 
 
 @pytest.mark.parametrize("variant", ["v3_moe", "v2_greedy"])  # V3 and V2 (interleaved RoPE)
 def test_chunked_prefill_in_mha_form_matches_transformers(
     variant: str,
-    setups: Callable[[str], Setup],  # noqa: F811
+    setups: Callable[[str], Setup],
 ) -> None:
     s = setups(variant)
     model = load_model(s.config, s.path)

@@ -16,7 +16,7 @@ from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.kernels_adapter.reference import ReferenceBackend
 from mlaserve.model.layers.rotary import RotaryEmbedding
 from mlaserve.ops import triton_available
-from tests.kernels_adapter.test_reference_backend import model_config
+from tests.kernels_adapter.paged_case import model_config
 
 from .paged import PagedCache
 

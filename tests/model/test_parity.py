@@ -10,24 +10,26 @@ dense variant only and the median on every variant.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
-from mlaserve.config import ModelConfig
 from mlaserve.engine.forward_batch import ForwardMode
-from mlaserve.model import DeepseekForCausalLM, load_model
+from mlaserve.model import load_model
 from tests.checkpoints import VARIANTS, make_reference_model
 
 from .paged import PagedCache
+from .parity_setup import (
+    FP32_MAX_REL,
+    PROMPT_LENS,
+    Setup,
+    forward,
+    max_rel,
+    run_prefill_then_decode,
+    token_rel,
+)
 
-PROMPT_LENS = [1, 40, 7, 23, 3, 16, 31, 9]  # 8 prompts, ragged
-NUM_CONTINUATION = 8  # teacher-forced tokens after each prompt, for the decode tests
-FP32_MAX_REL = 1e-4
 # fp8_e4m3 KV cache (per-tensor scale 1.0), fp32 weights, CPU reference backend, prefill + 8
 # decode steps. Measured 2026-11-22: median token_rel 0.032-0.039 per variant, v3_dense max
 # token_rel 0.078. Bounds: median 0.07, dense max 0.12. Never loosen them: a rise means the
@@ -41,68 +43,6 @@ BF16_MEDIAN_BOUND = 0.04
 BF16_DENSE_MAX_BOUND = 0.08
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@dataclass
-class Setup:
-    config: ModelConfig
-    path: Path
-    seqs: list[list[int]]  # prompt + continuation tokens
-    ref: list[torch.Tensor]  # transformers' fp32 logits over each whole sequence, [L, vocab]
-
-
-@pytest.fixture(scope="module")
-def setups(checkpoint: Callable[[str], Path]) -> Callable[[str], Setup]:
-    @functools.cache
-    def get(variant: str) -> Setup:
-        path = checkpoint(variant)
-        ref_model = make_reference_model(path)
-        g = torch.Generator().manual_seed(1234)
-        seqs = [
-            torch.randint(3, 384, (n + NUM_CONTINUATION,), generator=g).tolist()
-            for n in PROMPT_LENS
-        ]
-        with torch.no_grad():
-            ref = [ref_model(torch.tensor([s])).logits[0] for s in seqs]
-        return Setup(ModelConfig.from_pretrained(path), path, seqs, ref)
-
-    return get
-
-
-def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float().cpu() - b).abs().max() / b.abs().max()).item()
-
-
-def token_rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a.float().cpu() - b).norm(dim=-1) / b.norm(dim=-1)
-
-
-def forward(
-    model: DeepseekForCausalLM,
-    cache: PagedCache,
-    chunks: list[tuple[int, list[int]]],
-    mode: ForwardMode = ForwardMode.EXTEND,
-) -> list[torch.Tensor]:
-    """One forward over `chunks`; returns each chunk's logits [len(chunk), vocab]."""
-    batch = cache.batch(chunks, mode)
-    logits = model.compute_logits(model(batch)[batch.logits_indices])
-    return list(logits.split([len(ids) for _, ids in chunks]))
-
-
-def run_prefill_then_decode(
-    s: Setup, model: DeepseekForCausalLM, cache: PagedCache, q_len: int
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Prefill all prompts in one ragged EXTEND, then DECODE the continuation q_len tokens at a
-    time (teacher forced). Returns (ours, ref) logits row-aligned per piece."""
-    ours, refs = [], []
-    prompts = [(i, seq[:n]) for i, (seq, n) in enumerate(zip(s.seqs, PROMPT_LENS, strict=True))]
-    ours += forward(model, cache, prompts)
-    refs += [s.ref[i][: len(p)] for i, p in prompts]
-    for start in range(0, NUM_CONTINUATION, q_len):
-        chunks = [(i, s.seqs[i][n + start : n + start + q_len]) for i, n in enumerate(PROMPT_LENS)]
-        ours += forward(model, cache, chunks, ForwardMode.DECODE)
-        refs += [s.ref[i][n + start : n + start + q_len] for i, n in enumerate(PROMPT_LENS)]
-    return ours, refs
 
 
 # ----- fp32, CPU: exact parity -----

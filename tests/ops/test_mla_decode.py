@@ -476,16 +476,16 @@ for q, kv, direct, block_d, archs in pairs:
                   FP8=kv == "fp8e4nv", DIRECT=direct, DOT_PREC="ieee" if q == "fp32" else "tf32",
                   WHILE_LOOP=False, PDL=True)
     ws = "*fp32" if not direct else f"*{q}"
-    ptrs = {"qn_ptr": f"*{q}", "qp_ptr": f"*{q}", "kv_ptr": f"*{kv}", "k_scale_ptr": "*fp32",
-            "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "part_ptr": ws, "lse_ptr": ws,
-            "out_ptr": f"*{q}"}
+    ptrs = {"q_nope_ptr": f"*{q}", "q_pe_ptr": f"*{q}", "kv_cache_ptr": f"*{kv}",
+            "k_scale_ptr": "*fp32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+            "partial_ptr": ws, "lse_ptr": ws, "out_ptr": f"*{q}"}
     for arch in archs:
         name = f"split_{q}_{kv}_{'direct' if direct else 'ws'}_d{block_d}"
         build(name, M._mla_split_kernel, ptrs, consts, ("qk_scale",), cfg.num_warps, arch)
 for block_s, archs in ((2, (90,)), (64, (90, 100))):
     consts = dict(H=16, R=512, BLOCK_N=cfg.block_n, MIN_CHUNK=cfg.block_n, BLOCK_S=block_s,
                   BLOCK_R=M._combine_block_r(512, block_s), PDL=True)
-    ptrs = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16"}
+    ptrs = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16"}
     for arch in archs:
         build(f"combine_{block_s}", M._mla_combine_kernel, ptrs, consts, (), 4, arch)
 print(json.dumps(result))

@@ -255,9 +255,10 @@ for route in (False, True):
 sp = dict(H=16, R=512, DR=64, PAGE=64, BLOCK_M=16, BLOCK_N=16, BLOCK_R=512, BLOCK_D=512,
           BLOCK_DR=64, MIN_CHUNK=16, FP8=True, DIRECT=False, DOT_PREC="ieee", WHILE_LOOP=False,
           PDL=True)
-sig = signature(A._mla_split_kernel, {"qn_ptr": "*bf16", "qp_ptr": "*bf16", "kv_ptr": "*fp8e4nv",
-                "k_scale_ptr": "*fp32", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
-                "part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16"},
+sig = signature(A._mla_split_kernel, {"q_nope_ptr": "*bf16", "q_pe_ptr": "*bf16",
+                "kv_cache_ptr": "*fp8e4nv", "k_scale_ptr": "*fp32", "block_tables_ptr": "*i32",
+                "seq_lens_ptr": "*i32", "partial_ptr": "*fp32", "lse_ptr": "*fp32",
+                "out_ptr": "*bf16"},
                 floats=("qk_scale",), constexprs=sp)
 cases.append(("mla_split", A._mla_split_kernel, sig, sp))
 """

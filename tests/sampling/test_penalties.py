@@ -1,29 +1,13 @@
 from __future__ import annotations
 
 import random
-from collections import Counter
 
 import torch
 
 from mlaserve.sampling import Sampler, SamplingBatch
 from mlaserve.sampling.penalties import apply_penalties
 from mlaserve.sampling_params import SamplingParams
-
-
-def naive_penalties(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    prompt: list[list[int]],
-    output: list[list[int]],
-) -> torch.Tensor:
-    out = logits.double().clone()
-    for i, p in enumerate(params):
-        for t in set(prompt[i]) | set(output[i]):
-            r = p.repetition_penalty
-            out[i, t] = out[i, t] / r if out[i, t] > 0 else out[i, t] * r
-        for t, count in Counter(output[i]).items():
-            out[i, t] -= count * p.frequency_penalty + p.presence_penalty
-    return out
+from tests.sampling.sampling_oracle import naive_penalties
 
 
 def random_case(seed: int, rows: int, vocab: int):

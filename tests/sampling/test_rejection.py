@@ -13,8 +13,7 @@ import torch
 from mlaserve.sampling import SamplingBatch, SamplingSlots, rejection
 from mlaserve.sampling.rejection import accept_draft, target_probs
 from mlaserve.sampling_params import SamplingParams
-from tests.sampling.test_penalties import naive_penalties
-from tests.sampling.test_sampler import chi_square_critical, reference_probs
+from tests.sampling.sampling_oracle import chi_square_critical, naive_penalties, reference_probs
 
 V = 8  # the tiny vocabulary of the distribution tests
 CONTEXT = 0  # the token every sequence starts from

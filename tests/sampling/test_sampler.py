@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 
 import pytest
@@ -10,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mlaserve.sampling import Sampler, SamplingBatch
 from mlaserve.sampling_params import SamplingParams
+from tests.sampling.sampling_oracle import chi_square_critical, reference_probs
 
 sampler = Sampler()
 
@@ -35,32 +35,6 @@ def make_batch(
         device=device,
         eos_token_ids=eos,
     )
-
-
-def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The distribution a row is sampled from, computed naively in float64: [V]."""
-    x = logits.double() / p.temperature
-    order = x.argsort(descending=True)
-    keep = torch.ones_like(x, dtype=torch.bool)
-    if p.top_k > 0:
-        keep[order[p.top_k :]] = False
-    probs = torch.where(keep, x, -math.inf).softmax(-1)
-    if p.top_p < 1.0:
-        mass_before = 0.0
-        for t in order.tolist():
-            if mass_before >= p.top_p:
-                keep[t] = False
-            mass_before += probs[t].item()
-        probs = torch.where(keep, x, -math.inf).softmax(-1)
-    if p.min_p > 0.0:
-        keep &= probs >= p.min_p * probs.max()
-    return torch.where(keep, x, -math.inf).softmax(-1)
-
-
-def chi_square_critical(df: int, z: float = 4.753) -> float:
-    """Upper quantile of chi-square(df) by Wilson-Hilferty; z = 4.753 is the 1e-6 tail."""
-    a = 2.0 / (9.0 * df)
-    return df * (1.0 - a + z * math.sqrt(a)) ** 3
 
 
 # ---------------------------------------------------------------- greedy

@@ -4,8 +4,6 @@ window, pages all free at the end."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -14,20 +12,11 @@ from mlaserve.spec import StepCosts
 from mlaserve.spec.spec_decoder import OBSERVE_EVERY
 from mlaserve.spec.spec_policy import FORCED_PLAIN, FORCED_REFRESH, FORCED_SPEC
 from tests.spec.oracle_drafter import OracleDrafter
+from tests.spec.spec_prompts import prompts_for, token_ids
 
 K = 3
 NEW_TOKENS = 16
-PROMPT_LENS = [1, 3, 7, 12, 20, 33, 5, 48]
 CPU = {"device": "cpu", "dtype": "float32", "kv_cache_dtype": "auto", "page_size": 4}
-
-
-def prompts_for(vocab_size: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in PROMPT_LENS]
-
-
-def token_ids(results) -> list[list[int]]:
-    return [r.outputs[0].token_ids for r in results]
 
 
 def assert_pages_free(llm: LLM) -> None:

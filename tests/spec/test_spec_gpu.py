@@ -15,7 +15,7 @@ from mlaserve.kernels_adapter.flashmla import flashmla_available
 from mlaserve.spec.mtp_drafter import target_mode
 from mlaserve.spec.spec_policy import FORCED_SPEC
 from tests.graph_runner.harness import poison_kv
-from tests.spec.test_spec_decode import prompts_for, token_ids
+from tests.spec.spec_prompts import prompts_for, token_ids
 
 pytestmark = [
     pytest.mark.gpu,
