@@ -427,13 +427,15 @@ def test_served_steps_update_the_costs(mtp_path, reference) -> None:
     llm.generate(prompts[:2], params)
     spec_after = policy.costs.spec_s[2]
     spec_served = policy.served_steps("spec", 2)
-    assert spec_after < 1.0 and spec_served  # spec steps observed
+    # the cost now comes from the served steps, whatever they took (no wall-time bound)
+    assert spec_served and spec_after <= max(spec_served)
     assert policy.served_steps("plain", 2) == []  # no steady plain step ran
     assert policy.costs.plain_s[2] == pytest.approx(spec_after)  # scaled alike (ratio 1)
     assert policy.startup_costs.spec_s[2] == policy.startup_costs.plain_s[2] == 1000.0
     policy.forced = FORCED_PLAIN
     llm.generate(prompts[:2], params)
-    assert policy.served_steps("plain", 2) and policy.costs.plain_s[2] < 1.0
+    plain_served = policy.served_steps("plain", 2)
+    assert plain_served and policy.costs.plain_s[2] <= max(plain_served)
     assert policy.served_steps("spec", 2) == spec_served
 
 
