@@ -3,9 +3,8 @@ captured as num_layers + 1 pieces split at each layer's attention, which runs ea
 them (SGLang's piecewise CUDA graph, vLLM's piecewise compilation).
 
 Why: an eager prefill forward is ~45 launches per layer (norms, projections, RoPE, router,
-sort, grouped GEMMs, combine), each tens of microseconds of Python and launch work on the host.
-On the lent H100 a 512-token prefill of the V2-Lite shape took 39.7 ms of host time for ~3 ms
-of compute floor (bench/RESULTS.md). Everything but attention has shapes fixed by the token
+sort, grouped GEMMs, combine), each Python and launch work on the host, so an eager prefill
+takes many times its compute floor in host time (bench/RESULTS.md). Everything but attention has shapes fixed by the token
 count, so it can be replayed; attention cannot: its work depends on the batch's ragged lengths
 and cached prefixes (context gather, varlen kernel sized on the host).
 
@@ -32,8 +31,8 @@ write-slot buffer; padded rows write and read the dummy slot, and sit after ever
 the causal mask keeps them out of real rows). Where the backend says its MHA-form prefill
 captures so (`captures_fresh_extend`), each bucket also captures the whole forward, attention
 included, as one graph: no host work between layers, so the GPU never waits for the host's
-eager attention (on the lent H100 that host time exceeded a 512-token layer's GPU time).
-`MLASERVE_ONE_GRAPH_PREFILL=0` turns it off (A/B runs). Without a draft model (which reads every
+eager attention (that host time can exceed a layer's GPU time).
+`MLASERVE_ONE_GRAPH_PREFILL=0` turns it off (README, "Switches"). Without a draft model (which reads every
 row's final hidden states), the one graph runs the last layer's o_proj and FFN on one row, the
 step's logits row (`ForwardBatch.logits_hidden_only`); a step with more logits rows (prompt
 logprobs) takes the pieces, which compute every row. The one graph starts with the inputs'
@@ -55,13 +54,13 @@ from __future__ import annotations
 import bisect
 import gc
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from mlaserve import switches
 from mlaserve.engine.forward_batch import ForwardBatch, ForwardMode
 from mlaserve.engine.input_buffers import HostBatch
 from mlaserve.engine.model_runner import ModelRunner
@@ -190,7 +189,7 @@ class PiecewiseGraphRunner:
         self.one_graph = (
             self.backend.mha_extend
             and self.backend.captures_fresh_extend
-            and os.environ.get("MLASERVE_ONE_GRAPH_PREFILL", "1") != "0"
+            and switches.one_graph_prefill()
         )
         self._layouts: dict[int, ExtendLayout] = {}
         # Without a draft model reading every row's hidden states, the one graph computes the

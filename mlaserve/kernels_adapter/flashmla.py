@@ -31,12 +31,12 @@ faster where its top-left causal mask is the right one.
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from mlaserve import switches
 from mlaserve.kernels_adapter.base import AttentionBackend, BackendUnsupportedError
 from mlaserve.kernels_adapter.cudnn_fresh import CudnnFreshAttention
 from mlaserve.kernels_adapter.flash_varlen import FlashVarlenAttention, flash_varlen_available
@@ -51,17 +51,9 @@ if TYPE_CHECKING:
 __all__ = ["FlashMLABackend", "flashmla_available"]
 
 PAGE_SIZE = 64
-# FlashMLA's fixed cost per layer (its split kernel and combine, ~12 us at bs 1, plus a schedule
-# kernel per forward) dwarfs the KV bytes of a few sequences; see `small_batch_max_rows`. In the
-# V2-Lite model's bf16 decode graph on an H200 (2026-11-26, ctx 1024, one process, replay): bs 1
-# 2.013 ms with the Triton kernel against 2.040 with FlashMLA, bs 2 2.923 against 2.970 (its
-# split kernel 8.8 us and combine 2.2 us a layer, against 9.0 + 3.1 us). On an H100 an earlier
-# version lost at bs 1 (2.619 against 2.591 ms), before the per-layer cost of the kernels around
-# it changed; bench/RESULTS.md. At 4 rows (a bs-1 VERIFY or DRAFT_EXTEND with k = 3, a bs-4
-# decode) FlashMLA took 10.7 + 2.6 us a layer (H200, V3-lite, PDL off) against the Triton
-# kernel's 5.7 + 2.0 at one row; the V3-lite graphs with 4 (two runs each, H200, 2026-11-26):
-# bs-1 speculative step 4.846 / 4.854 -> 4.682 / 4.705 ms, bs-4 decode 4.179 / 4.181 -> 4.059 /
-# 4.057, bs-4 speculative step 8.288 / 8.320 -> 8.238 / 8.234, bs-1 decode unchanged.
+# FlashMLA's fixed cost per layer (its split kernel and combine, plus a schedule kernel per
+# forward) dwarfs the KV bytes of a few sequences; see `small_batch_max_rows`. 4 rows covers a
+# bs-1 VERIFY or DRAFT_EXTEND with k = 3 and a bs-4 decode (bench/mla_decode.py, bench/RESULTS.md).
 SMALL_BATCH_MAX_ROWS = 4
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
@@ -104,7 +96,7 @@ def small_batch_max_rows() -> int:
     """Uniform forwards of at most this many query rows (bs * q_len) take the Triton kernel of
     `ops/mla_decode.py` instead of FlashMLA (bench/mla_decode.py measures the crossover).
     `MLASERVE_MLA_DECODE_ROWS` overrides it for A/B runs (0: FlashMLA always)."""
-    return int(os.environ.get("MLASERVE_MLA_DECODE_ROWS", SMALL_BATCH_MAX_ROWS))
+    return switches.mla_decode_rows(SMALL_BATCH_MAX_ROWS)
 
 
 class FlashMLABackend(AttentionBackend):
@@ -179,7 +171,7 @@ class FlashMLABackend(AttentionBackend):
 
             self._prepare_q, self._mha_key = prepare_q, mha_key
             self._gather_dequant = gather_dequant
-            self._joined_q = os.environ.get("MLASERVE_JOINED_Q", "1") != "0"
+            self._joined_q = switches.joined_q()
             self._small_rows = small_batch_max_rows()
             if self._small_rows > 0:
                 self._mla_decode = mla_decode

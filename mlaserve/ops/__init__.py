@@ -9,15 +9,15 @@ against, and stays the path on the CPU. Callers decide once, at construction, wh
 fused op (`fused_ops_enabled(device)`), never per call. Every launcher is CUDA-graph safe: no
 host sync, outputs allocated with shapes that depend only on input shapes.
 
-This package imports nothing else from mlaserve, so every layer may depend on it.
+This package imports nothing else from mlaserve but `mlaserve/switches.py` (a leaf), so every
+layer may depend on it.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from mlaserve import switches
 from mlaserve.ops.triton_support import triton_available
 
 __all__ = ["fused_ops_enabled", "triton_available"]
@@ -26,10 +26,9 @@ __all__ = ["fused_ops_enabled", "triton_available"]
 def fused_ops_enabled(device: torch.device | str) -> bool:
     """Whether modules built for `device` use the fused kernels: CUDA with Triton installed.
 
-    `MLASERVE_FUSED_OPS=0` turns them off (an A/B switch for benchmarks and bisecting: the
-    unfused torch path is the reference). `MLASERVE_FUSED_OPS=1` also allows them off CUDA,
-    which only makes sense under `TRITON_INTERPRET=1` (CPU tests of the kernels)."""
-    flag = os.environ.get("MLASERVE_FUSED_OPS", "")
-    if flag == "0" or not triton_available():
+    `MLASERVE_FUSED_OPS` (README, "Switches"): "0" turns them off (the unfused torch path is
+    the reference), "1" also allows them off CUDA, under `TRITON_INTERPRET=1` (CPU tests)."""
+    forced = switches.fused_ops()
+    if forced is False or not triton_available():
         return False
-    return torch.device(device).type == "cuda" or flag == "1"
+    return torch.device(device).type == "cuda" or forced is True

@@ -1,12 +1,11 @@
 """Programmatic dependent launch (PDL, SM90+) for the Triton kernels of the decode step.
 
-Why: at decode batch sizes a step is ~400 kernels of 2-50 us, and between two of them the GPU
+Why: at decode batch sizes a step is hundreds of short kernels, and between two of them the GPU
 drains the first kernel's last programs, then launches and ramps up the next one. With PDL the
 next kernel is launched while the previous one still runs: its programs become resident, do the
 work that reads nothing the previous kernel writes (index math, weight loads a kernel issues
 first), and block in `griddepcontrol.wait` until the previous grid has finished and its writes
-are visible. Measured on an H100 (bench/RESULTS.md): V2-Lite's bf16 decode replay at bs 1 took
-2.87 ms without it and 2.67 ms with it; bs 8-64 within 1%.
+are visible. It shortens small-batch decode replays (bench/RESULTS.md).
 
 Launchers pass `**pdl_args(device)`: the kernel's `PDL` constexpr and Triton's `launch_pdl`
 option, always equal (a PDL launch of a kernel compiled without its wait would race). The
@@ -26,7 +25,7 @@ contract every kernel launched with PDL keeps:
 - right after its own wait it lets the next kernel launch (`launch_dependents`). Our kernels are
   one wave at decode sizes, so the next one's programs only take resident slots that are free
   anyway. (Waiting without this early trigger, the next kernel launches as the previous one's
-  programs exit: bs 1 then gained nothing, bench/RESULTS.md.)
+  programs exit, which gains nothing.)
 
 Library kernels mostly launch without the attribute: a PDL kernel after one of them starts when
 it completes, and one after a PDL kernel waits for it in full (plain stream order). FlashMLA's
@@ -37,17 +36,15 @@ soon as it runs, so after a kernel that triggers early it can read q half writte
 right before every FlashMLA call (`q_prep.py`, or for joined queries W_UK's GEMV in
 `head_gemv.py`, which then writes the whole query itself; for the fp8 kernel too, whose launch
 we cannot see) therefore waits with `wait_and_hold_next_kernel`: no early trigger, the next
-kernel launches when its grid ends (the implicit trigger). Seen on an H100 (2026-11-25, in an
-experiment not kept): with W_UK's GEMV writing q right before FlashMLA and triggering early, the
-default model's bf16-cache graph replays at bs 8 differed from eager forwards in 252-283 of 512
-logit rows; the short q-preparation kernel had only been winning the same race.
+kernel launches when its grid ends (the implicit trigger). Triggering early there made graph
+replays differ from eager forwards (bench/RESULTS.md).
 
 CUDA graphs keep the programmatic edges (CUDA >= 12.3). A kernel's profiled duration then
 includes its wait: per-kernel profiles under PDL overstate the small kernels (compare replay
 times, not kernel tables).
 
-`MLASERVE_PDL=0` turns it off (an A/B switch for benchmarks; read once per device: benchmarks
-that switch in one process call `pdl_launch.cache_clear()` and capture again). The interpreter
+`MLASERVE_PDL=0` turns it off (README, "Switches"; read once per device: benchmarks that
+switch in one process call `pdl_launch.cache_clear()` and capture again). The interpreter
 (`TRITON_INTERPRET=1`, CPU tests) never uses it.
 """
 
@@ -61,6 +58,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from mlaserve import switches
+
 __all__ = ["pdl_args", "pdl_launch", "wait_and_hold_next_kernel", "wait_for_previous_kernel"]
 
 
@@ -68,7 +67,7 @@ __all__ = ["pdl_args", "pdl_launch", "wait_and_hold_next_kernel", "wait_for_prev
 def pdl_launch(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: CUDA, compute capability >= 9.0, not the
     interpreter, `MLASERVE_PDL` not "0"."""
-    if os.environ.get("MLASERVE_PDL", "") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+    if not switches.pdl() or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     if device.type != "cuda":
         return False

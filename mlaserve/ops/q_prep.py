@@ -16,7 +16,7 @@ own grid has ended (`ops/pdl.py`, `wait_and_hold_next_kernel`). Replaces cat + c
 At decode sizes (<= HEAD_GEMV_MAX_M tokens, the KV written by the layer) W_UK's GEMV writes the
 same query itself instead, with the same bits and the same hold (the joined query,
 `head_gemv(..., tail=q_pe)`, `FlashMLABackend.forward_joined`): this kernel then does not run.
-It remains for larger uniform batches and with `MLASERVE_JOINED_Q=0`.
+It remains for larger uniform batches and with `MLASERVE_JOINED_Q=0` (README, "Switches").
 """
 
 from __future__ import annotations

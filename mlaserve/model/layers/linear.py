@@ -22,12 +22,12 @@ weight loader then also takes the checkpoint's `scale`. FP8 layers are single-ra
 Decode-sized inputs (at most `gemv_max_m` tokens; shapes are fixed per captured graph, so this
 is decided on the host) take `ops.gemv` on CUDA: one launch that streams the weight once, where
 an FP8 weight otherwise costs four launches at M = 1. The limits per weight kind are measured
-(`bench/gemv.py`); `MLASERVE_GEMV_MAX_M` / `MLASERVE_GEMV_MAX_M_FP8` override them (0 = off).
+(`bench/gemv.py`); `MLASERVE_GEMV_MAX_M` / `MLASERVE_GEMV_MAX_M_FP8` override them (README,
+"Switches").
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mlaserve import switches
 from mlaserve.config import QuantizationConfig
 from mlaserve.model.layers.fp8_linear import copy_block_rows, make_fp8_weight, needs_per_row_scales
 from mlaserve.ops import fused_ops_enabled
@@ -74,13 +75,12 @@ class TensorParallel:
 
 NO_TP = TensorParallel()  # a single rank: the default everywhere until TP lands
 
-# Tokens up to which a linear runs `ops.gemv` on CUDA (`gemv_max_m`). From bench/gemv.py on an
-# H100 (V2-Lite and V3 shapes, bench/RESULTS.md): against cuBLAS (bf16) the GEMV wins at 1-2
-# tokens (1.0-2.7x) and loses from 4 on, except on narrow outputs (N <= 1024: the router, kv_a)
-# where it wins to 4, and to 8 with K <= 4096; against block_fp8_linear it wins at 1-2 tokens
-# (1.05-4.8x: one launch for four at M = 1) and at 4 up to N = 4096. With no split over K, a
-# very long K (V3's o_proj, K = 16384) leaves too few programs streaming: there the GEMMs win
-# even at one token.
+# Tokens up to which a linear runs `ops.gemv` on CUDA (`gemv_max_m`), from bench/gemv.py
+# (bench/RESULTS.md): against cuBLAS (bf16) the GEMV wins at 1-2 tokens and loses from 4 on,
+# except on narrow outputs (N <= 1024: the router, kv_a) where it wins to 4, and to 8 with
+# K <= 4096; against block_fp8_linear it wins at 1-2 tokens (one launch for four at M = 1) and at
+# 4 up to N = 4096. With no split over K, a very long K (V3's o_proj, K = 16384) leaves too few
+# programs streaming: there the GEMMs win even at one token.
 GEMV_MAX_M = 2
 GEMV_MAX_M_FP8 = 2
 GEMV_MAX_M_FP8_UP_TO_4096 = 4  # FP8, N <= 4096
@@ -102,9 +102,9 @@ def gemv_max_m(weight: torch.Tensor) -> int:
     if not fused_ops_enabled(weight.device):
         return 0
     fp8 = weight.dtype == torch.float8_e4m3fn
-    flag = os.environ.get("MLASERVE_GEMV_MAX_M_FP8" if fp8 else "MLASERVE_GEMV_MAX_M", "")
-    if flag:
-        return int(flag)
+    override = switches.gemv_max_m(fp8)
+    if override is not None:
+        return override
     n, k = weight.shape[-2:]
     if k > GEMV_MAX_K:
         return 0

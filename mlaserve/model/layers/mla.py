@@ -16,12 +16,12 @@ latent output o_h = sum_s p_hs c_s goes through W_UV_h, then o_proj.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from mlaserve import switches
 from mlaserve.config import ModelConfig, QuantizationConfig
 from mlaserve.model.layers.linear import (
     NO_TP,
@@ -122,7 +122,7 @@ class MLAAttention(nn.Module):
 
             self._norm_rope = mla_norm_rope
             # `MLASERVE_DECODE_PROLOGUE=0`: the two kernels apart, for A/B runs
-            if os.environ.get("MLASERVE_DECODE_PROLOGUE", "1") != "0":
+            if switches.decode_prologue():
                 self._prologue = mla_decode_prologue
             self._head_gemv, self._head_gemv_max_m = head_gemv, HEAD_GEMV_MAX_M
         # q's row stride in the projection output q_nope is a view of (head_gemv's warm-up)

@@ -14,9 +14,9 @@ the shared experts (a `DeepseekMLP`). `DeepseekMoE.forward` picks a path by toke
                                 experts' dense GEMMs on a side stream beside them on CUDA
 
 The two kernel paths are set up where they run (CUDA + Triton, `process_weights_after_loading`);
-their limits are the module constants below. A/B switches: `MLASERVE_MOE_DECODE_MAX_TOKENS=0`,
-`MLASERVE_MOE_GROUPED_MAX_TOKENS=0` turn a path off, `MLASERVE_FUSED_ROUTING=0` selects first,
-`MLASERVE_SHARED_OVERLAP=0` runs the shared experts in line. Called by a decoder layer
+their limits are the module constants below. A/B switches (README, "Switches"):
+`MLASERVE_MOE_DECODE_MAX_TOKENS`, `MLASERVE_MOE_GROUPED_MAX_TOKENS`, `MLASERVE_FUSED_ROUTING`,
+`MLASERVE_SHARED_OVERLAP`. Called by a decoder layer
 (`combine=False`), the kernel paths return per-slot partials (`MoePartials`) and the sorted path
 its expert rows (`SortedExpertRows`), for the next residual-add + RMSNorm to combine.
 """
@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from mlaserve import switches
 from mlaserve.config import ModelConfig, QuantizationConfig
 from mlaserve.model.layers.linear import NO_TP, TensorParallel, all_reduce
 from mlaserve.model.layers.mlp import DeepseekMLP
@@ -73,7 +73,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     """The stream a prefill-sized MoE layer runs its shared experts on, beside the routed ones:
     one per device, shared by every layer (the caching allocator reuses a block only on the
     stream that allocated it). None off CUDA or with `MLASERVE_SHARED_OVERLAP=0` (A/B runs)."""
-    if device.type != "cuda" or os.environ.get("MLASERVE_SHARED_OVERLAP", "1") == "0":
+    if device.type != "cuda" or not switches.shared_overlap():
         return None
     return torch.cuda.Stream(device)
 
@@ -132,9 +132,9 @@ class DeepseekMoE(nn.Module):
         )
         bytes_bound = not fp8 and expert_bytes >= BYTES_BOUND_EXPERT_BYTES
         decode_max = DECODE_MAX_TOKENS_BYTES_BOUND if bytes_bound else DECODE_MAX_TOKENS
-        limit = int(os.environ.get("MLASERVE_MOE_DECODE_MAX_TOKENS", decode_max))
+        limit = switches.moe_decode_max_tokens(decode_max)
         default = GROUPED_MAX_TOKENS_FP8 if fp8 else GROUPED_MAX_TOKENS
-        grouped = int(os.environ.get("MLASERVE_MOE_GROUPED_MAX_TOKENS", default))
+        grouped = switches.moe_grouped_max_tokens(default)
         if limit <= 0 and grouped <= 0:
             return
         from mlaserve.ops.moe_decode import moe_decode
@@ -159,7 +159,7 @@ class DeepseekMoE(nn.Module):
             return
         self.decode_max_tokens = max(limit, 0)
         self.grouped_max_tokens = max(grouped, 0)
-        fused = os.environ.get("MLASERVE_FUSED_ROUTING", "1") != "0"
+        fused = switches.fused_routing()
         self.select_in_kernel = SELECT_IN_KERNEL_MAX_TOKENS if fused else 0
 
     def warm_up_kernels(self, act_dtype: torch.dtype) -> None:

@@ -1,0 +1,217 @@
+"""The `MLASERVE_*` switches: environment variables for A/B runs and debugging, one typed reader
+each, all declared in `SWITCHES` and documented in README.md's "Switches" table.
+
+They are not configuration: the engine and service options (`MLASERVE_<OPTION>`) come
+from `mlaserve/service/settings.py`. Each reader looks at the environment when called; the call
+site decides when that is (per construction, per call, or once per device where it caches), so
+tests and benchmarks can set a switch between reads. A bool switch is off only for "0"; an int
+switch set to something that is not an integer raises `SwitchError` naming the variable.
+
+This module imports nothing from mlaserve, so every layer may read it (ops/ does).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = [
+    "SWITCHES",
+    "Switch",
+    "SwitchError",
+    "decode_prologue",
+    "fused_ops",
+    "fused_routing",
+    "gemv_max_m",
+    "joined_q",
+    "mla_decode_rows",
+    "moe_decode_max_tokens",
+    "moe_grouped_max_tokens",
+    "one_graph_prefill",
+    "pdl",
+    "shared_overlap",
+]
+
+
+class SwitchError(ValueError):
+    """A switch set to a value its type cannot take (a ValueError, as `int()` raised before)."""
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One switch as README.md's table states it (tests/test_switches.py compares the two)."""
+
+    name: str  # the environment variable
+    type: str  # "bool" (off only for "0"), "int", or "0/1" (unset: automatic)
+    default: str  # the behaviour when unset, as the table writes it
+    meaning: str
+    read_in: str  # the module that reads it, under mlaserve/
+
+
+SWITCHES: tuple[Switch, ...] = (
+    Switch(
+        "MLASERVE_FUSED_OPS",
+        "0/1",
+        "unset: CUDA with Triton",
+        "0: the unfused torch path (the reference) everywhere; 1: the fused kernels also off "
+        "CUDA (CPU tests under `TRITON_INTERPRET=1`)",
+        "ops/__init__.py",
+    ),
+    Switch(
+        "MLASERVE_PDL",
+        "bool",
+        "on (SM90+)",
+        "programmatic dependent launch of the Triton kernels; read once per device "
+        "(`pdl_launch.cache_clear()` to switch in one process)",
+        "ops/pdl.py",
+    ),
+    Switch(
+        "MLASERVE_GEMV_MAX_M",
+        "int",
+        "measured, per weight shape (`gemv_max_m`)",
+        "tokens up to which a bf16/fp16 linear takes `ops.gemv` (0: never)",
+        "model/layers/linear.py",
+    ),
+    Switch(
+        "MLASERVE_GEMV_MAX_M_FP8",
+        "int",
+        "measured, per weight shape (`gemv_max_m`)",
+        "the same for FP8 weights",
+        "model/layers/linear.py",
+    ),
+    Switch(
+        "MLASERVE_DECODE_PROLOGUE",
+        "bool",
+        "on",
+        "MLA's decode prologue as one kernel; 0: its two kernels apart",
+        "model/layers/mla.py",
+    ),
+    Switch(
+        "MLASERVE_MOE_DECODE_MAX_TOKENS",
+        "int",
+        "`DECODE_MAX_TOKENS` = 8 (`DECODE_MAX_TOKENS_BYTES_BOUND` = 3: byte-bound 16-bit experts)",
+        "tokens up to which a MoE layer runs `ops/moe_decode.py` (0: never)",
+        "model/layers/moe.py",
+    ),
+    Switch(
+        "MLASERVE_MOE_GROUPED_MAX_TOKENS",
+        "int",
+        "`GROUPED_MAX_TOKENS` = 256, FP8 `GROUPED_MAX_TOKENS_FP8` = 256",
+        "tokens up to which a MoE layer runs `ops/moe_grouped.py` (0: never)",
+        "model/layers/moe.py",
+    ),
+    Switch(
+        "MLASERVE_FUSED_ROUTING",
+        "bool",
+        "on",
+        "`ops/moe_decode.py` selects the experts inside its first kernel up to "
+        "`SELECT_IN_KERNEL_MAX_TOKENS` = 2 tokens; 0: the router runs first",
+        "model/layers/moe.py",
+    ),
+    Switch(
+        "MLASERVE_SHARED_OVERLAP",
+        "bool",
+        "on (CUDA)",
+        "prefill MoE runs the shared experts on a side stream beside the routed ones; 0: in line "
+        "(read once per device)",
+        "model/layers/moe.py",
+    ),
+    Switch(
+        "MLASERVE_MLA_DECODE_ROWS",
+        "int",
+        "`SMALL_BATCH_MAX_ROWS` = 4",
+        "uniform batches of up to this many query rows take `ops/mla_decode.py` instead of "
+        "FlashMLA (0: FlashMLA always)",
+        "kernels_adapter/flashmla.py",
+    ),
+    Switch(
+        "MLASERVE_JOINED_Q",
+        "bool",
+        "on",
+        "W_UK's GEMV writes FlashMLA's query whole; 0: `ops/q_prep.py` prepares it",
+        "kernels_adapter/flashmla.py",
+    ),
+    Switch(
+        "MLASERVE_ONE_GRAPH_PREFILL",
+        "bool",
+        "on",
+        "one fresh prompt's prefill replays as one CUDA graph, attention included; 0: the pieces",
+        "graph_runner/piecewise_graph_runner.py",
+    ),
+)
+
+
+def _bool(name: str) -> bool:
+    """On unless the variable is "0" (unset and any other value: on)."""
+    return os.environ.get(name, "1") != "0"
+
+
+def _int(name: str, default: int) -> int:
+    """The variable as an int, `default` when unset; an empty or non-integer value raises."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise SwitchError(f"{name}={value!r}: not an integer") from None
+
+
+def fused_ops() -> bool | None:
+    """`MLASERVE_FUSED_OPS`: False for "0", True for "1", None (automatic) otherwise."""
+    flag = os.environ.get("MLASERVE_FUSED_OPS", "")
+    return False if flag == "0" else True if flag == "1" else None
+
+
+def pdl() -> bool:
+    """`MLASERVE_PDL`: whether programmatic dependent launch may be used."""
+    return _bool("MLASERVE_PDL")
+
+
+def gemv_max_m(fp8: bool) -> int | None:
+    """`MLASERVE_GEMV_MAX_M_FP8` (FP8 weights) or `MLASERVE_GEMV_MAX_M`; None when unset or
+    empty (the measured limits apply)."""
+    name = "MLASERVE_GEMV_MAX_M_FP8" if fp8 else "MLASERVE_GEMV_MAX_M"
+    if not os.environ.get(name, ""):
+        return None
+    return _int(name, 0)
+
+
+def decode_prologue() -> bool:
+    """`MLASERVE_DECODE_PROLOGUE`: MLA's decode prologue as one kernel."""
+    return _bool("MLASERVE_DECODE_PROLOGUE")
+
+
+def moe_decode_max_tokens(default: int) -> int:
+    """`MLASERVE_MOE_DECODE_MAX_TOKENS`, else the layer's `default`."""
+    return _int("MLASERVE_MOE_DECODE_MAX_TOKENS", default)
+
+
+def moe_grouped_max_tokens(default: int) -> int:
+    """`MLASERVE_MOE_GROUPED_MAX_TOKENS`, else the layer's `default`."""
+    return _int("MLASERVE_MOE_GROUPED_MAX_TOKENS", default)
+
+
+def fused_routing() -> bool:
+    """`MLASERVE_FUSED_ROUTING`: moe_decode may select the experts inside its first kernel."""
+    return _bool("MLASERVE_FUSED_ROUTING")
+
+
+def shared_overlap() -> bool:
+    """`MLASERVE_SHARED_OVERLAP`: prefill MoE's shared experts on a side stream."""
+    return _bool("MLASERVE_SHARED_OVERLAP")
+
+
+def mla_decode_rows(default: int) -> int:
+    """`MLASERVE_MLA_DECODE_ROWS`, else `default` (the measured crossover)."""
+    return _int("MLASERVE_MLA_DECODE_ROWS", default)
+
+
+def joined_q() -> bool:
+    """`MLASERVE_JOINED_Q`: FlashMLA takes the query W_UK's GEMV wrote whole."""
+    return _bool("MLASERVE_JOINED_Q")
+
+
+def one_graph_prefill() -> bool:
+    """`MLASERVE_ONE_GRAPH_PREFILL`: one fresh prompt's prefill as one CUDA graph."""
+    return _bool("MLASERVE_ONE_GRAPH_PREFILL")
