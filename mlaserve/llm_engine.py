@@ -1,6 +1,10 @@
 """The engine: requests in, tokens out, one `step()` at a time.
 
-    step():  schedule -> run (forward + sample) -> postprocess (append, detokenize, stop)
+    step():  schedule -> (draft) run (forward + sample) (verify, accept) -> postprocess
+
+The run is `ModelRunner` and the graph runner (with speculation, `SpecDecoder`); postprocessing
+(append, detokenize, stop, the outputs) is `engine/output_processor.py`, request checks
+`engine/request_validator.py`, the counters `engine/stats.py`.
 
 With overlap scheduling (on with CUDA) `step()` launches its forward and sampling, then reads
 back and postprocesses the *previous* step's tokens while the GPU works; the next forward takes
@@ -17,21 +21,23 @@ import random
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from mlaserve.config import EngineConfig, ModelConfig
 from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.engine.grammar import GrammarBackend, GrammarError
-from mlaserve.engine.model_runner import ModelRunner, PendingSample, StepResult
+from mlaserve.engine.model_runner import ModelRunner
+from mlaserve.engine.output_processor import OutputProcessor
 from mlaserve.engine.overlap import StepLedger
-from mlaserve.engine.prompt_logprobs import PromptLogprobs
+from mlaserve.engine.read_back import InFlightStep, PendingSample, StepResult
 from mlaserve.engine.request import FinishReason, Request
+from mlaserve.engine.request_validator import InvalidRequestError, RequestValidator
 from mlaserve.engine.scheduler import Scheduler, SchedulerOutput
+from mlaserve.engine.stats import STEP_HISTORY, EngineStats
 from mlaserve.graph_runner import CaptureReport, CompileWatch, CudaGraphRunner
 from mlaserve.kv_cache import PageAllocator
-from mlaserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from mlaserve.sampling_params import RequestOutputKind, SamplingParams
+from mlaserve.outputs import RequestMetrics, RequestOutput
+from mlaserve.sampling_params import SamplingParams
 from mlaserve.spec import (
     Decision,
     MTPDrafter,
@@ -40,58 +46,11 @@ from mlaserve.spec import (
     StepCosts,
     measure_engine_step_costs,
 )
-from mlaserve.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_holdback
+from mlaserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = ["STEP_HISTORY", "EngineStats", "InvalidRequestError", "LLMEngine"]
 
-STEP_HISTORY = 4096  # steps whose token counts EngineStats carries
-
 logger = logging.getLogger(__name__)
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine cannot serve; `param` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_pages: int
-    num_total_pages: int
-    # Running totals since start-up (the metrics layer turns them into counters).
-    num_graph_replays: int = 0
-    num_piecewise_replays: int = 0  # EXTEND forwards from piecewise graphs
-    num_eager_steps: dict[str, int] = field(default_factory=dict)  # by reason
-    num_compiles_while_serving: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-    # Tokens (prompt + generated) each of the last steps ran, newest last, at most
-    # STEP_HISTORY of them: whoever reads stats less often than every step (the engine process
-    # sends them every STATS_INTERVAL_S) still sees every step since its last read.
-    recent_step_num_tokens: tuple[int, ...] = ()
-    # Speculative decoding running totals (zero when it is off): verify steps (one per request
-    # per step), draft tokens proposed, accepted drafts per draft position, and how many verify
-    # steps emitted n tokens (bonus included).
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_accepted_per_pos: list[int] = field(default_factory=list)
-    spec_accept_lengths: dict[int, int] = field(default_factory=dict)
-    # The policy's per-step decisions ("on:pays", "off:cap", ... -> steps) and its running
-    # accept-length estimate (what it compares with the measured break-even).
-    spec_decisions: dict[str, int] = field(default_factory=dict)
-    spec_accept_length_estimate: float = 0.0
-    # The policy's current break-even accept length per captured batch size (its costs follow
-    # the served steps); empty while unmeasured (CPU, graphs off).
-    spec_break_even: dict[int, float] = field(default_factory=dict)
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return 1.0 - self.num_free_pages / max(self.num_total_pages, 1)
 
 
 def _without_finished(scheduled: SchedulerOutput) -> SchedulerOutput:
@@ -108,21 +67,6 @@ def _without_finished(scheduled: SchedulerOutput) -> SchedulerOutput:
     )
 
 
-@dataclass
-class _InFlight:
-    """A launched step the host has not waited on yet: its sampled tokens are still on the
-    device, or (it samples nothing) its fence has not been waited on."""
-
-    scheduled: SchedulerOutput
-    sample: PendingSample
-    step: int  # its `StepLedger` id
-
-    @property
-    def samples(self) -> bool:
-        """Whether it sampled tokens (whose read-back may end requests)."""
-        return self.sample.read_back is not None
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -133,10 +77,10 @@ class LLMEngine:
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = sorted(eos)
+        eos_token_ids = sorted(eos)
         self.compile_watch = CompileWatch()
         t0 = time.perf_counter()
-        self.runner = ModelRunner(config, self.model_config, self.eos_token_ids)
+        self.runner = ModelRunner(config, self.model_config, eos_token_ids)
         self.load_time_s = time.perf_counter() - t0
         self.graph_report: CaptureReport | None = None
         self.spec_costs: StepCosts | None = None
@@ -168,6 +112,15 @@ class LLMEngine:
             num_lookahead_tokens=config.num_lookahead_tokens,
         )
         self.requests: dict[str, Request] = {}
+        self.validator = RequestValidator(
+            self.model_config.vocab_size,
+            self.max_model_len,
+            self.scheduler,
+            self.allocator,
+        )
+        self.output = OutputProcessor(
+            self.tokenizer, self.scheduler, self.requests, eos_token_ids, self.max_model_len
+        )
         self.grammar: GrammarBackend | None = None  # built for the first structured request
         self._grammar_lock = threading.Lock()  # compile_grammar may run on another thread
         self.num_grammar_compiles_on_add = 0  # structured requests compiled inside add_request
@@ -177,7 +130,17 @@ class LLMEngine:
         self.overlap = config.resolved_overlap_schedule()
         # At most one launched step is not yet waited on (overlap rule 1, engine/overlap.py).
         self.ledger = StepLedger()
-        self._inflight: _InFlight | None = None  # the launched step not yet waited on
+        self._inflight: InFlightStep | None = None  # the launched step not yet waited on
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The ids that end a request (the model's and the tokenizer's EOS), sorted; the stop
+        check reads them where they live, in the output processor."""
+        return self.output.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: list[int]) -> None:
+        self.output.eos_token_ids = ids
 
     # ----- requests -----
     def add_request(
@@ -197,7 +160,8 @@ class LLMEngine:
         else:
             text, token_ids = None, list(prompt)
         max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
-        self._validate(token_ids, params, max_tokens)
+        self._refuse_with_speculation(params)
+        self.validator.validate(token_ids, params, max_tokens)
         request = Request(
             request_id=request_id,
             prompt=text,
@@ -243,54 +207,7 @@ class LLMEngine:
 
     def _refuse_with_speculation(self, params: SamplingParams) -> None:
         if self.spec_decoder is not None:
-            # The speculative loop samples and verifies on the device without the grammar mask
-            # and keeps no prompt-logprob rows: refused rather than silently ignored.
-            for name in ("prompt_logprobs", "structured_outputs"):
-                if getattr(params, name) is not None:
-                    raise InvalidRequestError(
-                        f"{name}: not supported with speculative decoding (start the server "
-                        "without --speculative-config / --num-speculative-tokens)",
-                        name,
-                    )
-
-    def _validate(self, token_ids: list[int], params: SamplingParams, max_tokens: int) -> None:
-        self._refuse_with_speculation(params)
-        n = len(token_ids)
-        if n == 0:
-            raise InvalidRequestError("prompt: must contain at least one token", "prompt")
-        vocab = self.model_config.vocab_size
-        # min / max run in C (a 2048-token prompt's check: ~10 us, not ~55 scanning in Python)
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            bad = next(t for t in token_ids if not 0 <= t < vocab)
-            raise InvalidRequestError(
-                f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", "prompt"
-            )
-        try:
-            params.check_vocab(vocab)
-        except ValueError as e:
-            raise InvalidRequestError(str(e), "stop_token_ids") from None
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt: {n} tokens leave no room to generate within max_model_len "
-                f"{self.max_model_len}",
-                "prompt",
-            )
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"max_tokens: {params.max_tokens} + {n} prompt tokens exceeds max_model_len "
-                f"{self.max_model_len}",
-                "max_tokens",
-            )
-        total = n + max_tokens
-        if (
-            self.scheduler.num_pages_for(total + self.scheduler.num_lookahead_tokens)
-            > self.allocator.num_usable_pages
-        ):
-            raise InvalidRequestError(
-                f"prompt: {total} tokens need more KV pages than the cache holds "
-                f"({self.allocator.num_usable_pages} pages of {self.config.page_size})",
-                "prompt",
-            )
+            self.validator.refuse_with_speculation(params)
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -388,7 +305,7 @@ class LLMEngine:
 
     def _run_spec(
         self, scheduled: SchedulerOutput, decision: Decision | None
-    ) -> tuple[list[RequestOutput], _InFlight | None]:
+    ) -> tuple[list[RequestOutput], InFlightStep | None]:
         """One step of the speculative decoder -> (its outputs, the step if still in flight).
         Synchronous when it samples (its read-back is its wait); one that samples nothing is
         left in flight with a fence, as a plain engine's is."""
@@ -396,7 +313,7 @@ class LLMEngine:
         result, num_accepted = self.spec_decoder.step(scheduled, decision)
         self.scheduler.after_step(scheduled, num_accepted)
         if not scheduled.sampled_requests:
-            return [], _InFlight(scheduled, PendingSample(None, None, self.runner.fence()), step)
+            return [], InFlightStep(scheduled, PendingSample(None, None, self.runner.fence()), step)
         self.ledger.waited(step)
         return self._postprocess(scheduled, result), None
 
@@ -411,7 +328,7 @@ class LLMEngine:
             for r in (s.request for s in scheduled.scheduled)
         )
 
-    def _launch(self, scheduled: SchedulerOutput, prev: _InFlight | None) -> _InFlight:
+    def _launch(self, scheduled: SchedulerOutput, prev: InFlightStep | None) -> InFlightStep:
         """Forward and sample on the device; the sampled tokens stay pending there."""
         step = self.ledger.launch()
         host = self.runner.build_host_batch(
@@ -423,16 +340,16 @@ class LLMEngine:
         logits = target.logits[: target.num_rows]
         if host.prompt_spans:
             for scored in self.runner.prompt_logprobs(logits, host):
-                self._record_prompt_logprobs(scored)
+                self.output.record_prompt_logprobs(scored)
         sample = self.runner.sample_async(logits, scheduled, self.grammar, target.greedy)
         self.scheduler.after_step(scheduled)
         for row, r in enumerate(scheduled.sampled_requests):
             r.num_pending_tokens += 1
             r.pending_row = row
             r.pending_step = step
-        return _InFlight(scheduled, sample, step)
+        return InFlightStep(scheduled, sample, step)
 
-    def _resolve(self, step: _InFlight) -> list[RequestOutput]:
+    def _resolve(self, step: InFlightStep) -> list[RequestOutput]:
         """Read a launched step's tokens back (its one host sync; a fence for a step that
         sampled nothing) and postprocess them."""
         result = step.sample.result()
@@ -445,18 +362,6 @@ class LLMEngine:
         """Resolve the step still in flight (overlap scheduling), if any."""
         prev, self._inflight = self._inflight, None
         return self._resolve(prev) if prev is not None else []
-
-    def _record_prompt_logprobs(self, scored: PromptLogprobs) -> None:
-        piece = self.tokenizer.id_to_piece
-        recorded = scored.span.request.prompt_logprobs
-        for j, token in enumerate(scored.span.targets):
-            entry = {token: Logprob(scored.logprobs[j], scored.ranks[j], piece(token))}
-            if scored.top_ids is not None:
-                k = scored.span.request.params.prompt_logprobs or 0
-                top = zip(scored.top_ids[j][:k], scored.top_logprobs[j][:k])
-                for rank, (t, lp) in enumerate(top, 1):
-                    entry.setdefault(t, Logprob(lp, rank, piece(t)))
-            recorded.append(entry)
 
     def warmup(self) -> None:
         """Everything that compiles or allocates lazily happens here, before serving: a
@@ -520,186 +425,7 @@ class LLMEngine:
         )
 
     def _postprocess(self, scheduled: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        now = time.time()
-        outputs = []
-        sampling = scheduled.sampled_requests
-        errors = result.errors
-        for i, request in enumerate(sampling):
-            if request.is_finished:
-                # Overlap scheduling ran it one step past its end (or it was aborted while the
-                # step ran): the token is not its own.
-                continue
-            error = errors[i] if errors is not None else None
-            if error is not None:
-                # A wrong token is worse than none: end the request, say why, append nothing.
-                logger.warning("request %s failed: %s", request.request_id, error)
-                self._finish(request, FinishReason.ABORT, None)
-                out = self._make_output(request, "", now, num_new=0, error=error)
-            else:
-                # Speculation emits several tokens; stop checks apply to each, the first hit
-                # ends the request and the rest are dropped.
-                new_text, num_new = "", 0
-                for j in range(len(result.token_ids[i])):
-                    new_text += self._append_token(request, i, j, result, now)
-                    num_new += 1
-                    if request.is_finished:
-                        break
-                out = self._make_output(request, new_text, now, num_new=num_new)
-            if out is not None:
-                outputs.append(out)
-            if request.is_finished:
-                self.requests.pop(request.request_id, None)
-        return outputs
-
-    def _append_token(
-        self, request: Request, i: int, j: int, result: StepResult, now: float
-    ) -> str:
-        """Append token j of request i's emitted tokens; check its stop conditions."""
-        token = result.token_ids[i][j]
-        output_ids = request.output_token_ids
-        output_ids.append(token)
-        params = request.params
-        if request.logprobs is not None:
-            request.logprobs.append(self._logprob_entry(token, i, j, result))
-            request.cumulative_logprob += result.logprobs[i][j]
-        text = request.output_text
-        text_before = len(text)
-        text.append(request.detokenizer.step((token,)))
-
-        n_out = len(output_ids)
-        grammar = request.grammar
-        end: tuple[FinishReason, int | str | None] | None = None  # (reason, stop_reason)
-        if grammar is not None and not grammar.accept_token(token):
-            # Only reachable if every allowed token was banned too (e.g. min_tokens vs EOS).
-            logger.warning("request %s: token %d breaks its grammar", request.request_id, token)
-            end = (FinishReason.STOP, None)
-        elif n_out >= params.min_tokens and (
-            (not params.ignore_eos and token in self.eos_token_ids)
-            or (params.stop_token_ids and token in params.stop_token_ids)
-        ):
-            end = (FinishReason.STOP, token)
-        elif (
-            n_out >= params.min_tokens
-            and params.stop
-            and (hit := self._cut_stop(request, text_before)) is not None
-        ):
-            end = (FinishReason.STOP, hit)
-        elif grammar is not None and grammar.is_terminated():
-            end = (FinishReason.STOP, token)  # complete (EOS with ignore_eos)
-        elif n_out >= request.max_tokens or request.num_prompt_tokens + n_out >= self.max_model_len:
-            end = (FinishReason.LENGTH, None)
-        if end is not None:
-            self._finish(request, *end)
-            if not isinstance(request.stop_reason, str):
-                text.append(request.detokenizer.flush())
-        return self._release_text(request, end is not None)
-
-    def _cut_stop(self, request: Request, text_before: int) -> str | None:
-        """The stop string that the text appended after `text_before` characters completes,
-        with the text cut there; None if none does."""
-        params, text = request.params, request.output_text
-        # Only a stop string ending in the new text can complete now: search the new text and
-        # the longest stop's length before it, not the whole output.
-        start = max(text_before - max(map(len, params.stop)) + 1, 0)
-        hit = find_stop(
-            text.tail(start),
-            len(text) - text_before,
-            params.stop,
-            params.include_stop_str_in_output,
-        )
-        if hit is None:
-            return None
-        text.truncate(start + hit[0])
-        return hit[1]
-
-    def _release_text(self, request: Request, finished: bool) -> str:
-        """Text safe to stream: hold back what could still turn into a stop string."""
-        text, released = request.output_text, request.num_released_chars
-        stop = request.params.stop
-        held = 0
-        if stop and not finished:
-            held = stop_holdback(stop, request.params.include_stop_str_in_output)
-        upto = max(released, len(text) - held)
-        request.num_released_chars = upto
-        return text.tail(released)[: upto - released]
-
-    def _finish(
-        self, request: Request, reason: FinishReason, stop_reason: int | str | None
-    ) -> None:
-        request.finish_reason = reason
-        request.stop_reason = stop_reason
-        self.scheduler.finish(request)
-
-    def _logprob_entry(self, token: int, i: int, j: int, result: StepResult) -> dict[int, Logprob]:
-        piece = self.tokenizer.id_to_piece
-        entry = {token: Logprob(result.logprobs[i][j], result.ranks[i][j], piece(token))}
-        if result.top_ids is not None:
-            top_ids, top_lps = result.top_ids[i][j], result.top_logprobs[i][j]
-            for rank, (t, lp) in enumerate(zip(top_ids, top_lps), 1):
-                entry.setdefault(t, Logprob(lp, rank, piece(t)))
-        return entry
-
-    def _make_output(
-        self,
-        request: Request,
-        new_text: str,
-        now: float,
-        num_new: int = 1,
-        error: str | None = None,
-    ) -> RequestOutput | None:
-        """This step's output of `request`, shaped by its `output_kind`: DELTA and FINAL_ONLY
-        keep the per-step host work O(new tokens); CUMULATIVE copies everything so far."""
-        m = request.metrics
-        finished = request.is_finished
-        token_ids, logprobs = request.output_token_ids, request.logprobs
-        n_out = len(token_ids)
-        if num_new:
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.last_token_time = now
-        m.num_generation_tokens = n_out
-        if finished:
-            m.finished_time = now
-        kind = request.params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        if kind is RequestOutputKind.DELTA:
-            text = new_text
-            token_ids = token_ids[n_out - num_new :]
-            if logprobs is not None:
-                logprobs = logprobs[len(logprobs) - num_new :]
-        else:
-            text = str(request.output_text)
-            token_ids = list(token_ids)
-            logprobs = list(logprobs) if logprobs is not None else None
-        reason = "error" if error is not None else request.finish_reason
-        prompt_logprobs = request.prompt_logprobs
-        if kind is RequestOutputKind.DELTA and n_out > num_new:
-            prompt_logprobs = None  # sent with the first delta
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[
-                CompletionOutput(
-                    index=0,
-                    text=text,
-                    token_ids=token_ids,
-                    cumulative_logprob=(
-                        request.cumulative_logprob if request.logprobs is not None else None
-                    ),
-                    logprobs=logprobs,
-                    finish_reason=str(reason) if reason is not None else None,
-                    stop_reason=request.stop_reason,
-                )
-            ],
-            finished=finished,
-            metrics=m,
-            prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
-            num_new_tokens=num_new,
-            new_text=new_text,
-            error=error,
-        )
+        return self.output.process(scheduled, result)
 
     def __repr__(self) -> str:
         return f"LLMEngine(model={self.config.model_path}, requests={len(self.requests)})"

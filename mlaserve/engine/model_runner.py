@@ -12,10 +12,8 @@ request asked) reads those back too.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from mlaserve.config import ConfigError, EngineConfig, ModelConfig
@@ -24,34 +22,22 @@ from mlaserve.engine.grammar import GrammarBackend
 from mlaserve.engine.input_buffers import HostBatch, InputBuffers
 from mlaserve.engine.overlap import OverlapError, StepFence
 from mlaserve.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs, plan_spans
+from mlaserve.engine.read_back import PendingSample, ReadBack, ReadBackRows, StepResult
+from mlaserve.engine.request import Request
 from mlaserve.engine.scheduler import SchedulerOutput
+from mlaserve.engine.token_rows import TokenRows
 from mlaserve.kernels_adapter import get_backend_class, resolve_backend_name
 from mlaserve.kv_cache import MLAKVPool
 from mlaserve.model import load_kv_scales, load_model
-from mlaserve.sampling import GreedyRows, Sampler, SamplerOutput, SamplingSlots
+from mlaserve.sampling import GreedyRows, Sampler, SamplerOutput, SamplingBatch, SamplingSlots
 
+# PendingSample, ReadBack and StepResult live in engine/read_back.py (named here as before).
 __all__ = ["ModelRunner", "PendingSample", "ReadBack", "StepResult"]
 
 logger = logging.getLogger(__name__)
 
 # Without an explicit size, a CPU KV pool takes at most this much host memory.
 CPU_KV_CACHE_BYTES = 2 << 30
-NONFINITE_LOGITS = "the model produced NaN or infinite logits for this request"
-
-
-@dataclass
-class StepResult:
-    """Per sampled request (in scheduling order): the tokens this step emits (one without
-    speculation, 1..k+1 with it) and, per emitted token, optional logprob info."""
-
-    token_ids: list[list[int]]
-    logprobs: list[list[float]] | None = None
-    ranks: list[list[int]] | None = None
-    top_ids: list[list[list[int]]] | None = None
-    top_logprobs: list[list[list[float]]] | None = None
-    # Per row: None, or why the row produced no token (e.g. NaN/inf logits). The engine finishes
-    # such a request with that error instead of appending a token.
-    errors: list[str | None] | None = None
 
 
 class ModelRunner:
@@ -147,24 +133,10 @@ class ModelRunner:
         self.sampling_slots = SamplingSlots(
             config.max_num_seqs, model_config.vocab_size, self.device, eos_token_ids
         )
-        # The step's one device->host transfer: sampled ids into pinned memory, then one wait.
-        # Two pinned rows and events, used in turn (`start_read_back`); each row's generation
-        # counts its uses, so a read-back whose row was reused before it was read fails
-        # (overlap rule 3, `engine/overlap.py`).
-        rows = config.max_num_seqs * 32  # room for several values per row (ids, flags, k+1)
-        pin = self.device.type == "cuda"
-        self._ids_host = [torch.empty(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._ids_ready = [torch.cuda.Event() if pin else None for _ in range(2)]
-        self._ids_generation = [0, 0]
-        # The device's index, so the read-back finds its stream without torch's current-device
-        # lookup (~20 us of a host-bound step on the H100 host: it checks CUDA's availability).
-        self._device_index = (
-            (self.device.index if self.device.index is not None else torch.cuda.current_device())
-            if pin
-            else None
-        )
-        self._ids_turn = 0
-        self.num_host_waits = 0  # how often a step waited on the device (tests count it)
+        # The step's one device->host transfer: sampled ids into pinned memory, then one wait
+        # (overlap rule 3, `engine/overlap.py`); room for several values per row (ids, flags,
+        # k+1 tokens).
+        self.read_backs = ReadBackRows(config.max_num_seqs * 32, self.device)
         logger.info(
             "KV cache: %d pages x %d tokens, %s, backend=%s",
             self.num_pages,
@@ -218,7 +190,7 @@ class ModelRunner:
         read by the rows of requests whose last token is still pending there; `future_step`:
         that step's id, which every pending row must name (overlap rule 4)."""
         ps = self.page_size
-        tokens = _TokenRows()
+        tokens = TokenRows()
         seq_lens: list[int] = []
         q_lens: list[int] = []
         tables: list[list[int]] = []
@@ -340,18 +312,12 @@ class ModelRunner:
         """Start the copy of `values` into pinned memory; `.wait()` later returns them as
         lists. Two pinned rows are used in turn, so one read back may still be pending while
         the next step starts its own (overlap scheduling)."""
-        turn = self._ids_turn
-        self._ids_turn ^= 1
-        self._ids_generation[turn] += 1
-        if values.numel() > self._ids_host[turn].numel():
-            pin = self.device.type == "cuda"
-            self._ids_host[turn] = torch.empty(values.numel(), dtype=torch.int64, pin_memory=pin)
-        host = self._ids_host[turn][: values.numel()].view(values.shape)
-        host.copy_(values, non_blocking=True)
-        event = self._ids_ready[turn]
-        if event is not None:
-            event.record(torch.cuda.current_stream(self._device_index))
-        return ReadBack(self, host, event, turn, self._ids_generation[turn])
+        return self.read_backs.start(values)
+
+    @property
+    def num_host_waits(self) -> int:
+        """How often a step waited on the device (tests count it)."""
+        return self.read_backs.num_host_waits
 
     def fence(self) -> StepFence:
         """A fence after the work queued so far: what the host waits on for a step that reads
@@ -389,12 +355,10 @@ class ModelRunner:
         before the tokens reach the host: `.result()` waits for them, and `.feed` is what a
         next forward may read on the device meanwhile (overlap scheduling). `greedy`: the
         graph's argmax of the logits rows (`TargetOutput.greedy`), from row 0."""
-        slots = self.sampling_slots
         self.admit(sched)
         sampling = sched.sampled_requests
         if not sampling:  # nothing to read back: the host waits on a fence instead (rule 1)
             return PendingSample(None, None, self.fence())
-        sb = slots.batch([r.slot for r in sampling], [r.num_output_tokens for r in sampling])
         mask = None
         if grammar is not None and any(r.grammar is not None for r in sampling):
             matchers = [r.grammar for r in sampling]  # structured output
@@ -404,8 +368,8 @@ class ModelRunner:
 
         n = len(sampling)
         greedy = greedy.head(n) if greedy is not None else None
-        out = self.sampler(logits[:n], sb, mask, greedy)  # prompt-logprob rows come after
-        slots.record(sb.slots, out.token_ids)
+        # prompt-logprob rows come after the sampling rows
+        _, out = self.sample_requests(logits[:n], sampling, mask, greedy)
         # The sampled ids, -1 on rows whose logits were not finite (one device op and one [n]
         # copy carry both; the graph made them when its argmax was taken). A next forward
         # reads the sampler's ids themselves: argmaxes, so in the vocabulary even on a
@@ -416,107 +380,18 @@ class ModelRunner:
             ids = torch.where(out.finite, out.token_ids, -1)
         return PendingSample(self.start_read_back(ids), out)
 
-
-@dataclass
-class ReadBack:
-    """A device->host copy in flight (`ModelRunner.start_read_back`)."""
-
-    runner: ModelRunner
-    host: torch.Tensor  # pinned, being written by the copy
-    event: torch.cuda.Event | None  # recorded after the copy (None on CPU: already done)
-    turn: int  # which of the runner's two pinned rows
-    generation: int  # that row's use count when this read-back started
-
-    def wait(self) -> list:
-        if self.event is not None:
-            self.event.synchronize()
-        if self.runner._ids_generation[self.turn] != self.generation:
-            raise OverlapError(
-                "a read-back row was reused before it was read: more than two read-backs per "
-                "host wait (overlap rule 3)"
-            )
-        self.runner.num_host_waits += 1
-        return self.host.tolist()
-
-
-@dataclass
-class PendingSample:
-    """A step's sampled tokens on their way to the host (`ModelRunner.sample_async`)."""
-
-    read_back: ReadBack | None  # None: the step sampled nothing
-    out: SamplerOutput | None  # the sampler's output (logprob tensors, read after the wait)
-    fence: StepFence | None = None  # what the host waits on when there is no read-back
-
-    @property
-    def feed(self) -> torch.Tensor | None:
-        """[n] int64 on the device, >= 0: the next forward's input ids."""
-        return self.out.token_ids if self.out is not None else None
-
-    def result(self) -> StepResult:
-        """Wait for the tokens (the step's one host sync) and return them."""
-        if self.read_back is None:
-            if self.fence is not None:
-                self.fence.wait()
-            return StepResult(token_ids=[])
-        ids = self.read_back.wait()
-        result = StepResult(token_ids=[[t] for t in ids])
-        if min(ids) < 0:
-            result.errors = [None if t >= 0 else NONFINITE_LOGITS for t in ids]
-        out = self.out
-        if out.logprobs is not None:  # some row asked for logprobs
-            result.logprobs = [[x] for x in out.logprobs.tolist()]
-            result.ranks = [[x] for x in out.ranks.tolist()]
-            if out.top_ids is not None:
-                result.top_ids = [[x] for x in out.top_ids.tolist()]
-                result.top_logprobs = [[x] for x in out.top_logprobs.tolist()]
-        return result
-
-
-class _TokenRows:
-    """A host batch's token rows (ids, positions, KV write slots) as `build_host_batch` appends
-    them: decode rows one at a time into lists, a prompt chunk's range as arrays. A batch of
-    decodes alone stays in lists (a few rows: no array to build); one with a chunk comes out
-    as int64 arrays, which `InputBuffers.fill` stages in one copy each instead of converting
-    each row's Python ints (~30 us a 2048-token row on our CPU machines; on the lent H100's
-    host, fill took 543-634 us before and 396-553 after, bench/RESULTS.md eleventh section)."""
-
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.positions: list[int] = []
-        self.slots: list[int] = []
-        self.count = 0  # rows so far
-        self._parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-
-    def add_one(self, token_id: int, position: int, slot: int) -> None:
-        self.ids.append(token_id)
-        self.positions.append(position)
-        self.slots.append(slot)
-        self.count += 1
-
-    def add_range(self, token_ids: list[int], start: int, pages: list[int], page_size: int):
-        """A chunk's rows: positions start.., their slots in `pages`."""
-        self._flush()
-        positions = np.arange(start, start + len(token_ids))
-        page = positions // page_size
-        first = page[0]
-        table = np.asarray(pages[first : page[-1] + 1], dtype=np.int64)
-        slots = table[page - first] * page_size + positions % page_size
-        self._parts.append((np.asarray(token_ids, dtype=np.int64), positions, slots))
-        self.count += len(token_ids)
-
-    def _flush(self) -> None:
-        if self.ids:
-            as_array = (
-                np.asarray(x, dtype=np.int64) for x in (self.ids, self.positions, self.slots)
-            )
-            self._parts.append(tuple(as_array))  # type: ignore[arg-type]
-            self.ids, self.positions, self.slots = [], [], []
-
-    def rows(self) -> tuple:
-        """-> (ids, positions, slots): lists for decodes alone, else int64 arrays."""
-        if not self._parts:
-            return self.ids, self.positions, self.slots
-        self._flush()
-        if len(self._parts) == 1:
-            return self._parts[0]
-        return tuple(np.concatenate(column) for column in zip(*self._parts))
+    def sample_requests(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        mask: Callable[[torch.Tensor], None] | None = None,
+        greedy: GreedyRows | None = None,
+    ) -> tuple[SamplingBatch, SamplerOutput]:
+        """One token per request from its row of `logits` [n, V] (row i: requests[i]), counted
+        in the slots' output counts on the device. -> (the step's sampling batch, the sampler's
+        output). The batch's staging copy records its row fence itself (overlap rule 2)."""
+        slots = self.sampling_slots
+        sb = slots.batch([r.slot for r in requests], [r.num_output_tokens for r in requests])
+        out = self.sampler(logits, sb, mask, greedy)
+        slots.record(sb.slots, out.token_ids)
+        return sb, out

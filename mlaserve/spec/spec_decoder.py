@@ -25,9 +25,8 @@ number of stale caches, the running accept length and the step costs), since its
 drafted now. Each steady-state decode step's kind (spec, plain, refresh) is kept so the engine
 can report the step's wall time back to the policy (`observe_step_time`), which takes it only
 from a settled batch: same kind and same requests as the step before. The first steps after a
-batch changes are slower than the rest (on an H100, the default model's first speculative steps
-after a prefill took 1.5-1.8 ms against 0.86 ms settled), and a policy that counted them saw
-speculation dearer than it was.
+batch changes are slower than the rest, and a policy that counted them saw speculation dearer
+than it was.
 
 The only device->host transfer is one packed int64 copy: the emitted tokens, the accept
 lengths, the per-request finite flags and the next drafts (the host builds the next verify
@@ -44,7 +43,8 @@ import torch
 
 from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.engine.input_buffers import HostBatch
-from mlaserve.engine.model_runner import NONFINITE_LOGITS, ModelRunner, StepResult
+from mlaserve.engine.model_runner import ModelRunner
+from mlaserve.engine.read_back import NONFINITE_LOGITS, StepResult
 from mlaserve.engine.request import Request
 from mlaserve.engine.scheduler import SchedulerOutput
 from mlaserve.graph_runner import CudaGraphRunner, TargetOutput
@@ -60,8 +60,7 @@ logger = logging.getLogger(__name__)
 
 LOG_INTERVAL_S = 30.0  # the periodic acceptance log line
 # Settled plain steps' wall times go to the policy in groups of this many: on a small model a
-# plain step's host work is its time, and one call per step cost ~1-3% of it (cold caches:
-# 11-19 us of a step on the CPU machine; bench/RESULTS.md).
+# plain step's host work is its time, and a policy call per step was a measurable share of it.
 OBSERVE_EVERY = 8
 
 
@@ -96,8 +95,7 @@ class SpecDecoder:
     def reset_stats(self) -> None:
         """Forget what throwaway steps (the start-up cost measurement) taught: counters, the
         policy's decisions and its accept-length observations (the measurement's synthetic
-        prompts are drafted almost perfectly: on an H100 they held the default model's
-        estimate at its k=3 prior of 2.2 while served text accepted 1.5)."""
+        prompts are drafted almost perfectly, which would hold the estimate too high)."""
         self.stats = SpecStats(self.k)
         self.policy.decisions.clear()
         self.policy.reset_observations()
@@ -124,8 +122,8 @@ class SpecDecoder:
         `step`."""
         if sched.batch_id is not None and sched.batch_id == self._plain_batch:
             # The requests of the last step, a plain decode step: all decoding, every cache
-            # stale, no drafts. On a small model a step's host work is its time, and the
-            # per-request loops below cost a plain step 2-4% of it (bench/RESULTS.md).
+            # stale, no drafts. On a small model a step's host work is its time: the
+            # per-request loops below are skipped.
             decision = self.policy.repeat()
             if decision is None:
                 n = len(sched.scheduled)
@@ -228,10 +226,7 @@ class SpecDecoder:
         sampled = torch.empty(0, dtype=torch.int64, device=dev)
         out = None
         if n:
-            slots = self.runner.sampling_slots
-            sb = slots.batch([r.slot for r in requests], [r.num_output_tokens for r in requests])
-            out = self.runner.sampler(target.logits[:n], sb)
-            slots.record(sb.slots, out.token_ids)
+            _, out = self.runner.sample_requests(target.logits[:n], requests)
             sampled = out.token_ids
         drafts = self.drafter.after_extend(sched, target, sampled, requests, speculate)
         for s in sched.scheduled:
@@ -270,11 +265,10 @@ class SpecDecoder:
         if verify:
             target = self.graphs.run_with_hidden(self._verify_batch(requests))
         logits = target.logits[: bs * q]
-        slots = self.runner.sampling_slots
-        row_slots = [r.slot for r in requests]
-        steps = [r.num_output_tokens for r in requests]
         if verify:
-            sb = slots.verify_batch(row_slots, steps, k)
+            slots = self.runner.sampling_slots
+            steps = [r.num_output_tokens for r in requests]
+            sb = slots.verify_batch([r.slot for r in requests], steps, k)
             # The drafts are still in the input buffer (verify rows 1..k).
             drafts_in = target.batch.input_ids.view(-1, q)[:bs, 1:]
             accept_len, out_tokens = accept_draft(logits.view(bs, q, -1), drafts_in, sb)
@@ -284,9 +278,7 @@ class SpecDecoder:
             emitted = torch.arange(q, device=logits.device) < accept_len.unsqueeze(1)
             finite = (row_ok | ~emitted).all(dim=1)
         else:
-            sb = slots.batch(row_slots, steps)
-            out = self.runner.sampler(logits, sb)
-            slots.record(sb.slots, out.token_ids)
+            sb, out = self.runner.sample_requests(logits, requests)
             out_tokens, finite = out.token_ids.unsqueeze(1), out.finite
             accept_len = torch.ones(bs, dtype=torch.int64, device=logits.device)
         drafts = None

@@ -9,7 +9,7 @@ import pytest
 
 from mlaserve import SamplingParams
 from mlaserve.engine.forward_batch import ForwardMode
-from mlaserve.engine.model_runner import _TokenRows
+from mlaserve.engine.token_rows import TokenRows as _TokenRows
 
 PAGE = 4
 
