@@ -8,6 +8,7 @@ is the bottom layer: it imports nothing else from mlaserve but the leaf `backend
 
 from mlaserve.config.engine_config import (
     KV_CACHE_DTYPES,
+    LOAD_FORMATS,
     MODEL_DTYPES,
     EngineConfig,
     default_model_path,
@@ -25,6 +26,7 @@ from mlaserve.config.speculative_config import (
 __all__ = [
     "DEFAULT_NUM_SPECULATIVE_TOKENS",
     "KV_CACHE_DTYPES",
+    "LOAD_FORMATS",
     "MODEL_DTYPES",
     "SPECULATIVE_METHODS",
     "SUPPORTED_MODEL_TYPES",

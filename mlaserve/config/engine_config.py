@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KV_CACHE_DTYPES",
+    "LOAD_FORMATS",
     "MODEL_DTYPES",
     "EngineConfig",
     "default_model_path",
@@ -32,6 +33,9 @@ __all__ = [
 
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8")
 MODEL_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+# "auto": the folder's safetensors; "dummy" (vLLM's name): random weights made on the device from
+# config.json alone, for benchmarks at full width without a checkpoint (`model/dummy_weights.py`).
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def default_model_path() -> Path:
@@ -59,6 +63,7 @@ class EngineConfig:
 
     model: str | None = None  # checkpoint folder; None = the default model shipped in the package
     tokenizer: str | None = None  # defaults to `model`
+    load_format: str = "auto"  # one of LOAD_FORMATS
     device: str = "auto"  # "auto" = cuda if available else cpu
     dtype: str = "auto"  # "auto" = the checkpoint's dtype on cuda, float32 on cpu
     kv_cache_dtype: str | None = None  # None = fp8_e4m3 on cuda, "auto" (= dtype) on cpu
@@ -112,6 +117,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device: expected 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(
+                f"load_format: expected one of {LOAD_FORMATS}, got {self.load_format!r}"
+            )
         if self.dtype not in MODEL_DTYPES:
             raise ConfigError(f"dtype: expected one of {MODEL_DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:

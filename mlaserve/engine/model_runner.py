@@ -75,10 +75,16 @@ class ModelRunner:
             )
 
         logger.info(
-            "loading weights from %s (%s on %s)", config.model_path, self.dtype, self.device
-        )
+            "loading weights from %s (%s on %s, load format %s)",
+            config.model_path, self.dtype, self.device, config.load_format,
+        )  # fmt: skip
         self.model = load_model(
-            model_config, config.model_path, dtype=self.dtype, device=self.device
+            model_config,
+            config.model_path,
+            dtype=self.dtype,
+            device=self.device,
+            load_format=config.load_format,
+            seed=config.seed,
         )
 
         # With speculation the MTP layer(s) cache latents under layer ids N.. of the same pool.
@@ -91,7 +97,9 @@ class ModelRunner:
                 )
             self.num_kv_layers += model_config.num_nextn_predict_layers
         self.num_pages = self._decide_num_pages()
-        k_scales = load_kv_scales(model_config, config.model_path)
+        # Dummy weights have no checkpoint to carry KV scales: an FP8 cache scales by 1.0.
+        dummy = config.load_format == "dummy"
+        k_scales = None if dummy else load_kv_scales(model_config, config.model_path)
         if k_scales is not None and self.kv_cache_dtype != torch.float8_e4m3fn:
             logger.warning(
                 "checkpoint has KV-cache scales, unused with a %s cache", self.kv_cache_dtype

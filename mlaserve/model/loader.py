@@ -24,6 +24,10 @@ the tests run) the weight is dequantised (W = W_fp8 * scale, fp32) and cast to t
 
 Each tensor goes through its parameter's `weight_loader` (which takes this rank's TP shard)
 and is cast to the parameter dtype. Every failure raises `WeightLoadError` naming the key.
+
+`load_format="dummy"` reads no safetensors: the model (with its MTP layer when config.json has
+one) is filled with seeded random weights on its device (`dummy_weights.py`), then derived as
+after a real load.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,8 +43,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from mlaserve.config import ModelConfig
+from mlaserve.config import LOAD_FORMATS, ModelConfig
 from mlaserve.model.deepseek import DeepseekForCausalLM
+from mlaserve.model.dummy_weights import fill_dummy_weights
 from mlaserve.model.layers.linear import NO_TP, TensorParallel, default_weight_loader
 from mlaserve.ops.fp8_quant import FP8_DTYPE, dequantize_weight_block, triton_available
 
@@ -77,23 +83,30 @@ def load_model(
     device: torch.device | str = "cpu",
     tp: TensorParallel = NO_TP,
     keep_fp8: bool | None = None,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> DeepseekForCausalLM:
     """Build the model on `device` in `dtype`, load the checkpoint at `path`, eval mode, no grad.
 
     The MTP module is built when the config asks for one and the checkpoint carries it.
     `keep_fp8` (FP8 checkpoints only): keep the block-quantized weights in FP8 and run block-FP8
     GEMMs; None = `fp8_runs_on(device)`. False dequantises them to `dtype` at load. True on CPU
-    runs the emulated FP8 math (tests)."""
+    runs the emulated FP8 math (tests). `load_format` "dummy": no checkpoint read, random weights
+    from `seed` (the MTP module whenever the config asks for one)."""
     if dtype not in _MODEL_DTYPES:
         raise WeightLoadError(f"dtype: expected one of {_MODEL_DTYPES}, got {dtype}")
+    if load_format not in LOAD_FORMATS:
+        raise WeightLoadError(f"load_format: expected one of {LOAD_FORMATS}, got {load_format!r}")
     if keep_fp8 is None:
         keep_fp8 = fp8_runs_on(torch.device(device))
     quant = model_config.quantization if keep_fp8 else None
     path = Path(path)
-    index = _index_checkpoint(path)
+    dummy = load_format == "dummy"
+    start = time.perf_counter()
+    index = {} if dummy else _index_checkpoint(path)
     mtp_prefix = f"model.layers.{model_config.num_hidden_layers}."
-    with_mtp = model_config.num_nextn_predict_layers > 0 and any(
-        key.startswith(mtp_prefix) for key in index
+    with_mtp = model_config.num_nextn_predict_layers > 0 and (
+        dummy or any(key.startswith(mtp_prefix) for key in index)
     )
     if model_config.num_nextn_predict_layers > 0 and not with_mtp:
         logger.info("config has num_nextn_predict_layers but %s has no MTP weights", path)
@@ -101,7 +114,18 @@ def load_model(
         model = DeepseekForCausalLM(
             model_config, params_dtype=dtype, tp=tp, with_mtp=with_mtp, quant=quant
         )
-    load_weights(model, path, index)
+    if dummy:
+        fill_dummy_weights(model, seed)
+    else:
+        load_weights(model, path, index)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)  # the fill is asynchronous: time it done
+    size = sum(p.nbytes for p in model.parameters())  # tied ones once
+    logger.info(
+        "weights: load format %r, %.2f GB (%s%s) in %.2f s",
+        load_format, size / 1e9, "FP8 blocks, " if quant is not None else "", dtype,
+        time.perf_counter() - start,
+    )  # fmt: skip
     model.process_weights_after_loading()
     return model.eval().requires_grad_(False)
 

@@ -14,10 +14,9 @@ from pathlib import Path
 
 from mlaserve.config import ConfigError, ModelConfig
 from mlaserve.service.settings import Settings
+from mlaserve.tokenizer.tokenizer import TOKENIZER_FILES
 
 __all__ = ["preflight"]
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def preflight(settings: Settings) -> Settings:

@@ -20,7 +20,13 @@ from typing import Any
 
 import yaml
 
-from mlaserve.config import KV_CACHE_DTYPES, MODEL_DTYPES, ConfigError, EngineConfig
+from mlaserve.config import (
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    MODEL_DTYPES,
+    ConfigError,
+    EngineConfig,
+)
 from mlaserve.kernels_adapter.registry import available_backends
 from mlaserve.service.parsers import REASONING_PARSERS, TOOL_PARSERS
 from mlaserve.service.protocol import MAX_LOGPROBS, MAX_PROMPT_TOKENS, MAX_PROMPTS
@@ -112,6 +118,9 @@ _HELP = {
     "model": "checkpoint folder (config.json, *.safetensors, tokenizer); "
     "default: the small model shipped in the package",
     "tokenizer": "tokenizer folder; default: the model folder",
+    "load_format": "'auto': the checkpoint's safetensors; 'dummy' (vLLM's name): random weights "
+    "made on the device from config.json alone (benchmarks at full width, no checkpoint; the "
+    "folder still needs a tokenizer)",
     "device": "'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'",
     "dtype": "weights/activations dtype; 'auto' = the checkpoint's on cuda, float32 on cpu",
     "kv_cache_dtype": "KV-cache dtype; default fp8_e4m3 on cuda, the model dtype on cpu",
@@ -178,6 +187,7 @@ _HELP = {
 #: Allowed values shown in --help (the configs validate them).
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": MODEL_DTYPES,
+    "load_format": LOAD_FORMATS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "attention_backend": ("auto", *available_backends()),
     "device": ("auto", "cpu", "cuda", "cuda:N"),

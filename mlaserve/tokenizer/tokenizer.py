@@ -21,7 +21,11 @@ import jinja2
 import tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-__all__ = ["ChatTemplateError", "Tokenizer"]
+__all__ = ["TOKENIZER_FILES", "ChatTemplateError", "Tokenizer"]
+
+# A folder holding none of these has no tokenizer (e.g. a `--load-format dummy` folder of only
+# config.json); transformers' own error for it speaks of sentencepiece and slow tokenizers.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 class ChatTemplateError(ValueError):
@@ -41,6 +45,11 @@ class Tokenizer:
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer path {path} is not a directory")
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise FileNotFoundError(
+                f"tokenizer path {path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+                "copy the model's tokenizer there or name its folder with `tokenizer`"
+            )
         kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}
         if _is_mislabelled_byte_level(path):
             # DeepSeek V2/V3 declare "LlamaTokenizerFast" but ship a ByteLevel tokenizer.json.

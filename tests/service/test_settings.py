@@ -131,3 +131,14 @@ def test_tokenizer_queue_is_derived_unless_given() -> None:
     assert load_settings({}, {"MLASERVE_TOKENIZER_QUEUE": "none"}).server.tokenizer_queue is None
     with pytest.raises(ConfigError, match=r"tokenizer_queue: must be >= 1, got 0 \(cli\)"):
         load_settings({"tokenizer_queue": "0"}, {})
+
+
+def test_load_format_from_cli_and_env() -> None:
+    args = vars(build_parser().parse_args(["serve", "--load-format", "dummy"]))
+    assert args["load_format"] == "dummy"
+    assert load_settings({"load_format": args["load_format"]}, {}).engine.load_format == "dummy"
+    settings = load_settings({}, {"MLASERVE_LOAD_FORMAT": "dummy"})
+    assert settings.engine.load_format == "dummy"
+    assert settings.sources["load_format"] == "env MLASERVE_LOAD_FORMAT"
+    with pytest.raises(ConfigError, match=r"load_format: expected one of .* \(cli\)"):
+        load_settings({"load_format": "npz"}, {})
