@@ -16,6 +16,14 @@ FFN is the dense SwiGLU MLP for the first `first_k_dense_replace` layers (and of
 `moe_layer_freq` grid), the MoE elsewhere. Module and parameter names follow the HF
 checkpoints, except the fused `gate_up_proj` / stacked experts (see `loader.py`).
 
+Tensor parallelism (`tp`, `mlaserve/tensor_parallel.py`; eager, as vLLM/SGLang split DeepSeek):
+the embedding and LM head split the (padded) vocabulary (masked lookup + all-reduce; logits
+all-gathered, so every rank has all of them), MLA splits its heads (`mla.py`), the dense MLPs and
+shared experts their intermediate (gate/up column-, down row-parallel), the routed experts each
+expert's intermediate; each layer ends in one all-reduce per block (o_proj; the MoE's routed +
+shared sum), so the residual stream, the norms, the router and the latent KV cache are the same
+on every rank. The MTP layer is split like a decoder layer.
+
 The forward reads only `batch.input_ids`, `batch.positions` and hands `batch` to the attention
 backend; it never reads device values on the host (on CUDA), so DECODE batches can be captured
 in a CUDA graph.

@@ -1,7 +1,15 @@
 """Token embedding and LM head, split over the vocabulary for tensor parallelism (TP).
 
-Rank r holds vocabulary rows [r*V/tp, (r+1)*V/tp). On one rank both are plain lookups / matmuls;
-the TP collectives (masked lookup + all-reduce, logits all-gather) are not wired yet.
+The vocabulary is padded up to a multiple of the TP size, as vLLM does (V3's 129280 divides by
+8; a vocabulary that does not is padded, never an error): rank r holds rows
+[r*Vp/tp, (r+1)*Vp/tp) of the padded [Vp, hidden] table, the rows past V zero.
+
+    embedding   each rank looks up the ids in its slice (others give zero rows), then one
+                all-reduce sums the ranks' [T, hidden]: every rank has the full embedding
+    LM head     each rank computes its [N, Vp/tp] slice of the logits, then one all-gather along
+                the vocabulary: every rank has the full [N, V] logits (padding sliced off)
+
+On one rank both are a plain lookup / matmul and no collective runs.
 """
 
 from __future__ import annotations
@@ -11,11 +19,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.model.layers.linear import NO_TP, TensorParallel, check_shape
+from mlaserve.tensor_parallel import all_gather, all_reduce
 
 __all__ = ["ParallelLMHead", "VocabParallelEmbedding"]
 
 
 class VocabParallelEmbedding(nn.Module):
+    """weight [ceil(V/tp), hidden] in params_dtype: this rank's rows of the padded vocabulary."""
+
     def __init__(
         self,
         vocab_size: int,
@@ -26,29 +37,43 @@ class VocabParallelEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.vocab_size, self.hidden_size, self.tp = vocab_size, hidden_size, tp
-        local = tp.split(vocab_size, "vocab_size")
+        self.local_vocab = -(-vocab_size // tp.size)  # padded share
+        self.vocab_start = tp.rank * self.local_vocab
+        # rows of this slice that are real tokens (the last ranks' tail is padding)
+        self.valid_rows = max(0, min(self.local_vocab, vocab_size - self.vocab_start))
         self.weight = nn.Parameter(
-            torch.empty(local, hidden_size, dtype=params_dtype), requires_grad=False
+            torch.empty(self.local_vocab, hidden_size, dtype=params_dtype), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """`loaded` is the full [V, hidden] table; keep this rank's rows, zero the padding."""
         check_shape(loaded, (self.vocab_size, self.hidden_size))
-        local = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp.rank * local, local))
+        n = self.valid_rows
+        param.data[:n].copy_(loaded.narrow(0, self.vocab_start, n))
+        param.data[n:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T] int64 -> [T, hidden]"""
-        if self.tp.size > 1:
-            raise NotImplementedError("tensor parallelism: vocab-parallel embedding is not wired")
-        return F.embedding(input_ids, self.weight)
+        """[T] int64 -> [T, hidden], the same on every rank."""
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        # Masked lookup: ids outside this slice read row 0 and are zeroed, so the all-reduce
+        # sums exactly one non-zero row per token (no data-dependent shapes: graph-safe).
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.local_vocab)
+        out = F.embedding(local.masked_fill(~mine, 0), self.weight)
+        out.masked_fill_(~mine.unsqueeze(-1), 0)
+        return all_reduce(out, self.tp)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """hidden -> logits over this rank's vocabulary slice (the full vocabulary on one rank)."""
+    """hidden -> logits over the whole vocabulary, on every rank (each computes its slice)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """[N, hidden] -> [N, vocab] float32"""
-        if self.tp.size > 1:
-            raise NotImplementedError("tensor parallelism: logits all-gather is not wired")
-        return F.linear(hidden, self.weight).float()
+        """[N, hidden] -> [N, vocab] float32, the same on every rank."""
+        logits = F.linear(hidden, self.weight).float()  # [N, V / tp], this rank's slice
+        if self.tp.size == 1:
+            return logits
+        logits = all_gather(logits, self.tp, dim=-1)  # [N, padded V]
+        padded = logits.shape[-1] != self.vocab_size
+        return logits[:, : self.vocab_size].contiguous() if padded else logits

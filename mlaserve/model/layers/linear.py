@@ -1,6 +1,6 @@
 """Linear layers that know how they would be split for tensor parallelism (TP).
 
-Every layer takes a `TensorParallel(rank, size)` (today always rank 0 of 1) and gives its
+Every layer takes a `TensorParallel(rank, size, group)` (`NO_TP`: one rank) and gives its
 parameters a `weight_loader(param, loaded, ...)` that receives the *full* checkpoint tensor and
 copies this rank's shard into the parameter:
 
@@ -11,13 +11,16 @@ copies this rank's shard into the parameter:
     RowParallelLinear           input dim split: rank r holds columns [r*in/tp, (r+1)*in/tp);
                                 the partial outputs are summed across ranks (all-reduce)
 
-The collective ops are not wired yet: a forward with `tp.size > 1` raises NotImplementedError.
+The collectives (`mlaserve/tensor_parallel.py`) run through the layer's `TensorParallel`: the
+row-parallel output's all-reduce here, the rest in the layers that own them (MoE, embedding).
 A weight whose full shape is wrong raises `ValueError` naming expected and got shapes; the
 weight loader turns that into a `WeightLoadError` naming the checkpoint key.
 
 Built with `quant` (a `QuantizationConfig`), a layer keeps its weight in FP8 with 128 x 128
 block scales (`weight_scale_inv`, layout in `fp8_linear.py`) and runs `block_fp8_linear`; its
-weight loader then also takes the checkpoint's `scale`. FP8 layers are single-rank for now.
+weight loader then also takes the checkpoint's `scale`. Under TP an FP8 layer keeps the scale
+blocks of its slice (`shard_block_weight`); a split that would cut a 128-block is a ValueError at
+construction naming the layer class and the dimension.
 
 Decode-sized inputs (at most `gemv_max_m` tokens; shapes are fixed per captured graph, so this
 is decided on the host) take `ops.gemv` on CUDA: one launch that streams the weight once, where
@@ -28,7 +31,6 @@ an FP8 weight otherwise costs four launches at M = 1. The limits per weight kind
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -37,9 +39,16 @@ from torch import nn
 
 from mlaserve import switches
 from mlaserve.config import QuantizationConfig
-from mlaserve.model.layers.fp8_linear import copy_block_rows, make_fp8_weight, needs_per_row_scales
+from mlaserve.model.layers.fp8_linear import (
+    check_block_aligned,
+    copy_block_rows,
+    make_fp8_weight,
+    needs_per_row_scales,
+    shard_block_weight,
+)
 from mlaserve.ops import fused_ops_enabled
 from mlaserve.ops.fp8_gemm import block_fp8_linear
+from mlaserve.tensor_parallel import NO_TP, TensorParallel, all_reduce
 
 __all__ = [
     "NO_TP",
@@ -54,26 +63,6 @@ __all__ = [
     "default_weight_loader",
 ]
 
-
-@dataclass(frozen=True)
-class TensorParallel:
-    """This process's place in the tensor-parallel group."""
-
-    rank: int = 0
-    size: int = 1
-
-    def __post_init__(self) -> None:
-        if self.size < 1 or not 0 <= self.rank < self.size:
-            raise ValueError(f"tensor parallel: need 0 <= rank < size, got {self.rank}/{self.size}")
-
-    def split(self, n: int, what: str) -> int:
-        """Per-rank share of `n` (which must divide evenly)."""
-        if n % self.size:
-            raise ValueError(f"{what}: {n} is not divisible by tensor-parallel size {self.size}")
-        return n // self.size
-
-
-NO_TP = TensorParallel()  # a single rank: the default everywhere until TP lands
 
 # Tokens up to which a linear runs `ops.gemv` on CUDA (`gemv_max_m`), from bench/gemv.py
 # (bench/RESULTS.md): against cuBLAS (bf16) the GEMV wins at 1-2 tokens and loses from 4 on,
@@ -113,13 +102,6 @@ def gemv_max_m(weight: torch.Tensor) -> int:
     if fp8:
         return GEMV_MAX_M_FP8_UP_TO_4096 if n <= 4096 else GEMV_MAX_M_FP8
     return GEMV_MAX_M
-
-
-def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """Sum partial results over the TP group (identity on one rank)."""
-    if tp.size > 1:
-        raise NotImplementedError("tensor parallelism: the all-reduce is not wired yet")
-    return x
 
 
 def check_shape(loaded: torch.Tensor, expected: tuple[int, ...] | torch.Size) -> None:
@@ -168,9 +150,13 @@ class _Linear(nn.Module):
             )
             self.weight.weight_loader = self.weight_loader
         else:
-            if tp.size > 1:
-                raise NotImplementedError("FP8 block weights under tensor parallelism: not wired")
-            self.per_row_scales = needs_per_row_scales(self.stacked_sizes(), quant)
+            name = f"{type(self).__name__}(in={in_features}, out={out_features})"
+            if self.split_dim == 0:
+                for size in self.stacked_sizes():
+                    check_block_aligned(size, tp, quant.block_n, f"{name} out_features")
+            elif self.split_dim == 1:
+                check_block_aligned(in_features, tp, quant.block_k, f"{name} in_features")
+            self.per_row_scales = needs_per_row_scales(self.local_sizes(), quant)
             self.weight, self.weight_scale_inv = make_fp8_weight(
                 (), out_local, in_local, quant, per_row=self.per_row_scales
             )
@@ -186,6 +172,11 @@ class _Linear(nn.Module):
     def stacked_sizes(self) -> list[int]:
         """Output rows of each checkpoint tensor stored in the weight, in order."""
         return [self.out_features]
+
+    def local_sizes(self) -> list[int]:
+        """`stacked_sizes` as this rank stores them (split over the ranks when column-parallel)."""
+        split = self.split_dim == 0
+        return [n // self.tp.size if split else n for n in self.stacked_sizes()]
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] -> [..., out]: F.linear, or the block-FP8 GEMM for an FP8 weight; the GEMV
@@ -219,17 +210,21 @@ class _Linear(nn.Module):
         scale: torch.Tensor | None = None,
     ) -> None:
         """FP8 weight: `loaded` [n, in] e4m3 with its block `scale` (or a float tensor, which is
-        quantised here); `shard_id` picks the stacked tensor (gate/up) it is."""
+        quantised here); `shard_id` picks the stacked tensor (gate/up) it is. Under TP the weight
+        and its scale are sliced alike (`shard_block_weight`)."""
         assert self.quant is not None and self.weight_scale_inv is not None  # internal
         sizes = self.stacked_sizes()
         index = 0 if shard_id is None else shard_id
         check_shape(loaded, (sizes[index], self.in_features))
+        if self.split_dim is not None and self.tp.size > 1:
+            block = self.quant.block_n if self.split_dim == 0 else self.quant.block_k
+            loaded, scale = shard_block_weight(loaded, scale, self.split_dim, self.tp, block)
         copy_block_rows(
             param.data,
             self.weight_scale_inv.data,
             loaded,
             scale,
-            sum(sizes[:index]),
+            sum(self.local_sizes()[:index]),
             self.quant,
             per_row=self.per_row_scales,
         )

@@ -12,6 +12,15 @@ Absorbing W_UK into the query (q_nope_h . W_UK_h c = (W_UK_h^T q_nope_h) . c) me
 values never leave the latent space: the cache stores only c_kv | k_pe (r + d_r values per
 token, 576 for DeepSeek) and the attention kernel sees one shared "head" of width r + d_r. The
 latent output o_h = sum_s p_hs c_s goes through W_UV_h, then o_proj.
+
+Tensor parallelism (as vLLM and SGLang split DeepSeek): the H heads are split over the ranks,
+each holding H/tp of them. q_b_proj (or q_proj) is column-parallel by heads, kv_b_proj too (so
+W_UK / W_UV hold this rank's heads), o_proj row-parallel plus an all-reduce; q_a_proj and
+kv_a_proj_with_mqa are replicated. The attention backend sees H/tp heads. The latent KV cache
+is therefore the same on every rank: each rank computes and stores the full c_kv | k_pe of every
+token (the latent is shared by all heads, so it cannot be split by heads), which costs tp times
+the cache bytes of one copy across the node: a rank's KV capacity in tokens is that of one GPU
+holding the whole cache, not tp times it (the weights, not the cache, shrink with tp).
 """
 
 from __future__ import annotations

@@ -25,7 +25,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class DeepseekMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate and up run as one GEMM (`gate_up_proj`)."""
+    """down(silu(gate(x)) * up(x)); gate and up run as one GEMM (`gate_up_proj`).
+
+    Under TP each rank computes its slice of the intermediate and a partial [T, hidden] down
+    projection; the sum over ranks is down_proj's all-reduce, or the caller's with
+    `reduce_output=False` (the MoE sums its shared and routed experts in one)."""
 
     def __init__(
         self,
@@ -41,6 +45,8 @@ class DeepseekMLP(nn.Module):
         super().__init__()
         if hidden_act != "silu":
             raise ConfigError(f"hidden_act: only 'silu' is supported, got {hidden_act!r}")
+        # gate/up column-parallel, down row-parallel: rank r holds intermediate [r*I/tp, ...)
+        tp.split(intermediate_size, "intermediate_size (dense MLP / shared experts)")
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size] * 2, params_dtype=params_dtype, tp=tp, quant=quant
         )

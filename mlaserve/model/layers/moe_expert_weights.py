@@ -14,7 +14,13 @@ import torch
 from torch import nn
 
 from mlaserve.config import QuantizationConfig
-from mlaserve.model.layers.fp8_linear import copy_block_rows, make_fp8_weight, needs_per_row_scales
+from mlaserve.model.layers.fp8_linear import (
+    check_block_aligned,
+    copy_block_rows,
+    make_fp8_weight,
+    needs_per_row_scales,
+    shard_block_weight,
+)
 from mlaserve.model.layers.linear import NO_TP, TensorParallel, check_shape
 
 __all__ = ["ExpertWeights"]
@@ -53,8 +59,10 @@ class ExpertWeights(nn.Module):
             self.gate_up_proj.weight_loader = self.weight_loader
             self.down_proj.weight_loader = self.weight_loader
         else:
-            if tp.size > 1:
-                raise NotImplementedError("FP8 block weights under tensor parallelism: not wired")
+            what = f"routed experts ({num_experts} x [{intermediate_size}, {hidden_size}])"
+            check_block_aligned(
+                intermediate_size, tp, quant.block_n, f"{what} moe_intermediate_size"
+            )
             self.gate_up_per_row = needs_per_row_scales([local, local], quant)
             self.gate_up_proj, self.gate_up_proj_scale_inv = make_fp8_weight(
                 (num_experts,), 2 * local, hidden_size, quant, per_row=self.gate_up_per_row
@@ -76,9 +84,11 @@ class ExpertWeights(nn.Module):
         """One expert's FP8 `gate_proj`/`up_proj` [I, H] (shard_id 0/1) or `down_proj` [H, I]
         with its block `scale` (a float tensor is quantised here). The fused whole-layer form
         (`experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I]) is accepted in float
-        only: FP8 checkpoints publish per-expert tensors, and no fused scale layout exists."""
+        only: FP8 checkpoints publish per-expert tensors, and no fused scale layout exists.
+        Under TP the weight and its scale are sliced alike along I (`shard_block_weight`)."""
         assert self.quant is not None  # internal: only set as loader of FP8 parameters
         h, i = self.hidden_size, self.intermediate_size
+        local, tp, block = i // self.tp.size, self.tp, self.quant.block_n
         if expert_id is None:
             if scale is not None:
                 raise ValueError("FP8 experts must come one tensor per expert (experts.{e}.*)")
@@ -93,13 +103,15 @@ class ExpertWeights(nn.Module):
             return
         if param is self.down_proj:
             check_shape(loaded, (h, i))
+            loaded, scale = shard_block_weight(loaded, scale, 1, tp, self.quant.block_k)
             dst_scale, row, per_row = self.down_proj_scale_inv, 0, False
         else:
             assert shard_id in (0, 1)  # internal: the loader passes 0 (gate) or 1 (up)
             check_shape(loaded, (i, h))
+            loaded, scale = shard_block_weight(loaded, scale, 0, tp, block)
             dst_scale, row, per_row = (
                 self.gate_up_proj_scale_inv,
-                shard_id * i,
+                shard_id * local,
                 self.gate_up_per_row,
             )
         assert dst_scale is not None  # internal: both are set when quant is

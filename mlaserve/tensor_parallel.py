@@ -1,0 +1,148 @@
+"""The tensor-parallel (TP) group and the collectives the model layers call through it.
+
+    tp = init_tensor_parallel(rank, size, backend="gloo", init_method="tcp://127.0.0.1:29500")
+    y = tp.all_reduce(partial)          # sum over ranks (RowParallelLinear, MoE, embedding)
+    logits = tp.all_gather(local, -1)   # concatenated along a dim (vocab-parallel LM head)
+    tp.broadcast(ids, src=0)            # rank `src`'s tensor on every rank
+    destroy_tensor_parallel(tp)
+
+`TensorParallel(rank, size, group)` is this process's place in the group: frozen, cheap, passed
+to every layer at construction. `group` is a `torch.distributed.ProcessGroup` (None: the
+default group). `NO_TP` is the single-rank default: its collectives return their input and make
+no torch.distributed call, so one-GPU serving never initialises torch.distributed.
+
+torch.distributed underneath: gloo on CPU (the CI tests), NCCL on CUDA; the same calls. Nothing
+here sets an NCCL option (NVLink multicast stays off: the machines set `NCCL_NVLS_ENABLE=0`).
+Eager only for now: the custom all-reduce for decode sizes and the collectives inside CUDA
+graphs are the next slices of issue 42.
+
+A leaf: nothing from mlaserve, so every layer from config/ up may hold a `TensorParallel`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "NO_TP",
+    "TensorParallel",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "destroy_tensor_parallel",
+    "init_tensor_parallel",
+]
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in the tensor-parallel group: `rank` of `size`, over `group` (a
+    torch.distributed ProcessGroup; None: the default group). Compared by rank and size only."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor parallel: need 0 <= rank < size, got {self.rank}/{self.size}")
+
+    def split(self, n: int, what: str) -> int:
+        """Per-rank share of `n`, which must divide evenly (`what` names it in the error)."""
+        if n % self.size:
+            raise ValueError(f"{what}: {n} is not divisible by tensor-parallel size {self.size}")
+        return n // self.size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(x, self)
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return all_gather(x, self, dim)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return broadcast(x, self, src)
+
+
+NO_TP = TensorParallel()  # a single rank: the default everywhere
+
+
+def _check_initialized(tp: TensorParallel) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"tensor parallel rank {tp.rank}/{tp.size}: torch.distributed is not initialised "
+            "(init_tensor_parallel first)"
+        )
+
+
+def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Sum of `x` over the TP ranks, on every rank (same shape and dtype). Reduces in place
+    when `x` is contiguous (the callers' partial sums are fresh GEMM outputs, read only through
+    the result): no extra buffer. Identity on one rank."""
+    if tp.size == 1:
+        return x
+    _check_initialized(tp)
+    x = x.contiguous()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=tp.group)
+    return x
+
+
+def all_gather(x: torch.Tensor, tp: TensorParallel, dim: int = -1) -> torch.Tensor:
+    """Every rank's `x` (same shape on all ranks) concatenated along `dim` in rank order, on
+    every rank: [..., n, ...] -> [..., size * n, ...]. Identity on one rank."""
+    if tp.size == 1:
+        return x
+    _check_initialized(tp)
+    x = x.contiguous()
+    # A list of tensors, not all_gather_into_tensor: gloo has only the list form.
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x, group=tp.group)
+    return torch.cat(parts, dim=dim)
+
+
+def broadcast(x: torch.Tensor, tp: TensorParallel, src: int = 0) -> torch.Tensor:
+    """TP rank `src`'s `x`, written into `x` on every other rank (same shape and dtype there);
+    returns `x`. Identity on one rank."""
+    if tp.size == 1:
+        return x
+    _check_initialized(tp)
+    if not 0 <= src < tp.size:
+        raise ValueError(f"broadcast: src {src} is not a rank of {tp.size}")
+    # torch.distributed names the source by its global rank
+    global_src = src if tp.group is None else dist.get_global_rank(tp.group, src)
+    if x.is_contiguous():
+        dist.broadcast(x, global_src, group=tp.group)
+        return x
+    buf = x.contiguous()
+    dist.broadcast(buf, global_src, group=tp.group)
+    return x.copy_(buf)
+
+
+def init_tensor_parallel(
+    rank: int, size: int, *, backend: str, init_method: str, timeout_s: float = 60.0
+) -> TensorParallel:
+    """Join the default process group as `rank` of `size` (every process calls this) and return
+    its `TensorParallel` over it. `backend`: "gloo" (CPU) or "nccl" (CUDA); `init_method`: a
+    "tcp://host:port" or "file://path" rendezvous. `timeout_s` bounds every collective, so a
+    rank that dies makes the others raise instead of hang."""
+    from datetime import timedelta
+
+    if size == 1:
+        return NO_TP
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return TensorParallel(rank, size, dist.group.WORLD)
+
+
+def destroy_tensor_parallel(tp: TensorParallel) -> None:
+    """Leave the process group `init_tensor_parallel` joined (nothing for one rank)."""
+    if tp.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()

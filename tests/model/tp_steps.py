@@ -1,0 +1,131 @@
+"""Test helper: the steps the tensor-parallel tests run on every rank and on one (TP1).
+
+`model_steps(tp, path, keep_fp8)` loads the checkpoint at `path` with `tp` and runs, over the
+paged cache and the reference backend (`paged.PagedCache`, `parity_setup.forward`: the path of
+the model parity tests), in float32 on the CPU:
+
+    prefill   one ragged EXTEND of PROMPT_LENS prompts
+    decode    DECODE_STEPS steps of one token per sequence (teacher-forced, fixed tokens)
+    mtp       (when the checkpoint has an MTP layer) the MTP module over each prompt: an EXTEND
+              of rows 0..L-2, then one DECODE step, fed the main model's hidden states
+
+and returns each phase's logits [rows, vocab] (every rank returns the full vocabulary). The
+same function with `NO_TP` is the TP1 baseline.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mlaserve.config import ModelConfig
+from mlaserve.engine.forward_batch import ForwardMode
+from mlaserve.model import DeepseekForCausalLM, load_model
+from mlaserve.tensor_parallel import NO_TP, TensorParallel
+from tests.model.paged import PagedCache
+from tests.model.parity_setup import forward
+
+__all__ = [
+    "DECODE_STEPS",
+    "PROMPT_LENS",
+    "all_model_steps",
+    "collective_steps",
+    "failing_steps",
+    "model_steps",
+    "rank_tensor",
+]
+
+PROMPT_LENS = [1, 9, 23, 4, 16]
+DECODE_STEPS = 3
+
+
+def _tokens(vocab: int) -> list[list[int]]:
+    """Per sequence: prompt + DECODE_STEPS + 1 fixed tokens (ids past 2: not bos/eos/pad)."""
+    g = torch.Generator().manual_seed(42)
+    return [
+        torch.randint(3, vocab, (n + DECODE_STEPS + 1,), generator=g).tolist() for n in PROMPT_LENS
+    ]
+
+
+def _main_steps(model: DeepseekForCausalLM, config: ModelConfig) -> dict[str, torch.Tensor]:
+    seqs, cache = _tokens(config.vocab_size), PagedCache(config)
+    prompts = [(i, s[:n]) for i, (s, n) in enumerate(zip(seqs, PROMPT_LENS, strict=True))]
+    out = {"prefill": torch.cat(forward(model, cache, prompts))}
+    decode = []
+    for step in range(DECODE_STEPS):
+        chunks = [
+            (i, [s[n + step]]) for i, (s, n) in enumerate(zip(seqs, PROMPT_LENS, strict=True))
+        ]
+        decode += forward(model, cache, chunks, ForwardMode.DECODE)
+    out["decode"] = torch.cat(decode)
+    return out
+
+
+def _mtp_steps(model: DeepseekForCausalLM, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """As test_parity's MTP test: row i of the MTP gets token i+1 and the main model's hidden
+    state at i; its attention is layer N of its own pool."""
+    assert model.mtp is not None
+    seqs = [s for s, n in zip(_tokens(config.vocab_size), PROMPT_LENS, strict=True) if n > 1]
+    n_layers = config.num_hidden_layers
+    main_cache, mtp_cache = PagedCache(config), PagedCache(config, num_layers=n_layers + 1)
+    logits = []
+    for mode, (lo, hi) in ((ForwardMode.EXTEND, (0, -2)), (ForwardMode.DECODE, (-2, -1))):
+        main = main_cache.batch([(i, s[lo:hi]) for i, s in enumerate(seqs)], mode)
+        nxt = [(i, s[lo + 1 : hi + 1 if hi != -1 else None]) for i, s in enumerate(seqs)]
+        mtp_batch = mtp_cache.batch(nxt, mode)
+        hidden = model(main)
+        out = model.mtp(mtp_batch.input_ids, mtp_batch.positions, hidden, mtp_batch)
+        logits.append(model.mtp.compute_logits(out))
+    return {"mtp": torch.cat(logits)}
+
+
+@torch.no_grad()
+def model_steps(
+    tp: TensorParallel, path: str | Path, keep_fp8: bool | None = None
+) -> dict[str, torch.Tensor]:
+    """The checkpoint at `path` loaded with `tp` (fp32, CPU); its logits per phase."""
+    config = ModelConfig.from_pretrained(path)
+    model = load_model(config, path, tp=tp, keep_fp8=keep_fp8)
+    out = _main_steps(model, config)
+    if model.mtp is not None:
+        out |= _mtp_steps(model, config)
+    return out
+
+
+def model_steps_tp1(path: str | Path, keep_fp8: bool | None = None) -> dict[str, torch.Tensor]:
+    return model_steps(NO_TP, path, keep_fp8)
+
+
+def collective_steps(tp: TensorParallel) -> dict[str, torch.Tensor]:
+    """Each collective on rank-dependent inputs (rank r's tensor is `rank_tensor(r)`), as this
+    rank sees the results; the test recomputes them locally."""
+    x = rank_tensor(tp.rank)
+    bcast = rank_tensor(tp.rank)
+    strided = rank_tensor(tp.rank).t()  # not contiguous: broadcast copies back through it
+    return {
+        "all_reduce": tp.all_reduce(x.clone()),
+        "all_gather_0": tp.all_gather(x, 0),
+        "all_gather_last": tp.all_gather(x, -1),
+        "broadcast": tp.broadcast(bcast, src=1),
+        "broadcast_strided": tp.broadcast(strided, src=0).clone(),
+    }
+
+
+def rank_tensor(rank: int) -> torch.Tensor:
+    return torch.arange(12, dtype=torch.float32).view(3, 4) * (rank + 1) + 0.5 * rank
+
+
+def all_model_steps(
+    tp: TensorParallel, cases: dict[str, tuple[str, bool | None]]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """`model_steps` for every case (name -> (checkpoint path, keep_fp8)), in one process group:
+    the processes start once for all of them."""
+    return {name: model_steps(tp, path, keep_fp8) for name, (path, keep_fp8) in cases.items()}
+
+
+def failing_steps(tp: TensorParallel) -> None:
+    """Rank 1 raises; rank 0 waits for it in an all-reduce (the harness must not hang)."""
+    if tp.rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    tp.all_reduce(torch.ones(1))
