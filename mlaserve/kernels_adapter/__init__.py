@@ -6,10 +6,15 @@ take prefill in the MHA form, whose shared pure-torch part is `mha_extend.py` (o
 attention itself is torch's causal varlen FA2, `flash_varlen.py`).
 """
 
-from mlaserve.kernels_adapter.base import AttentionBackend, BackendUnsupportedError
+from mlaserve.kernels_adapter.base import (
+    AttentionBackend,
+    BackendUnsupportedError,
+    per_rank_heads,
+)
 from mlaserve.kernels_adapter.registry import (
     available_backends,
     get_backend_class,
+    make_backend,
     resolve_backend_name,
 )
 
@@ -18,5 +23,7 @@ __all__ = [
     "BackendUnsupportedError",
     "available_backends",
     "get_backend_class",
+    "make_backend",
+    "per_rank_heads",
     "resolve_backend_name",
 ]

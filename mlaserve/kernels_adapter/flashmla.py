@@ -1,6 +1,7 @@
 """FlashMLA dense decode on Hopper (SM90), from the `sgl-flash-mla` package (`import flash_mla`).
 
-Kernel boundary (sgl-flash-mla 1.0.0, its legacy SM90 half, `use_legacy=True`):
+Kernel boundary (sgl-flash-mla 1.0.0, its legacy SM90 half, `use_legacy=True`), with H the
+heads of this tensor-parallel rank (`num_heads`; DeepSeek-V3 128 / 64 / 32 / 16 at TP 1/2/4/8):
 
     q        [bs, q_len, H, 576]  bf16 (bf16 cache) | float8_e4m3fn (fp8 cache, + descale_q)
     k_cache  [num_pages, 64, 1, 576]  the pool's [num_pages, page_size, 576] with a head axis
@@ -11,7 +12,10 @@ Kernel boundary (sgl-flash-mla 1.0.0, its legacy SM90 half, `use_legacy=True`):
 
 The split-KV schedule depends on the `cache_seqlens` values, so `prepare()` recomputes it every
 forward with `get_mla_decoding_metadata` — a kernel on the current stream, which a CUDA graph
-captures and re-runs on replay. One schedule per forward, shared by all layers.
+captures and re-runs on replay. One schedule per forward, shared by all layers; it is built for
+q_len * H query rows per KV head, H per rank. The adapter has no head-count limit of its own
+(only q_len <= 8); the split-KV workspace of the Triton small-batch kernel is sized for H per
+rank at construction.
 
 Only uniform batches (DECODE / VERIFY / DRAFT_EXTEND, q_len <= 8) use the kernel: the batch's
 stated mode decides, never its shapes. Those of at most `small_batch_max_rows()` query rows
@@ -118,7 +122,12 @@ class FlashMLABackend(AttentionBackend):
         page_size: int,
         kv_cache_dtype: torch.dtype,
         device: torch.device,
+        *,
+        num_heads: int | None = None,
+        max_q_len: int = 1,
     ) -> None:
+        """`num_heads` heads a rank (None: all, TP1), up to `max_q_len` tokens per sequence."""
+        cls.check_shape(model_config, num_heads, max_q_len)  # on any device
         problem = None
         if device.type != "cuda":
             problem = f"needs a CUDA device, got {device}"
@@ -175,7 +184,7 @@ class FlashMLABackend(AttentionBackend):
             self._small_rows = small_batch_max_rows()
             if self._small_rows > 0:
                 self._mla_decode = mla_decode
-                self._workspace = MlaDecodeWorkspace(  # sized once for every small batch
+                self._workspace = MlaDecodeWorkspace(  # once for every small batch, per rank
                     self._small_rows,
                     self.max_q_len,
                     self.num_heads,
@@ -214,6 +223,8 @@ class FlashMLABackend(AttentionBackend):
             raise NotImplementedError(
                 "flashmla: EXTEND batches take the MHA form (forward_extend_mha)"
             )
+        self.check_heads(q_nope, "q_nope")
+        self.check_heads(q_pe, "q_pe")
         pool = batch.kv_pool
         if kv_c is not None:  # else the layer has written it (`accepts_written_kv`)
             pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)
@@ -248,7 +259,8 @@ class FlashMLABackend(AttentionBackend):
 
     def forward_joined(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """q [T, H, 576] contiguous in `joined_q_dtype(batch)`, the new KV already written ->
-        [T, H, 512] bf16."""
+        [T, H, 512] bf16, H this rank's heads."""
+        self.check_heads(q, "q")
         if not isinstance(batch.attn_metadata, _Metadata) or q.dtype != self._q_dtype:
             raise ValueError(
                 f"flashmla: a joined query ({q.dtype}) needs a batch FlashMLA attends and "
@@ -290,7 +302,9 @@ class FlashMLABackend(AttentionBackend):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         """Writes the new latent KV, up-projects every sequence's whole context (fp8 cache:
-        dequantised first) to bf16 K/V, then one causal varlen FA2 launch. [T, H, d_v]."""
+        dequantised first) to bf16 K/V, then one causal varlen FA2 launch. [T, H, d_v], H this
+        rank's heads (q, w_uk, w_uv carry them)."""
+        self.check_mha_heads(q, w_uk, w_uv)
         layout: ExtendLayout = batch.attn_metadata
         _, k, v = mha_context_kv(
             layer_id, kv_c, k_pe, w_uk, w_uv, batch, layout, self._mha_key, self._gather_dequant

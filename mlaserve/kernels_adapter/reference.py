@@ -5,6 +5,11 @@ softmax(q . k * scale) @ c_kv with an explicit causal mask. Works on CPU and CUD
 (ragged) and DECODE (uniform q_len) modes, without reading device values on the host, so its
 DECODE path can be captured in a CUDA graph. Keys past a sequence's length are zeroed before use,
 so stale or NaN-poisoned cache pages cannot leak into the result.
+
+Per tensor-parallel rank it attends its own `num_heads` heads (q_nope [T, H_rank, r], q_pe
+[T, H_rank, d_r] -> [T, H_rank, r]) over the whole latent cache, which has no head axis; heads
+are independent, so a rank's output is TP1's output sliced to its heads. It sizes nothing per
+head, but still refuses a query with another head count (`check_heads`).
 """
 
 from __future__ import annotations
@@ -70,6 +75,8 @@ class ReferenceBackend(AttentionBackend):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         meta: _Metadata = batch.attn_metadata
+        self.check_heads(q_nope, "q_nope")
+        self.check_heads(q_pe, "q_pe")
         if kv_c is not None:  # else the layer has written it (`accepts_written_kv`)
             batch.kv_pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)
         num_tokens, num_heads, rank = q_nope.shape

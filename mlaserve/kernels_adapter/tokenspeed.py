@@ -3,7 +3,8 @@
 NEVER RUN ON A B200: every call below is checked on a CPU against the installed package's real
 signatures and stated constraints (`tests/kernels_adapter/test_blackwell_contract.py`).
 
-Decode / verify kernel boundary (`tokenspeed_mla.tokenspeed_mla_decode`, 2.0.4):
+Decode / verify kernel boundary (`tokenspeed_mla.tokenspeed_mla_decode`, 2.0.4), with H the
+heads of this tensor-parallel rank (`num_heads`: DeepSeek-V3 128 / 64 / 32 / 16 at TP 1/2/4/8):
 
     query        [bs, q_len, H, 576] float8_e4m3fn (the kernel asserts kv_cache.dtype == query
                  dtype, so an fp8 cache takes an fp8 query: cast unscaled, |q| << 448)
@@ -18,8 +19,17 @@ Decode / verify kernel boundary (`tokenspeed_mla.tokenspeed_mla_decode`, 2.0.4):
                  softmax_scale = k_scale * model softmax_scale, output_scale = k_scale (the
                  latent is also V), both Python floats
     workspace    1-D int8 (the kernel asserts int8), >= its own size for the call; holds only
-                 split-KV partials (no zero-init needed). Allocated once here (`workspace_bytes`)
+                 split-KV partials (no zero-init needed). Allocated once here for H and
+                 max_q_len (`workspace_bytes`)
     returns      [bs, q_len, H, 512] bf16
+
+Heads and q_len (per rank). The package's hard limit is H <= 128 (`can_implement`: the heads of
+one query token must fit one 128-row MMA tile); its README documents 1 <= q_len <= 4 at any such
+H. Beyond 4 the adapter takes a q_len only where H * q_len <= 128: the package then folds all
+q_len tokens into the tile's rows (`get_mla_decode_fold_sq_factor` = q_len), so the kernel runs
+its q_len-1 shape with H * q_len rows (checked against the package in the contract tests). So
+DeepSeek-V3 at TP8 (16 heads) verifies k = 3..7 draft tokens (q_len 4..8), at TP1 (128 heads)
+k <= 3, not more (`max_q_len_for`).
 
 Prefill (EXTEND) runs in the MHA form (`mha_extend.py`) through `tokenspeed_mla_prefill`:
 ragged fp8 Q [T, H, 192], K [S, H, 192], V [S, H, 128] (contiguous: the TMA ignores strides),
@@ -36,7 +46,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from mlaserve.kernels_adapter.base import BackendUnsupportedError
+from mlaserve.kernels_adapter.base import BackendUnsupportedError, per_rank_heads
 from mlaserve.kernels_adapter.blackwell import BlackwellBackend, latent_dims_problem
 from mlaserve.kernels_adapter.gpu_target import GpuTarget
 from mlaserve.kernels_adapter.mha_extend import ExtendLayout, extend_layout, mha_context_kv
@@ -50,13 +60,14 @@ __all__ = ["TokenspeedBackend", "workspace_bytes"]
 
 CAPABILITIES = ((10, 0), (10, 3), (10, 7))  # get_mla_decode_arch accepts exactly these
 PAGE_SIZES = (32, 64)  # the kernel takes 2..128; TokenSpeed's runtime uses 32/64 only
-MAX_HEADS = 128  # one 128-row MMA tile of heads
+MAX_HEADS = 128  # one 128-row MMA tile of heads (per rank)
+DOCUMENTED_Q_LEN = 4  # the package README's 1 <= q_len <= 4, at any H <= 128
 PREFILL_DIMS = (192, 128)  # (d_n + d_r, d_v) the prefill is pre-compiled for (DeepSeek)
 
 
 def workspace_bytes(num_sms: int, num_heads: int, max_q_len: int, kv_lora_rank: int = 512) -> int:
     """Closed-form bound of `tokenspeed_mla_decode`'s split-KV workspace, for any batch size and
-    any q_len <= max_q_len (TokenSpeed sizes its own buffer the same way).
+    any q_len <= max_q_len (TokenSpeed sizes its own buffer the same way); `num_heads` per rank.
 
     The kernel needs B * H_eff * q_eff * split_kv * (kv_lora_rank + 1) * 4 bytes (fp32 partial
     rows plus one LSE), 0 when split_kv == 1, with H_eff * q_eff = H * q_len folded, or
@@ -92,8 +103,19 @@ class _DecodeMetadata:
 
 class TokenspeedBackend(BlackwellBackend):
     name: ClassVar[str] = "tokenspeed"
-    # The package README documents 1 <= q_len <= 4 (larger q_len is folded/packed, untested).
-    max_uniform_q_len: ClassVar[int] = 4
+    # q_len <= 4 at any head count; 5..8 only where heads x q_len fits one 128-row tile
+    # (`max_q_len_for`; module docstring).
+    max_uniform_q_len: ClassVar[int] = 8
+    q_len_rule: ClassVar[str] = (
+        f"tokenspeed_mla documents q_len <= {DOCUMENTED_Q_LEN}; longer only where heads x q_len "
+        f"<= {MAX_HEADS}, folded into one 128-row MMA tile"
+    )
+
+    @classmethod
+    def max_q_len_for(cls, num_heads: int) -> int:
+        """q_len <= 4 at any head count (documented), or up to 8 where num_heads * q_len <= 128
+        (all tokens folded into one MMA tile): 4 for 32..128 heads a rank, 8 for 16."""
+        return min(cls.max_uniform_q_len, max(DOCUMENTED_Q_LEN, MAX_HEADS // num_heads))
 
     @classmethod
     def check_target(
@@ -102,9 +124,14 @@ class TokenspeedBackend(BlackwellBackend):
         page_size: int,
         kv_cache_dtype: torch.dtype,
         target: GpuTarget,
+        *,
+        num_heads: int | None = None,
+        max_q_len: int = 1,
     ) -> None:
-        """`check_supported` for a described GPU (works without one)."""
+        """`check_supported` for a described GPU (works without one), with `num_heads` heads a
+        rank (None: all, TP1) and up to `max_q_len` tokens per sequence."""
         mc = model_config
+        heads = per_rank_heads(mc, num_heads)
         problem = None
         if target.capability not in CAPABILITIES:
             problem = f"its kernels are SM100/SM103/SM107 (Blackwell) only, got {target.sm_name}"
@@ -117,8 +144,11 @@ class TokenspeedBackend(BlackwellBackend):
             problem = f"page_size must be 32 or 64, got {page_size}"
         elif dims := latent_dims_problem(mc):
             problem = dims
-        elif mc.num_attention_heads > MAX_HEADS:
-            problem = f"num_attention_heads must be <= {MAX_HEADS}, got {mc.num_attention_heads}"
+        elif heads > MAX_HEADS:
+            problem = (
+                f"heads per rank (num_attention_heads {mc.num_attention_heads} / tensor-parallel "
+                f"size) must be <= {MAX_HEADS}, got {heads}"
+            )
         elif (mc.qk_head_dim, mc.v_head_dim) != PREFILL_DIMS:
             problem = (
                 "qk_nope_head_dim + qk_rope_head_dim / v_head_dim must be 192/128 for its "
@@ -126,12 +156,14 @@ class TokenspeedBackend(BlackwellBackend):
             )
         if problem:
             raise BackendUnsupportedError(f"attention_backend 'tokenspeed': {problem}")
+        cls.check_shape(mc, heads, max_q_len)  # heads x q_len (`max_q_len_for`)
         _import_tokenspeed()
 
     def _init_kernels(self) -> None:
         self._ts = _import_tokenspeed()
-        # Once, for the largest q_len in use, never grown while serving (a lazily grown buffer
-        # would allocate on the first long verify batch and break captured graphs).
+        # Once, for this rank's heads and the largest q_len in use, never grown while serving
+        # (a lazily grown buffer would allocate on the first long verify batch and break
+        # captured graphs).
         self.workspace = torch.empty(
             workspace_bytes(self.target.num_sms, self.num_heads, self.max_q_len, self.kv_lora_rank),
             dtype=torch.int8,
@@ -164,7 +196,10 @@ class TokenspeedBackend(BlackwellBackend):
     def decode_kwargs(
         self, layer_id: int, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch
     ) -> dict[str, Any]:
-        """The exact keyword arguments of `tokenspeed_mla_decode` (shapes in the module doc)."""
+        """The exact keyword arguments of `tokenspeed_mla_decode` (shapes in the module doc):
+        q_nope [T, H, 512], q_pe [T, H, 64] with H this rank's heads, T = bs * q_len."""
+        self.check_heads(q_nope, "q_nope")
+        self.check_heads(q_pe, "q_pe")
         meta: _DecodeMetadata = batch.attn_metadata
         pool = batch.kv_pool
         k_scale = float(pool.k_scales[layer_id])
@@ -215,7 +250,9 @@ class TokenspeedBackend(BlackwellBackend):
         batch: ForwardBatch,
     ) -> dict[str, Any]:
         """Writes the new latent KV, then returns the exact keyword arguments of
-        `tokenspeed_mla_prefill` over every sequence's whole context."""
+        `tokenspeed_mla_prefill` over every sequence's whole context. q [T, H, 192], w_uk
+        [H, 128, 512], w_uv [H, 512, 128]: this rank's heads."""
+        self.check_mha_heads(q, w_uk, w_uv)
         layout: ExtendLayout = batch.attn_metadata
         _, k, v = mha_context_kv(layer_id, kv_c, k_pe, w_uk, w_uv, batch, layout)
         return {

@@ -5,10 +5,12 @@ signatures and validators (`tests/kernels_adapter/test_blackwell_contract.py`).
 
 Decode / verify (`flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla`, 0.7.2.post1,
 defined in `flashinfer.mla._core`), called with `backend="trtllm-gen"`: its precompiled cubins,
-never the CuTe DSL path that "auto" may pick (which compiles per shape at first use):
+never the CuTe DSL path that "auto" may pick (which compiles per shape at first use). H is the
+heads of this tensor-parallel rank (`num_heads`; DeepSeek-V3 128 / 64 / 32 / 16 at TP 1/2/4/8):
 
     query        [bs, q_len, H, 576], bf16 for a bf16 cache, float8_e4m3fn for an fp8 cache
                  (cast unscaled: MLA has no bf16-query / fp8-cache mode); H <= 64 or H == 128
+                 (per rank), q_len <= 8
     kv_cache     [num_pages, 1, page_size, 576], the pool's tensor with a head axis (a view)
     block_tables [bs, W] int32; W a multiple of 128 / page_size (the check "auto" and cute-dsl
                  make; trtllm-gen takes any W, but a padded table keeps both valid). When the
@@ -21,7 +23,8 @@ never the CuTe DSL path that "auto" may pick (which compiles per shape at first 
     bmm2_scale   Python float k_scale (value = stored * k_scale, and V is the latent)
     workspace    1-D uint8, zero-initialised once (it holds multi-CTA semaphores), 150 MiB
     multi_ctas_kv_counter_buffer  zero-initialised once, sized by flashinfer's
-                 get_trtllm_gen_multi_ctas_kv_counter_bytes(max_num_seqs, H, num_sms); the
+                 get_trtllm_gen_multi_ctas_kv_counter_bytes(max_num_seqs, H, num_sms), H per
+                 rank; the
                  kernel resets it after each launch (else it is allocated lazily per call)
     returns      [bs, q_len, H, 512] bf16
 
@@ -51,7 +54,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from mlaserve.kernels_adapter.base import BackendUnsupportedError
+from mlaserve.kernels_adapter.base import BackendUnsupportedError, per_rank_heads
 from mlaserve.kernels_adapter.blackwell import BlackwellBackend, latent_dims_problem
 from mlaserve.kernels_adapter.gpu_target import GpuTarget
 from mlaserve.kernels_adapter.mha_extend import ExtendLayout, extend_layout, mha_context_kv
@@ -154,10 +157,14 @@ class TrtllmBackend(BlackwellBackend):
         page_size: int,
         kv_cache_dtype: torch.dtype,
         target: GpuTarget,
+        *,
+        num_heads: int | None = None,
+        max_q_len: int = 1,
     ) -> None:
-        """`check_supported` for a described GPU (works without one)."""
+        """`check_supported` for a described GPU (works without one), with `num_heads` heads a
+        rank (None: all, TP1) and up to `max_q_len` tokens per sequence."""
         mc = model_config
-        heads = mc.num_attention_heads
+        heads = per_rank_heads(mc, num_heads)
         problem = None
         if target.capability not in CAPABILITIES:
             problem = f"trtllm-gen kernels are SM100/SM103 only, got {target.sm_name}"
@@ -168,7 +175,10 @@ class TrtllmBackend(BlackwellBackend):
         elif dims := latent_dims_problem(mc):
             problem = dims
         elif not (heads <= 64 or heads == 128):
-            problem = f"num_attention_heads must be <= 64 or exactly 128, got {heads}"
+            problem = (
+                f"heads per rank (num_attention_heads {mc.num_attention_heads} / tensor-parallel "
+                f"size) must be <= 64 or exactly 128, got {heads}"
+            )
         elif (mc.qk_head_dim, mc.v_head_dim) not in PREFILL_DIMS:
             problem = (
                 "qk_nope_head_dim + qk_rope_head_dim / v_head_dim must be one of "
@@ -176,6 +186,7 @@ class TrtllmBackend(BlackwellBackend):
             )
         if problem:
             raise BackendUnsupportedError(f"attention_backend 'trtllm': {problem}")
+        cls.check_shape(mc, heads, max_q_len)
         _import_flashinfer()
 
     def _init_kernels(self) -> None:
@@ -195,7 +206,7 @@ class TrtllmBackend(BlackwellBackend):
                     f"attention_backend 'trtllm': cannot load flashinfer's trtllm-gen module: {e}"
                 ) from e
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self.kv_counter = torch.zeros(
+        self.kv_counter = torch.zeros(  # for this rank's heads
             counter_bytes(self.max_num_seqs, self.num_heads, self.target.num_sms),
             dtype=torch.uint8,
             device=self.device,
@@ -232,7 +243,10 @@ class TrtllmBackend(BlackwellBackend):
     def decode_kwargs(
         self, layer_id: int, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch
     ) -> dict[str, Any]:
-        """The exact keyword arguments of `trtllm_batch_decode_with_kv_cache_mla`."""
+        """The exact keyword arguments of `trtllm_batch_decode_with_kv_cache_mla`: q_nope
+        [T, H, 512], q_pe [T, H, 64] with H this rank's heads, T = bs * q_len."""
+        self.check_heads(q_nope, "q_nope")
+        self.check_heads(q_pe, "q_pe")
         meta: _DecodeMetadata = batch.attn_metadata
         pool = batch.kv_pool
         k_scale = float(pool.k_scales[layer_id])
@@ -284,7 +298,9 @@ class TrtllmBackend(BlackwellBackend):
         batch: ForwardBatch,
     ) -> dict[str, Any]:
         """Writes the new latent KV, then returns the exact keyword arguments of
-        `trtllm_ragged_attention_deepseek` over every sequence's whole context."""
+        `trtllm_ragged_attention_deepseek` over every sequence's whole context. q [T, H, 192],
+        w_uk [H, 128, 512], w_uv [H, 512, 128]: this rank's heads."""
+        self.check_mha_heads(q, w_uk, w_uv)
         layout: ExtendLayout = batch.attn_metadata
         _, k, v = mha_context_kv(layer_id, kv_c, k_pe, w_uk, w_uv, batch, layout)
         return {

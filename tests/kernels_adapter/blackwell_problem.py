@@ -108,12 +108,16 @@ def make_problem(
 
 
 def reference_decode(problem: Problem, q: torch.Tensor) -> torch.Tensor:
-    """The reference backend on a copy of the same pool and batch: [T, H, 512] fp32."""
+    """The reference backend on a copy of the same pool and batch: [T, H, 512] fp32, built for
+    the model and per-rank heads of the backend under test."""
     batch = problem.batch
     pool = batch.kv_pool
     twin = MLAKVPool(1, pool.num_pages, pool.page_size, RANK, ROPE, pool.dtype, CPU, pool.k_scales)
     twin.kv_buffers[0].view(torch.uint8).copy_(pool.kv_buffers[0].view(torch.uint8))
-    ref = ReferenceBackend(deepseek_config(), pool.page_size, pool.dtype, CPU, batch.bs, 4096)
+    src = batch.attn_backend
+    ref = ReferenceBackend(
+        src.model_config, pool.page_size, pool.dtype, CPU, batch.bs, 4096, num_heads=src.num_heads
+    )
     rb = dataclasses.replace(batch, kv_pool=twin, attn_backend=ref)
     ref.prepare(rb)
     rows = problem.new_rows
@@ -125,10 +129,12 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def extend_inputs(problem: Problem, seed: int = 1):
+    """q [T, H, 192], w_uk [H, 128, 512], w_uv [H, 512, 128], H the backend's heads a rank."""
     torch.manual_seed(seed)
-    q = torch.randn(problem.batch.num_tokens, HEADS, NOPE + ROPE)
-    w_uk = torch.randn(HEADS, NOPE, RANK) / RANK**0.5
-    w_uv = torch.randn(HEADS, RANK, V_DIM) / RANK**0.5
+    heads = problem.batch.attn_backend.num_heads
+    q = torch.randn(problem.batch.num_tokens, heads, NOPE + ROPE)
+    w_uk = torch.randn(heads, NOPE, RANK) / RANK**0.5
+    w_uv = torch.randn(heads, RANK, V_DIM) / RANK**0.5
     return q, w_uk, w_uv
 
 

@@ -162,13 +162,14 @@ def test_tokenspeed_decode_arguments(page_size: int, q_len: int) -> None:
     assert rel_err(got.reshape(ref.shape), ref) < 1e-5
 
 
-@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("heads", [16, 32, 64, 128])  # per rank: V3 at TP 8 / 4 / 2 / 1
 @pytest.mark.parametrize("target", [B200, GpuTarget((10, 3), 148), GpuTarget((10, 7), 160)])
 def test_tokenspeed_workspace_bound_covers_the_package(heads: int, target: GpuTarget) -> None:
     """The closed form `workspace_bytes` vs the package's own size, for every batch size and
-    q_len the engine can use, short and long contexts."""
+    q_len the engine can use with `heads` heads a rank (up to 8 at 16 heads), short and long
+    contexts."""
     worst = 0.0
-    for max_q_len in (1, 2, 4):
+    for max_q_len in sorted({1, 2, 4, TokenspeedBackend.max_q_len_for(heads)}):
         bound = workspace_bytes(target.num_sms, heads, max_q_len, RANK)
         for q_len in range(1, max_q_len + 1):
             for bs in (1, 2, 3, 4, 8, 16, 24, 32, 64, 128, 256):
@@ -447,3 +448,188 @@ def test_adapters_bind_the_functions_the_tests_check() -> None:
     assert trtllm()._prefill is trtllm_ragged_attention_deepseek
     assert tokenspeed()._ts.tokenspeed_mla_decode is tokenspeed_mla_decode
     assert tokenspeed()._ts.tokenspeed_mla_prefill is tokenspeed_mla_prefill
+
+
+# --------------------------------------------------------------------------------------------
+# per-rank heads (tensor parallelism): DeepSeek-V3's 128 heads at TP 1 / 2 / 4 / 8
+# --------------------------------------------------------------------------------------------
+
+V3_HEADS = 128
+TP_HEADS = [(1, 128), (2, 64), (4, 32), (8, 16)]
+
+
+def v3_rank(cls, heads: int, max_q_len: int, kv_dtype=FP8, target=B200, page_size=64):
+    """The backend one rank of DeepSeek-V3 (128 heads) builds: `heads` of them."""
+    return cls(
+        deepseek_config(heads=V3_HEADS), page_size, kv_dtype, CPU, 8, MAX_MODEL_LEN,
+        max_q_len=max_q_len, num_heads=heads, target=target,
+    )  # fmt: skip
+
+
+def decode_case(backend, q_len: int, kv_dtype):
+    """A 4-sequence uniform batch of `q_len` over cached prefixes, the new KV written, and the
+    adapter's kwargs for a random query of the backend's heads a rank."""
+    problem = make_problem(backend, [10, 0, 130, 63], [q_len] * 4, backend.page_size, kv_dtype)
+    batch = problem.batch
+    backend.prepare(batch)
+    rows = problem.new_rows
+    batch.kv_pool.write(0, batch.slot_mapping, rows[:, :RANK], rows[:, RANK:])
+    q = torch.randn(batch.num_tokens, backend.num_heads, RANK + ROPE)
+    return problem, q, backend.decode_kwargs(0, q[..., :RANK], q[..., RANK:], batch)
+
+
+@pytest.mark.parametrize(("tp", "heads"), TP_HEADS)
+def test_tokenspeed_per_rank_heads(tp: int, heads: int) -> None:
+    """Buffers sized for the rank's heads, the query shaped with them, the package's own checks
+    for them, and the kernel's semantics on the rank's heads reproduce the reference."""
+    max_q_len = TokenspeedBackend.max_q_len_for(heads)
+    assert max_q_len == (8 if heads == 16 else 4)
+    backend = v3_rank(TokenspeedBackend, heads, max_q_len)
+    assert backend.num_heads == heads == V3_HEADS // tp
+    assert backend.workspace.numel() == workspace_bytes(B200.num_sms, heads, max_q_len, RANK)
+    for q_len in range(1, max_q_len + 1):
+        ts_decode_module._check_can_implement(
+            FP8, 64, heads, q_len, RANK, ROPE, False, True, False, B200.capability
+        )
+        for bs in (1, 4, 8):
+            need = tokenspeed_package_workspace(bs, q_len, heads, B200, MAX_MODEL_LEN)
+            assert need <= backend.workspace.numel(), (bs, q_len, need)
+    problem, q, kw = decode_case(backend, max_q_len, FP8)
+    bind(tokenspeed_mla_decode, kw)
+    assert kw["query"].shape == (4, max_q_len, heads, RANK + ROPE)
+    assert kw["query"].stride(1) == heads * kw["query"].stride(2)  # packable rows
+    got = decode_by_semantics(kw, "softmax_scale", "output_scale")
+    ref = reference_decode(problem, e4m3(q).float())
+    assert ref.shape == (4 * max_q_len, heads, RANK)
+    assert rel_err(got.reshape(ref.shape), ref) < 1e-5
+
+
+@pytest.mark.parametrize("target", [B200, GpuTarget((10, 3), 148), SM107], ids=str)
+def test_tokenspeed_heads_times_q_len(target: GpuTarget) -> None:
+    """tokenspeed_mla 2.0.4: H <= 128 a rank (`can_implement`), q_len <= 4 documented at any such
+    H; a longer q_len only where H * q_len <= 128, where the package folds every query token
+    into one MMA tile (fold factor = q_len, one q tile: its q_len-1 shape). V3 at TP8 (16 heads)
+    verifies k = 3..7 draft tokens (q_len 4..8); at TP1 (128 heads) q_len <= 4 only."""
+    v3 = deepseek_config(heads=V3_HEADS)
+    for heads, q_len in [(16, 4), (16, 5), (16, 8), (32, 4), (128, 1), (128, 4)]:
+        TokenspeedBackend.check_target(v3, 64, FP8, target, num_heads=heads, max_q_len=q_len)
+        ts_decode_module._check_can_implement(
+            FP8, 64, heads, q_len, RANK, ROPE, False, True, False, target.capability
+        )
+        if q_len > 4:  # accepted beyond the documented range: folded into one tile
+            assert heads * q_len <= 128
+            tiler, _ = select_mla_decode_tilers(
+                heads, q_len, is_fp8=True, compute_capability=target.capability
+            )
+            assert get_mla_decode_fold_sq_factor(heads, q_len, tiler[0]) == q_len
+    v3_rank(TokenspeedBackend, 16, 8, target=target)  # TP8, k = 7: builds
+    for heads, q_len in [(128, 5), (128, 8), (64, 5), (32, 5), (16, 9)]:
+        with pytest.raises(BackendUnsupportedError, match=rf"{heads} heads a rank.*heads x q_len"):
+            TokenspeedBackend.check_target(v3, 64, FP8, target, num_heads=heads, max_q_len=q_len)
+        with pytest.raises(BackendUnsupportedError, match="max_q_len"):
+            v3_rank(TokenspeedBackend, heads, q_len, target=target)
+
+
+@pytest.mark.parametrize(("tp", "heads"), TP_HEADS)
+@pytest.mark.parametrize("kv_dtype", [FP8, BF16], ids=str)
+def test_trtllm_per_rank_heads(tp: int, heads: int, kv_dtype: torch.dtype) -> None:
+    """trtllm-gen takes H <= 64 or H == 128 a rank: every TP of V3. Its multi-CTA counter is
+    sized for the rank's heads (flashinfer's own size and resolver), the query shaped with them
+    passes flashinfer's validator, and the semantics reproduce the reference."""
+    backend = v3_rank(TrtllmBackend, heads, 8, kv_dtype=kv_dtype)
+    assert backend.num_heads == heads == V3_HEADS // tp
+    need = get_trtllm_gen_multi_ctas_kv_counter_bytes(8, heads, B200.num_sms)
+    assert backend.kv_counter.numel() == need
+    for bs in range(1, 9):
+        _resolve_trtllm_gen_multi_ctas_kv_counter_buffer(
+            backend.kv_counter, bs, heads, B200.num_sms, CPU
+        )
+    problem, q, kw = decode_case(backend, 4, kv_dtype)
+    bind(trtllm_batch_decode_with_kv_cache_mla, kw)
+    assert kw["query"].shape == (4, 4, heads, RANK + ROPE)
+    _check_trtllm_gen_mla_shape(
+        kw["query"], kw["kv_cache"], RANK, ROPE, 0, kw["block_tables"], 64, True,
+        require_aligned_block_table=True,
+    )  # fmt: skip
+    got = decode_by_semantics(kw, "bmm1_scale", "bmm2_scale")
+    q_kernel = e4m3(q).float() if kv_dtype == FP8 else q.bfloat16().float()
+    ref = reference_decode(problem, q_kernel)
+    assert rel_err(got.reshape(ref.shape), ref) < 1e-5
+
+
+@pytest.mark.parametrize("cls", [TokenspeedBackend, TrtllmBackend])
+def test_prefill_per_rank_heads(cls) -> None:
+    """The MHA-form prefill at TP8 (16 of V3's 128 heads): Q / K / V carry the rank's heads."""
+    backend = v3_rank(cls, 16, 4)
+    problem = make_problem(backend, PREFIX, Q_LENS, 64, FP8)
+    backend.prepare(problem.batch)
+    q, w_uk, w_uv = extend_inputs(problem)
+    rows = problem.new_rows
+    kw = backend.prefill_kwargs(0, q, rows[:, :RANK], rows[:, RANK:], w_uk, w_uv, problem.batch)
+    t, s = sum(Q_LENS), sum(p + n for p, n in zip(PREFIX, Q_LENS))
+    assert kw["query"].shape == (t, 16, 192)
+    assert kw["key"].shape == (s, 16, 192) and kw["value"].shape == (s, 16, 128)
+    with pytest.raises(ValueError, match=r"w_uk .* must have 16 heads"):
+        backend.prefill_kwargs(
+            0, q, rows[:, :RANK], rows[:, RANK:], torch.cat([w_uk, w_uk]), w_uv, problem.batch
+        )
+
+
+@pytest.mark.parametrize("cls", [TokenspeedBackend, TrtllmBackend])
+def test_query_of_another_head_count_is_refused(cls) -> None:
+    """Built for 16 heads a rank, a 128-head query is an error, not a silent reshape."""
+    backend = v3_rank(cls, 16, 1)
+    problem = make_problem(backend, [3, 4], [1, 1], 64, FP8)
+    backend.prepare(problem.batch)
+    q = torch.zeros(2, V3_HEADS, RANK + ROPE)
+    with pytest.raises(ValueError, match="must have 16 heads on dim 1"):
+        backend.decode_kwargs(0, q[..., :RANK], q[..., RANK:], problem.batch)
+
+
+def test_per_rank_head_limits() -> None:
+    """Per-rank counts against each kernel's head limit, with the model's count in the error."""
+    big = deepseek_config(heads=192)  # 192 heads: TP2 -> 96 a rank, TP4 -> 48
+    with pytest.raises(BackendUnsupportedError, match=r"heads per rank .*192.* <= 64 or .* 96"):
+        TrtllmBackend.check_target(big, 64, FP8, B200, num_heads=96)
+    TrtllmBackend.check_target(big, 64, FP8, B200, num_heads=48)
+    with pytest.raises(BackendUnsupportedError, match=r"heads per rank .*256.* <= 128, got 256"):
+        TokenspeedBackend.check_target(deepseek_config(heads=256), 64, FP8, B200)
+    TokenspeedBackend.check_target(deepseek_config(heads=256), 64, FP8, B200, num_heads=128)
+    for cls in (TokenspeedBackend, TrtllmBackend):
+        with pytest.raises(ValueError, match="num_heads"):
+            cls.check_target(deepseek_config(heads=V3_HEADS), 64, FP8, B200, num_heads=24)
+
+
+@pytest.mark.parametrize(
+    ("target", "heads", "max_q_len", "expected"),
+    [
+        (SM107, 128, 1, "tokenspeed"),  # V3 TP1 decode
+        (SM107, 128, 4, "tokenspeed"),  # TP1, k = 3: the package's documented q_len <= 4
+        (SM107, 128, 8, "reference"),  # TP1, k = 7: 128 x 8 > 128
+        (SM107, 16, 8, "tokenspeed"),  # TP8, k = 7: 16 x 8 = 128
+        (SM107, 32, 8, "reference"),  # TP4, k = 7: 32 x 8 > 128
+        (B200, 16, 8, "trtllm"),
+        (B200, 128, 8, "trtllm"),
+    ],
+)
+def test_auto_choice_per_rank(target, heads, max_q_len, expected) -> None:
+    v3 = deepseek_config(heads=V3_HEADS)
+    got = resolve_backend_name(
+        "auto", v3, 64, FP8, CPU, num_heads=heads, max_q_len=max_q_len, target=target
+    )
+    assert got == expected
+
+
+def test_named_backend_refuses_the_per_rank_shape_and_make_backend_builds_it() -> None:
+    v3 = deepseek_config(heads=V3_HEADS)
+    with pytest.raises(BackendUnsupportedError, match="128 heads a rank, got 8"):
+        resolve_backend_name(
+            "tokenspeed", v3, 64, FP8, CPU, num_heads=128, max_q_len=8, target=SM107
+        )
+    from mlaserve.kernels_adapter import make_backend
+
+    backend = make_backend(
+        "auto", v3, 64, FP8, CPU, 8, MAX_MODEL_LEN, max_q_len=8, num_heads=16, target=SM107
+    )
+    assert isinstance(backend, TokenspeedBackend) and backend.num_heads == 16
+    assert backend.workspace.numel() == workspace_bytes(SM107.num_sms, 16, 8, RANK)

@@ -26,7 +26,9 @@ class PagedCache:
         num_pages: int = 160,
         num_layers: int | None = None,
         max_model_len: int = 256,
+        num_heads: int | None = None,
     ) -> None:
+        """`num_heads`: the heads one tensor-parallel rank attends (None: all of them)."""
         self.device = torch.device(device)
         self.page_size = page_size
         self.pool = MLAKVPool(
@@ -41,7 +43,9 @@ class PagedCache:
         for buf in self.pool.kv_buffers:
             buf.fill_(float("nan"))
         self.allocator = PageAllocator(num_pages)
-        self.backend = ReferenceBackend(config, page_size, kv_dtype, self.device, 64, max_model_len)
+        self.backend = ReferenceBackend(
+            config, page_size, kv_dtype, self.device, 64, max_model_len, num_heads=num_heads
+        )
         self.pages: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
 

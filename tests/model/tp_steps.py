@@ -48,8 +48,11 @@ def _tokens(vocab: int) -> list[list[int]]:
     ]
 
 
-def _main_steps(model: DeepseekForCausalLM, config: ModelConfig) -> dict[str, torch.Tensor]:
-    seqs, cache = _tokens(config.vocab_size), PagedCache(config)
+def _main_steps(
+    model: DeepseekForCausalLM, config: ModelConfig, tp: TensorParallel
+) -> dict[str, torch.Tensor]:
+    heads = tp.split(config.num_attention_heads, "num_attention_heads")  # this rank's
+    seqs, cache = _tokens(config.vocab_size), PagedCache(config, num_heads=heads)
     prompts = [(i, s[:n]) for i, (s, n) in enumerate(zip(seqs, PROMPT_LENS, strict=True))]
     out = {"prefill": torch.cat(forward(model, cache, prompts))}
     decode = []
@@ -62,13 +65,17 @@ def _main_steps(model: DeepseekForCausalLM, config: ModelConfig) -> dict[str, to
     return out
 
 
-def _mtp_steps(model: DeepseekForCausalLM, config: ModelConfig) -> dict[str, torch.Tensor]:
+def _mtp_steps(
+    model: DeepseekForCausalLM, config: ModelConfig, tp: TensorParallel
+) -> dict[str, torch.Tensor]:
     """As test_parity's MTP test: row i of the MTP gets token i+1 and the main model's hidden
     state at i; its attention is layer N of its own pool."""
     assert model.mtp is not None
     seqs = [s for s, n in zip(_tokens(config.vocab_size), PROMPT_LENS, strict=True) if n > 1]
     n_layers = config.num_hidden_layers
-    main_cache, mtp_cache = PagedCache(config), PagedCache(config, num_layers=n_layers + 1)
+    heads = tp.split(config.num_attention_heads, "num_attention_heads")  # this rank's
+    main_cache = PagedCache(config, num_heads=heads)
+    mtp_cache = PagedCache(config, num_layers=n_layers + 1, num_heads=heads)
     logits = []
     for mode, (lo, hi) in ((ForwardMode.EXTEND, (0, -2)), (ForwardMode.DECODE, (-2, -1))):
         main = main_cache.batch([(i, s[lo:hi]) for i, s in enumerate(seqs)], mode)
@@ -87,9 +94,9 @@ def model_steps(
     """The checkpoint at `path` loaded with `tp` (fp32, CPU); its logits per phase."""
     config = ModelConfig.from_pretrained(path)
     model = load_model(config, path, tp=tp, keep_fp8=keep_fp8)
-    out = _main_steps(model, config)
+    out = _main_steps(model, config, tp)
     if model.mtp is not None:
-        out |= _mtp_steps(model, config)
+        out |= _mtp_steps(model, config, tp)
     return out
 
 
