@@ -41,6 +41,11 @@ class LLM:
         self.engine.warmup()  # JIT and CUDA-graph capture now, not in the first generate()
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel worker processes (tensor_parallel_size > 1; also
+        done when the LLM is collected or the interpreter exits). Nothing on one rank."""
+        self.engine.shutdown()
+
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer

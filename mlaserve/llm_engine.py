@@ -34,6 +34,7 @@ from mlaserve.engine.request import FinishReason, Request
 from mlaserve.engine.request_validator import InvalidRequestError, RequestValidator
 from mlaserve.engine.scheduler import Scheduler, SchedulerOutput
 from mlaserve.engine.stats import STEP_HISTORY, EngineStats
+from mlaserve.engine.tp_workers import EngineDeadError, TPWorkers
 from mlaserve.graph_runner import CaptureReport, CompileWatch, CudaGraphRunner
 from mlaserve.kv_cache import PageAllocator
 from mlaserve.outputs import RequestMetrics, RequestOutput
@@ -48,7 +49,7 @@ from mlaserve.spec import (
 )
 from mlaserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
-__all__ = ["STEP_HISTORY", "EngineStats", "InvalidRequestError", "LLMEngine"]
+__all__ = ["STEP_HISTORY", "EngineDeadError", "EngineStats", "InvalidRequestError", "LLMEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,21 @@ class LLMEngine:
         eos_token_ids = sorted(eos)
         self.compile_watch = CompileWatch()
         t0 = time.perf_counter()
-        self.runner = ModelRunner(config, self.model_config, eos_token_ids)
+        # Tensor parallelism: this process is rank 0 (scheduler, step loop, sampling); ranks
+        # 1..N-1 are worker processes started here, running each step's forward with it.
+        self.tp_workers: TPWorkers | None = None
+        if config.resolved_tensor_parallel_size(self.model_config) > 1:
+            self.tp_workers = TPWorkers.start(config)
+            try:
+                self.runner = ModelRunner(
+                    config, self.model_config, eos_token_ids,
+                    tp=self.tp_workers.tp, control_group=self.tp_workers.control,
+                )  # fmt: skip
+            except Exception as e:
+                raise self.tp_workers.failed(e) from e
+            self.runner.step_sender = self.tp_workers.sender
+        else:
+            self.runner = ModelRunner(config, self.model_config, eos_token_ids)
         self.load_time_s = time.perf_counter() - t0
         self.graph_report: CaptureReport | None = None
         self.spec_costs: StepCosts | None = None
@@ -256,6 +271,29 @@ class LLMEngine:
 
     # ----- the loop -----
     def step(self) -> list[RequestOutput]:
+        """One engine step (`_step`). Under tensor parallelism a step that raises once its
+        batch went to the workers (or finds a worker gone) leaves the group out of step: the
+        workers are stopped and `EngineDeadError` is raised, now and on every later step."""
+        workers = self.tp_workers
+        if workers is None:
+            return self._step()
+        workers.check()
+        sent = workers.sender.num_sent
+        try:
+            return self._step()
+        except Exception as e:
+            if workers.sender.num_sent == sent:
+                workers.check()  # refused before any rank saw the step: the group is intact
+                raise
+            raise workers.failed(e) from e
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing on one rank); the engine cannot step after.
+        Also runs when the engine is collected or the interpreter exits."""
+        if self.tp_workers is not None:
+            self.tp_workers.stop()
+
+    def _step(self) -> list[RequestOutput]:
         """schedule -> (draft) run (verify, accept) -> postprocess. With overlap scheduling the
         step is launched, then the previous step's tokens are read back and postprocessed while
         the GPU runs it: the outputs returned are the previous step's. A step that samples

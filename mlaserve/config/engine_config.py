@@ -101,6 +101,12 @@ class EngineConfig:
     # Hard cap: decode steps with more requests than this never speculate (the cost policy
     # decides below it).
     speculative_disable_batch_size: int | None = None
+    # Tensor parallelism (vLLM's name, CLI -tp): the model sharded over this many processes, one
+    # per GPU (cuda:0..N-1; all on the CPU with device "cpu", over gloo), started by the engine;
+    # rank 0 is the engine's own process (`engine/tp_workers.py`). N must divide the heads. In
+    # this slice N > 1 runs eagerly and synchronously: CUDA graphs, overlap scheduling and
+    # speculation are off (asking for them with N > 1 is a ConfigError).
+    tensor_parallel_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ----- derived from the fields above, once, in __post_init__ (not arguments, compared or
@@ -184,12 +190,32 @@ class EngineConfig:
                 f"speculative_disable_batch_size: must be an integer >= 1, got {cap!r}"
             )
         spec = self._parse_speculative()
+        self._check_tensor_parallel(spec)
         if k is not None and spec is not None and spec.num_speculative_tokens != k:
             raise ConfigError(
                 f"num_speculative_tokens: {k} contradicts speculative_config."
                 f"num_speculative_tokens {spec.num_speculative_tokens}"
             )
         self._derive(spec)
+
+    def _check_tensor_parallel(self, spec: SpeculativeConfig | None) -> None:
+        n = self.tensor_parallel_size
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"tensor_parallel_size: must be an integer >= 1, got {n!r}")
+        if n == 1:
+            return
+        off = "off under tensor parallelism in this slice of issue 42"
+        if spec is not None:
+            raise ConfigError(
+                f"tensor_parallel_size: {n} with speculative decoding: speculation is {off} "
+                "(drop speculative_config / num_speculative_tokens, or use 1)"
+            )
+        for name in ("cuda_graph", "piecewise_cuda_graph", "overlap_schedule"):
+            if getattr(self, name):
+                raise ConfigError(
+                    f"{name}: {name.replace('_', ' ')} is {off}; tensor_parallel_size {n} runs "
+                    "eagerly and synchronously (leave it unset or off)"
+                )
 
     def _parse_speculative(self) -> SpeculativeConfig | None:
         if self.speculative_config is None:
@@ -238,9 +264,13 @@ class EngineConfig:
         return dev
 
     def resolved_cuda_graph(self) -> bool:
+        """CUDA graphs for decode: as asked, else on with CUDA; off under tensor parallelism
+        (N > 1) in this slice (the collectives inside the graphs come next)."""
         device = self.resolved_device()
         if self.cuda_graph and device.type != "cuda":
             raise ConfigError(f"cuda_graph: CUDA graphs need a CUDA device, got {device}")
+        if self.tensor_parallel_size > 1:
+            return False
         return device.type == "cuda" if self.cuda_graph is None else self.cuda_graph
 
     def resolved_piecewise_cuda_graph_max_tokens(self) -> int:
@@ -259,7 +289,10 @@ class EngineConfig:
     def resolved_overlap_schedule(self) -> bool:
         """Overlap scheduling: as asked, else on with CUDA. With speculation it applies to the
         plain steps the policy chooses (no draft work) only: a speculative step reads the
-        accepted tokens back before the next one can be scheduled."""
+        accepted tokens back before the next one can be scheduled. Off under tensor
+        parallelism (N > 1) in this slice: each step's forward runs synchronously."""
+        if self.tensor_parallel_size > 1:
+            return False
         if self.overlap_schedule is None:
             return self.resolved_device().type == "cuda"
         return self.overlap_schedule
@@ -295,6 +328,29 @@ class EngineConfig:
                 f"max_position_embeddings {limit}"
             )
         return self.max_model_len
+
+    def resolved_tensor_parallel_size(self, model_config: ModelConfig) -> int:
+        """N, checked against the model (N divides the attention heads) and the machine (on
+        CUDA, N GPUs visible)."""
+        n, heads = self.tensor_parallel_size, model_config.num_attention_heads
+        if heads % n:
+            raise ConfigError(
+                f"tensor_parallel_size: {n} does not divide the model's {heads} attention heads "
+                f"(each rank holds heads / N of them; try a divisor of {heads})"
+            )
+        if n > 1 and self.resolved_device().type == "cuda":
+            visible = torch.cuda.device_count()
+            if n > visible:
+                raise ConfigError(
+                    f"tensor_parallel_size: {n} needs {n} GPUs (one per rank), but only "
+                    f"{visible} are visible (CUDA_VISIBLE_DEVICES)"
+                )
+            if self.device not in ("auto", "cuda", "cuda:0"):
+                raise ConfigError(
+                    f"device: tensor_parallel_size {n} places rank r on cuda:r; rank 0 must be "
+                    f"on cuda:0, got {self.device!r}"
+                )
+        return n
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

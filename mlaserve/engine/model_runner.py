@@ -25,11 +25,13 @@ from mlaserve.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logpr
 from mlaserve.engine.read_back import PendingSample, ReadBack, ReadBackRows, StepResult
 from mlaserve.engine.request import Request
 from mlaserve.engine.scheduler import SchedulerOutput
+from mlaserve.engine.step_broadcast import StepArgs, StepSender
 from mlaserve.engine.token_rows import TokenRows
 from mlaserve.kernels_adapter import get_backend_class, resolve_backend_name
 from mlaserve.kv_cache import MLAKVPool
 from mlaserve.model import load_kv_scales, load_model
 from mlaserve.sampling import GreedyRows, Sampler, SamplerOutput, SamplingBatch, SamplingSlots
+from mlaserve.tensor_parallel import NO_TP, TensorParallel
 
 # PendingSample, ReadBack and StepResult live in engine/read_back.py (named here as before).
 __all__ = ["ModelRunner", "PendingSample", "ReadBack", "StepResult"]
@@ -42,9 +44,20 @@ CPU_KV_CACHE_BYTES = 2 << 30
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, eos_token_ids: Sequence[int] = ()
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        eos_token_ids: Sequence[int] = (),
+        *,
+        tp: TensorParallel = NO_TP,
+        control_group: object = None,
     ) -> None:
+        """`tp`: this process's rank of the tensor-parallel group (`engine/tp_workers.py`);
+        `control_group`: that group's gloo side, where the ranks agree on the KV pool's size."""
         self.config = config
+        self.tp = tp
+        # Rank 0 under TP > 1: each step's batch goes to the other ranks (`make_batch`).
+        self.step_sender: StepSender | None = None
         self.model_config = model_config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(model_config)
@@ -85,6 +98,7 @@ class ModelRunner:
             device=self.device,
             load_format=config.load_format,
             seed=config.seed,
+            tp=tp,
         )
 
         # With speculation the MTP layer(s) cache latents under layer ids N.. of the same pool.
@@ -97,6 +111,8 @@ class ModelRunner:
                 )
             self.num_kv_layers += model_config.num_nextn_predict_layers
         self.num_pages = self._decide_num_pages()
+        if tp.size > 1:  # every rank's pool holds the same pages: the smallest budget wins
+            self.num_pages = _agree_min(self.num_pages, control_group)
         # Dummy weights have no checkpoint to carry KV scales: an FP8 cache scales by 1.0.
         dummy = config.load_format == "dummy"
         k_scales = None if dummy else load_kv_scales(model_config, config.model_path)
@@ -116,6 +132,8 @@ class ModelRunner:
             device=self.device,
             k_scale=k_scales or 1.0,
         )
+        # TODO(issue 42, wt-K): pass num_heads=tp.split(model_config.num_attention_heads, ...)
+        # once the backends take a per-rank head count (the reference backend reads it from q).
         self.attn_backend = backend_cls(
             model_config,
             page_size=self.page_size,
@@ -153,7 +171,7 @@ class ModelRunner:
             backend_name,
         )
 
-    def _decide_num_pages(self) -> int:
+    def _decide_num_pages(self) -> int:  # this rank's budget (TP: the ranks then agree)
         cfg, mc = self.config, self.model_config
         if cfg.num_pages is not None:
             return cfg.num_pages
@@ -271,16 +289,23 @@ class ModelRunner:
         captured batch size a uniform batch replays in (`q_len` states its width when the host
         batch is padding alone). `split=False`: for a graph that replays the inputs' device-side
         split itself (`InputBuffers.split`), over `pad_tokens_to` token rows if given."""
-        return self.buffers.fill(
+        max_seq_len = max_seq_len or max(host.seq_lens)
+        batch = self.buffers.fill(
             host,
             pad_to=pad_to,
             q_len=q_len,
             split=split,
             pad_tokens_to=pad_tokens_to,
-            max_seq_len=max_seq_len or max(host.seq_lens),
+            max_seq_len=max_seq_len,
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
         )
+        # Under TP, rank 0 sends the batch once its own staging accepted it (a batch refused
+        # here never reaches the workers); the forward that follows meets theirs. Graphs are
+        # off under TP in this slice, so split and pad_tokens_to keep their defaults.
+        if self.step_sender is not None:
+            self.step_sender.send(host, StepArgs(pad_to, max_seq_len, q_len))
+        return batch
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -403,3 +428,12 @@ class ModelRunner:
         out = self.sampler(logits, sb, mask, greedy)
         slots.record(sb.slots, out.token_ids)
         return sb, out
+
+
+def _agree_min(n: int, group: object) -> int:
+    """The smallest of every TP rank's `n` (an all-reduce over `group`)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())

@@ -1,7 +1,7 @@
 """`mlaserve serve [MODEL]`: resolve the options, start uvicorn and the engine process, stop cleanly.
 
 vLLM's command lines work: the model may be given positionally, and `--gpu-memory-utilization`,
-`--tensor-parallel-size`/`-tp` (1), `--enforce-eager`, `--max-logprobs`, `--chat-template`,
+`--tensor-parallel-size`/`-tp` (N), `--enforce-eager`, `--max-logprobs`, `--chat-template`,
 `--disable-log-requests`, `--disable-uvicorn-access-log`, `--trust-remote-code`,
 `--tool-call-parser`, `--enable-auto-tool-choice` and `--reasoning-parser` mean what they mean
 there.

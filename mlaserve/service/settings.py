@@ -56,8 +56,8 @@ class ServerConfig:
     # (AsyncEngine derives it), so that the tokenizer never refuses what admission takes.
     tokenizer_queue: int | None = None
     torch_threads: int | None = None  # None: CPUs available minus the service's own threads
-    # vLLM's names, so that `vllm serve` command lines work unchanged.
-    tensor_parallel_size: int = 1  # one GPU until multi-GPU serving exists
+    # vLLM's names, so that `vllm serve` command lines work unchanged (tensor_parallel_size,
+    # -tp, is an engine option: EngineConfig).
     max_logprobs: int = MAX_LOGPROBS  # most logprobs / top_logprobs a request may ask for
     chat_template: str | None = None  # a Jinja file or inline template; default: the tokenizer's
     disable_log_requests: bool = False
@@ -88,11 +88,6 @@ class ServerConfig:
             _check_range("torch_threads", self.torch_threads, 1, None)
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level: expected one of {LOG_LEVELS}, got {self.log_level!r}")
-        if self.tensor_parallel_size != 1:
-            raise ConfigError(
-                f"tensor_parallel_size: only 1 is supported (one GPU) until multi-GPU serving "
-                f"exists, got {self.tensor_parallel_size}"
-            )
         _check_range("max_logprobs", self.max_logprobs, 0, MAX_LOGPROBS)
         _check_choice("tool_call_parser", self.tool_call_parser, TOOL_PARSERS)
         _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
@@ -168,7 +163,9 @@ _HELP = {
     "the server admits is never refused by the tokenizer)",
     "torch_threads": "torch intra-op threads; default: the CPUs available to the process minus "
     "the server's own threads (event loop, tokenizer), at least 1",
-    "tensor_parallel_size": "GPUs to shard the model over (-tp); only 1 until multi-GPU exists",
+    "tensor_parallel_size": "-tp N: shard the model over N processes, one per GPU (cuda:0..N-1; "
+    "on cpu, all on the CPU over gloo), started by the engine; N divides the attention heads. "
+    "N > 1 runs eagerly and synchronously for now (no CUDA graphs, overlap or speculation)",
     "max_logprobs": f"most logprobs (completions) / top_logprobs (chat) a request may ask for "
     f"(at most {MAX_LOGPROBS})",
     "chat_template": "chat template: a Jinja file, or the template itself; default: the "

@@ -84,7 +84,7 @@ def test_a_bad_model_path_is_one_line_before_the_port_opens(tmp_path) -> None:
 
 def test_vllm_flags_with_values_out_of_range_are_one_line(tmp_path) -> None:
     for args, name in [
-        (("-tp", "2"), "tensor_parallel_size"),
+        (("-tp", "0"), "tensor_parallel_size"),
         (("--gpu-memory-utilization", "1.5"), "gpu_memory_utilization"),
         (("--max-logprobs", "21"), "max_logprobs"),
         (("--enable-auto-tool-choice",), "enable_auto_tool_choice"),

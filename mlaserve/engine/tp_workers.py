@@ -1,0 +1,191 @@
+"""Rank 0's side of tensor parallelism: it starts, watches and stops the worker processes.
+
+    workers = TPWorkers.start(config)          # ranks 1..N-1 spawned, the groups joined
+    runner = ModelRunner(config, mc, tp=workers.tp, control_group=workers.control)
+    runner.step_sender = workers.sender        # each step's batch reaches the workers
+    ...
+    workers.failed(exc)                        # a step raised: -> EngineDeadError to raise
+    workers.stop()                             # stop message, leave the group, join / kill
+
+Process model (SGLang's and vLLM's): the process that runs the `LLMEngine` is rank 0, with the
+scheduler and the step loop; ranks 1..N-1 are spawned here (`engine/tp_worker.py`), each builds
+the same `ModelRunner` on `cuda:rank` (CPU: cpu) and runs every forward rank 0 broadcasts. The
+rendezvous is a FileStore in a fresh temporary folder (no port to race for). Each child gets
+NVLink multicast off in its environment (set by default here, so they inherit it).
+
+Who owns what: this object owns the child processes, the pipes they report failures on, the
+rendezvous folder and rank 0's membership of the groups; `stop` releases all of them, and runs
+by itself when the object is collected or the interpreter exits (a `weakref.finalize`).
+
+Failures: the model group's collectives time out after `COLLECTIVE_TIMEOUT_S`, and a dead peer
+closes its sockets, which fails the next collective at once; either way the step raises on rank
+0, `failed` kills every worker (a survivor may sit in a collective with the dead one) and returns
+the error that names the rank, its exit code and its traceback. The engine is dead from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from mlaserve.config import EngineConfig
+from mlaserve.engine.step_broadcast import StepSender
+from mlaserve.engine.tp_worker import MULTICAST_OFF, init_groups, worker_main
+from mlaserve.tensor_parallel import TensorParallel
+
+__all__ = ["COLLECTIVE_TIMEOUT_S", "EngineDeadError", "TPWorkers"]
+
+logger = logging.getLogger(__name__)
+
+# A forward's collective never takes this long; past it the peer is hung or dead. Rank 0 also
+# waits this long for the workers' weights at start-up (the KV-size agreement).
+COLLECTIVE_TIMEOUT_S = 120.0
+JOIN_TIMEOUT_S = 10.0  # a stopped worker exits within this, else it is killed
+
+
+class EngineDeadError(RuntimeError):
+    """A tensor-parallel rank failed: the engine cannot step any more (make a new one)."""
+
+
+@dataclass
+class _State:
+    """What `stop` releases (held apart from `TPWorkers` so that its finalizer may hold it)."""
+
+    procs: list[Any]
+    conns: list[Connection]
+    rendezvous_dir: str
+    sender: StepSender | None = None
+    stopped: bool = False
+    errors: dict[int, str] = field(default_factory=dict)  # rank -> traceback it sent
+
+
+class TPWorkers:
+    def __init__(self, state: _State, tp: TensorParallel, control: Any) -> None:
+        self._state = state
+        self.tp = tp
+        self.control = control
+        self.sender = state.sender
+        self.dead: EngineDeadError | None = None
+        self._finalizer = weakref.finalize(self, _stop, state)
+
+    @classmethod
+    def start(cls, config: EngineConfig, timeout_s: float | None = None) -> TPWorkers:
+        """Spawn ranks 1..N-1 and join the groups as rank 0 (N = config.tensor_parallel_size)."""
+        size = config.tensor_parallel_size
+        timeout_s = COLLECTIVE_TIMEOUT_S if timeout_s is None else timeout_s
+        for key, value in MULTICAST_OFF.items():  # the children inherit these
+            os.environ.setdefault(key, value)
+        device_type = config.resolved_device().type
+        folder = tempfile.mkdtemp(prefix="mlaserve-tp-")
+        init_method = f"file://{os.path.join(folder, 'store')}"
+        ctx = mp.get_context("spawn")
+        state = _State([], [], folder)
+        try:
+            for rank in range(1, size):
+                rx, tx = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=worker_main,
+                    args=(config, rank, size, init_method, timeout_s, tx),
+                    name=f"mlaserve-tp{rank}",
+                    daemon=True,  # killed at the interpreter's exit if still alive
+                )
+                proc.start()
+                tx.close()  # the child's end: its exit must read as EOF here
+                state.procs.append(proc)
+                state.conns.append(rx)
+            logger.info("tensor parallel: %d ranks (%s), workers %s", size, device_type,
+                        [p.pid for p in state.procs])  # fmt: skip
+            tp, control = init_groups(
+                0, size, device_type=device_type, init_method=init_method,
+                timeout_s=timeout_s, idle=False,
+            )  # fmt: skip
+        except BaseException:
+            _stop(state, graceful=False)
+            raise
+        state.sender = StepSender(control)
+        return cls(state, tp, control)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._state.procs]
+
+    def failed(self, exc: BaseException) -> EngineDeadError:
+        """A step (or start-up) raised `exc` with the group in use: the group is broken. Kill the
+        workers, leave the group, and return the error to raise (also kept in `dead`)."""
+        if self.dead is None:
+            state = self._state
+            time.sleep(0.2)  # a worker that raised is exiting: let its report and code arrive
+            _read_errors(state)
+            codes = {r: p.exitcode for r, p in enumerate(state.procs, 1)}
+            _stop(state, graceful=False)
+            lines = [f"rank {r}: exited with code {c}" for r, c in codes.items() if c is not None]
+            lines += [f"rank {r} raised:\n{tb}" for r, tb in state.errors.items()]
+            why = "\n".join(lines) or f"no worker exited; rank 0's collective failed: {exc}"
+            self.dead = EngineDeadError(
+                f"engine dead: tensor-parallel group of {self.tp.size} ranks failed "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                f"workers stopped.\n{why}"
+            )
+        return self.dead
+
+    def check(self) -> None:
+        """Raise the engine's death if it is dead, or if a worker exited since the last step."""
+        if self.dead is not None:
+            raise self.dead
+        if self._state.stopped:
+            raise EngineDeadError("engine shut down: its tensor-parallel workers are stopped")
+        gone = [p for p in self._state.procs if not p.is_alive()]
+        if gone:
+            raise self.failed(RuntimeError(f"worker pid {gone[0].pid} exited"))
+
+    def stop(self) -> None:
+        """Normal shutdown: the stop message, leave the group, join the workers (kill past
+        JOIN_TIMEOUT_S). Idempotent."""
+        self._finalizer()
+
+
+def _read_errors(state: _State) -> None:
+    for rank, conn in enumerate(state.conns, 1):
+        try:
+            while conn.poll():
+                state.errors[rank] = conn.recv()
+        except (EOFError, OSError):
+            pass
+
+
+def _stop(state: _State, graceful: bool = True) -> None:
+    import torch.distributed as dist
+
+    if state.stopped:
+        return
+    state.stopped = True
+    alive = all(p.is_alive() for p in state.procs)
+    if graceful and alive and state.sender is not None:
+        try:
+            state.sender.stop()
+        except Exception as e:  # a broken group: the workers are killed below
+            logger.warning("tensor parallel: stop message failed (%s); killing the workers", e)
+            graceful = False
+    deadline = time.monotonic() + (JOIN_TIMEOUT_S if graceful and alive else 0.0)
+    for p in state.procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(JOIN_TIMEOUT_S)
+    _read_errors(state)
+    for conn in state.conns:
+        conn.close()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:
+            logger.warning("tensor parallel: leaving the group failed: %s", e)
+    shutil.rmtree(state.rendezvous_dir, ignore_errors=True)
