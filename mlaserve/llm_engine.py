@@ -26,7 +26,6 @@ from typing import Any
 from mlaserve.config import EngineConfig, ModelConfig
 from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.engine.grammar import GrammarBackend, GrammarError
-from mlaserve.engine.model_runner import ModelRunner
 from mlaserve.engine.output_processor import OutputProcessor
 from mlaserve.engine.overlap import StepLedger
 from mlaserve.engine.read_back import InFlightStep, PendingSample, StepResult
@@ -34,7 +33,7 @@ from mlaserve.engine.request import FinishReason, Request
 from mlaserve.engine.request_validator import InvalidRequestError, RequestValidator
 from mlaserve.engine.scheduler import Scheduler, SchedulerOutput
 from mlaserve.engine.stats import STEP_HISTORY, EngineStats
-from mlaserve.engine.tp_workers import EngineDeadError, TPWorkers
+from mlaserve.engine.tp_workers import EngineDeadError, start_runner
 from mlaserve.graph_runner import CaptureReport, CompileWatch, CudaGraphRunner
 from mlaserve.kv_cache import PageAllocator
 from mlaserve.outputs import RequestMetrics, RequestOutput
@@ -82,20 +81,8 @@ class LLMEngine:
         self.compile_watch = CompileWatch()
         t0 = time.perf_counter()
         # Tensor parallelism: this process is rank 0 (scheduler, step loop, sampling); ranks
-        # 1..N-1 are worker processes started here, running each step's forward with it.
-        self.tp_workers: TPWorkers | None = None
-        if config.resolved_tensor_parallel_size(self.model_config) > 1:
-            self.tp_workers = TPWorkers.start(config)
-            try:
-                self.runner = ModelRunner(
-                    config, self.model_config, eos_token_ids,
-                    tp=self.tp_workers.tp, control_group=self.tp_workers.control,
-                )  # fmt: skip
-            except Exception as e:
-                raise self.tp_workers.failed(e) from e
-            self.runner.step_sender = self.tp_workers.sender
-        else:
-            self.runner = ModelRunner(config, self.model_config, eos_token_ids)
+        # 1..N-1 are worker processes, running each step's forward with it.
+        self.runner, self.tp_workers = start_runner(config, self.model_config, eos_token_ids)
         self.load_time_s = time.perf_counter() - t0
         self.graph_report: CaptureReport | None = None
         self.spec_costs: StepCosts | None = None
@@ -271,21 +258,10 @@ class LLMEngine:
 
     # ----- the loop -----
     def step(self) -> list[RequestOutput]:
-        """One engine step (`_step`). Under tensor parallelism a step that raises once its
-        batch went to the workers (or finds a worker gone) leaves the group out of step: the
-        workers are stopped and `EngineDeadError` is raised, now and on every later step."""
+        """One engine step (`_step`); under tensor parallelism guarded by the workers
+        (`TPWorkers.run_step`: a failed rank is `EngineDeadError`)."""
         workers = self.tp_workers
-        if workers is None:
-            return self._step()
-        workers.check()
-        sent = workers.sender.num_sent
-        try:
-            return self._step()
-        except Exception as e:
-            if workers.sender.num_sent == sent:
-                workers.check()  # refused before any rank saw the step: the group is intact
-                raise
-            raise workers.failed(e) from e
+        return self._step() if workers is None else workers.run_step(self._step)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing on one rank); the engine cannot step after.

@@ -75,12 +75,15 @@ class ModelRunner:
             -(self.max_model_len + self.num_lookahead_tokens) // self.page_size
         )
 
-        backend_name = resolve_backend_name(
-            config.attention_backend, model_config, self.page_size, self.kv_cache_dtype, self.device
-        )
-        backend_cls = get_backend_class(backend_name)
         # The widest uniform step: a VERIFY / DRAFT_EXTEND of k+1 tokens per sequence.
         self.max_q_len = 1 if self.spec is None else self.spec.k + 1
+        # The heads this rank attends (MLA's heads are split across tensor-parallel ranks).
+        num_heads = model_config.num_attention_heads // tp.size
+        backend_name = resolve_backend_name(
+            config.attention_backend, model_config, self.page_size, self.kv_cache_dtype,
+            self.device, num_heads=num_heads, max_q_len=self.max_q_len,
+        )  # fmt: skip
+        backend_cls = get_backend_class(backend_name)
         if self.max_q_len > backend_cls.max_uniform_q_len:
             raise ConfigError(
                 f"speculative_config.num_speculative_tokens: {self.spec.k} + 1 exceeds attention "
@@ -132,10 +135,9 @@ class ModelRunner:
             device=self.device,
             k_scale=k_scales or 1.0,
         )
-        # TODO(issue 42, wt-K): pass num_heads=tp.split(model_config.num_attention_heads, ...)
-        # once the backends take a per-rank head count (the reference backend reads it from q).
         self.attn_backend = backend_cls(
             model_config,
+            num_heads=num_heads,
             page_size=self.page_size,
             kv_cache_dtype=self.kv_cache_dtype,
             device=self.device,

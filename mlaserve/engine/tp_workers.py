@@ -32,16 +32,18 @@ import shutil
 import tempfile
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
-from mlaserve.config import EngineConfig
+from mlaserve.config import EngineConfig, ModelConfig
+from mlaserve.engine.model_runner import ModelRunner
 from mlaserve.engine.step_broadcast import StepSender
 from mlaserve.engine.tp_worker import MULTICAST_OFF, init_groups, worker_main
 from mlaserve.tensor_parallel import TensorParallel
 
-__all__ = ["COLLECTIVE_TIMEOUT_S", "EngineDeadError", "TPWorkers"]
+__all__ = ["COLLECTIVE_TIMEOUT_S", "EngineDeadError", "TPWorkers", "start_runner"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ logger = logging.getLogger(__name__)
 # waits this long for the workers' weights at start-up (the KV-size agreement).
 COLLECTIVE_TIMEOUT_S = 120.0
 JOIN_TIMEOUT_S = 10.0  # a stopped worker exits within this, else it is killed
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -146,6 +150,21 @@ class TPWorkers:
         if gone:
             raise self.failed(RuntimeError(f"worker pid {gone[0].pid} exited"))
 
+    def run_step(self, step: Callable[[], T]) -> T:
+        """`step()` guarded: a step that raises once its batch went to the workers (or finds a
+        worker gone) leaves the group out of step, so the workers are stopped and
+        `EngineDeadError` is raised, now and on every later step. A step refused before any
+        rank saw it leaves the group intact and re-raises as is."""
+        self.check()
+        sent = self.sender.num_sent
+        try:
+            return step()
+        except Exception as e:
+            if self.sender.num_sent == sent:
+                self.check()
+                raise
+            raise self.failed(e) from e
+
     def stop(self) -> None:
         """Normal shutdown: the stop message, leave the group, join the workers (kill past
         JOIN_TIMEOUT_S). Idempotent."""
@@ -189,3 +208,21 @@ def _stop(state: _State, graceful: bool = True) -> None:
         except Exception as e:
             logger.warning("tensor parallel: leaving the group failed: %s", e)
     shutil.rmtree(state.rendezvous_dir, ignore_errors=True)
+
+
+def start_runner(
+    config: EngineConfig, model_config: ModelConfig, eos_token_ids: list[int]
+) -> tuple[ModelRunner, TPWorkers | None]:
+    """Rank 0's ModelRunner; with `tensor_parallel_size` N > 1 the workers (ranks 1..N-1) are
+    started first, and each step's batch goes to them through the runner's `step_sender`."""
+    if config.resolved_tensor_parallel_size(model_config) == 1:
+        return ModelRunner(config, model_config, eos_token_ids), None
+    workers = TPWorkers.start(config)
+    try:
+        runner = ModelRunner(
+            config, model_config, eos_token_ids, tp=workers.tp, control_group=workers.control
+        )
+    except Exception as e:
+        raise workers.failed(e) from e
+    runner.step_sender = workers.sender
+    return runner, workers
