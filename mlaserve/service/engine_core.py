@@ -160,6 +160,10 @@ class EngineCore:
         except BaseException as e:
             logger.exception("the engine died; failing every open request")
             self._send_failure("serve", e)
+        finally:
+            # Tensor-parallel workers stop here, with rank 0 still in the group: at this
+            # process's exit multiprocessing terminates daemonic children before atexit runs.
+            engine.shutdown()
 
     def _send_failure(self, phase: str, exc: BaseException) -> None:
         with contextlib.suppress(OSError):  # the frontend is gone too
