@@ -79,9 +79,10 @@ class ModelRunner:
         self.max_q_len = 1 if self.spec is None else self.spec.k + 1
         # The heads this rank attends (MLA's heads are split across tensor-parallel ranks).
         num_heads = model_config.num_attention_heads // tp.size
+        # Chosen for q_len 1: a k past the chosen backend is the ConfigError below, naming k.
         backend_name = resolve_backend_name(
             config.attention_backend, model_config, self.page_size, self.kv_cache_dtype,
-            self.device, num_heads=num_heads, max_q_len=self.max_q_len,
+            self.device, num_heads=num_heads,
         )  # fmt: skip
         backend_cls = get_backend_class(backend_name)
         if self.max_q_len > backend_cls.max_uniform_q_len:
