@@ -7,4 +7,5 @@ refuses to import if the two lists differ.
 
 __all__ = ["ATTENTION_BACKENDS"]
 
-ATTENTION_BACKENDS: tuple[str, ...] = ("flashmla", "reference", "tokenspeed", "trtllm")
+# "invariant" is the deterministic mode's (`deterministic_inference`); `auto` never picks it.
+ATTENTION_BACKENDS: tuple[str, ...] = ("flashmla", "invariant", "reference", "tokenspeed", "trtllm")

@@ -107,6 +107,12 @@ class EngineConfig:
     # this slice N > 1 runs eagerly and synchronously: CUDA graphs, overlap scheduling and
     # speculation are off (asking for them with N > 1 is a ConfigError).
     tensor_parallel_size: int = 1
+    # Batch-invariant ("deterministic") inference, SGLang's --enable-deterministic-inference: a
+    # token's logits are bitwise independent of the batch it runs in (other requests, batch
+    # size, graph padding, prefill chunking, decode / verify / draft / recompute), through
+    # fixed-order kernels (`ops/invariant_*.py`) and the `invariant` attention backend, which it
+    # selects. Slower (README, "Deterministic inference"); one rank only.
+    deterministic_inference: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ----- derived from the fields above, once, in __post_init__ (not arguments, compared or
@@ -191,6 +197,7 @@ class EngineConfig:
             )
         spec = self._parse_speculative()
         self._check_tensor_parallel(spec)
+        self._check_deterministic()
         if k is not None and spec is not None and spec.num_speculative_tokens != k:
             raise ConfigError(
                 f"num_speculative_tokens: {k} contradicts speculative_config."
@@ -216,6 +223,28 @@ class EngineConfig:
                     f"{name}: {name.replace('_', ' ')} is {off}; tensor_parallel_size {n} runs "
                     "eagerly and synchronously (leave it unset or off)"
                 )
+
+    def _check_deterministic(self) -> None:
+        if not isinstance(self.deterministic_inference, bool):
+            raise ConfigError(
+                f"deterministic_inference: expected a bool, got {self.deterministic_inference!r}"
+            )
+        if not self.deterministic_inference:
+            return
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(
+                f"deterministic_inference: runs on one rank only, got tensor_parallel_size "
+                f"{self.tensor_parallel_size} (its all-reduces sum in an order of their own)"
+            )
+        if self.attention_backend not in ("auto", "invariant"):
+            raise ConfigError(
+                f"attention_backend: {self.attention_backend!r} with deterministic_inference: the "
+                "mode needs its own 'invariant' backend (leave attention_backend 'auto')"
+            )
+
+    def resolved_attention_backend(self) -> str:
+        """The backend name to resolve: 'invariant' in the deterministic mode, else the field."""
+        return "invariant" if self.deterministic_inference else self.attention_backend
 
     def _parse_speculative(self) -> SpeculativeConfig | None:
         if self.speculative_config is None:

@@ -81,8 +81,8 @@ class ModelRunner:
         num_heads = model_config.num_attention_heads // tp.size
         # Chosen for q_len 1: a k past the chosen backend is the ConfigError below, naming k.
         backend_name = resolve_backend_name(
-            config.attention_backend, model_config, self.page_size, self.kv_cache_dtype,
-            self.device, num_heads=num_heads,
+            config.resolved_attention_backend(), model_config, self.page_size,
+            self.kv_cache_dtype, self.device, num_heads=num_heads,
         )  # fmt: skip
         backend_cls = get_backend_class(backend_name)
         if self.max_q_len > backend_cls.max_uniform_q_len:
@@ -103,6 +103,7 @@ class ModelRunner:
             load_format=config.load_format,
             seed=config.seed,
             tp=tp,
+            deterministic=config.deterministic_inference,
         )
 
         # With speculation the MTP layer(s) cache latents under layer ids N.. of the same pool.

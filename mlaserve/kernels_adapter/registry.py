@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 _BACKENDS: dict[str, str] = {
     "reference": "mlaserve.kernels_adapter.reference:ReferenceBackend",
+    "invariant": "mlaserve.kernels_adapter.invariant:InvariantBackend",
     "flashmla": "mlaserve.kernels_adapter.flashmla:FlashMLABackend",
     "trtllm": "mlaserve.kernels_adapter.trtllm:TrtllmBackend",
     "tokenspeed": "mlaserve.kernels_adapter.tokenspeed:TokenspeedBackend",

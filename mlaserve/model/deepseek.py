@@ -60,6 +60,7 @@ class DeepseekModel(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         tp: TensorParallel = NO_TP,
         quant: QuantizationConfig | None = None,
+        deterministic: bool = False,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
@@ -67,10 +68,20 @@ class DeepseekModel(nn.Module):
         )
         self.rotary_emb = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, i, params_dtype=params_dtype, tp=tp, quant=quant)
+            DeepseekDecoderLayer(
+                config,
+                i,
+                params_dtype=params_dtype,
+                tp=tp,
+                quant=quant,
+                deterministic=deterministic,
+            )
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=params_dtype)
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, params_dtype=params_dtype,
+            deterministic=deterministic,
+        )  # fmt: skip
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> [T, hidden] final-normed hidden states; [num_logits, hidden], of the
@@ -91,7 +102,9 @@ class DeepseekForCausalLM(nn.Module):
 
     `quant`: keep the checkpoint's FP8 block weights in FP8 (attention and MLP/expert linears
     except kv_b_proj; embeddings, LM head, norms and router stay in params_dtype). None: every
-    weight in params_dtype (an FP8 checkpoint is then dequantised by the loader)."""
+    weight in params_dtype (an FP8 checkpoint is then dequantised by the loader).
+    `deterministic`: every layer built batch-invariant (`EngineConfig.deterministic_inference`;
+    the linears, MLA, MoE, norms and LM head say how)."""
 
     def __init__(
         self,
@@ -101,19 +114,19 @@ class DeepseekForCausalLM(nn.Module):
         tp: TensorParallel = NO_TP,
         with_mtp: bool = False,
         quant: QuantizationConfig | None = None,
+        deterministic: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
         self.params_dtype = params_dtype
-        self.model = DeepseekModel(config, params_dtype=params_dtype, tp=tp, quant=quant)
-        self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, params_dtype=params_dtype, tp=tp
-        )
+        kw = {"params_dtype": params_dtype, "tp": tp, "deterministic": deterministic}
+        self.model = DeepseekModel(config, quant=quant, **kw)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, **kw)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp: DeepseekMTP | None = None
         if with_mtp:
-            self.mtp = DeepseekMTP(config, params_dtype=params_dtype, tp=tp, quant=quant)
+            self.mtp = DeepseekMTP(config, quant=quant, **kw)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

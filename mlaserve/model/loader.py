@@ -85,6 +85,7 @@ def load_model(
     keep_fp8: bool | None = None,
     load_format: str = "auto",
     seed: int = 0,
+    deterministic: bool = False,
 ) -> DeepseekForCausalLM:
     """Build the model on `device` in `dtype`, load the checkpoint at `path`, eval mode, no grad.
 
@@ -92,7 +93,8 @@ def load_model(
     `keep_fp8` (FP8 checkpoints only): keep the block-quantized weights in FP8 and run block-FP8
     GEMMs; None = `fp8_runs_on(device)`. False dequantises them to `dtype` at load. True on CPU
     runs the emulated FP8 math (tests). `load_format` "dummy": no checkpoint read, random weights
-    from `seed` (the MTP module whenever the config asks for one)."""
+    from `seed` (the MTP module whenever the config asks for one). `deterministic`: build the
+    batch-invariant layers (`EngineConfig.deterministic_inference`)."""
     if dtype not in _MODEL_DTYPES:
         raise WeightLoadError(f"dtype: expected one of {_MODEL_DTYPES}, got {dtype}")
     if load_format not in LOAD_FORMATS:
@@ -112,8 +114,9 @@ def load_model(
         logger.info("config has num_nextn_predict_layers but %s has no MTP weights", path)
     with torch.device(device):
         model = DeepseekForCausalLM(
-            model_config, params_dtype=dtype, tp=tp, with_mtp=with_mtp, quant=quant
-        )
+            model_config, params_dtype=dtype, tp=tp, with_mtp=with_mtp, quant=quant,
+            deterministic=deterministic,
+        )  # fmt: skip
     if dummy:
         fill_dummy_weights(model, seed)
     else:

@@ -38,11 +38,20 @@ __all__ = ["DeepseekMTP"]
 
 
 class SharedHead(nn.Module):
-    def __init__(self, config: ModelConfig, params_dtype: torch.dtype, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        params_dtype: torch.dtype,
+        tp: TensorParallel,
+        deterministic: bool = False,
+    ) -> None:
         super().__init__()
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=params_dtype)
+        det = {"deterministic": deterministic}
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, params_dtype=params_dtype, **det
+        )
         self.head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, params_dtype=params_dtype, tp=tp
+            config.vocab_size, config.hidden_size, params_dtype=params_dtype, tp=tp, **det
         )
 
 
@@ -54,22 +63,24 @@ class DeepseekMTP(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         tp: TensorParallel = NO_TP,
         quant: QuantizationConfig | None = None,
+        deterministic: bool = False,
     ) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
+        det = {"deterministic": deterministic}
         self.layer_id = config.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, hidden, params_dtype=params_dtype, tp=tp
         )
         self.rotary_emb = RotaryEmbedding(config)
-        self.enorm = RMSNorm(hidden, eps, params_dtype=params_dtype)
-        self.hnorm = RMSNorm(hidden, eps, params_dtype=params_dtype)
+        self.enorm = RMSNorm(hidden, eps, params_dtype=params_dtype, **det)
+        self.hnorm = RMSNorm(hidden, eps, params_dtype=params_dtype, **det)
         # eh_proj is bf16 in the published FP8 checkpoints (an FP8 one is dequantised at load).
-        self.eh_proj = ReplicatedLinear(2 * hidden, hidden, params_dtype=params_dtype, tp=tp)
+        self.eh_proj = ReplicatedLinear(2 * hidden, hidden, params_dtype=params_dtype, tp=tp, **det)
         self.block = DeepseekDecoderLayer(
-            config, self.layer_id, params_dtype=params_dtype, tp=tp, quant=quant
+            config, self.layer_id, params_dtype=params_dtype, tp=tp, quant=quant, **det
         )  # checkpoint: model.layers.{N}.{self_attn,mlp,*_layernorm}
-        self.shared_head = SharedHead(config, params_dtype, tp)
+        self.shared_head = SharedHead(config, params_dtype, tp, deterministic)
 
     @torch.no_grad()
     def forward(

@@ -128,7 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("-tp",)}
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "tensor_parallel_size": ("-tp",),
+    "deterministic_inference": ("--enable-deterministic-inference",),
+}
 _METAVARS: dict = {int: "N", float: "X", str: "TEXT", "model": "PATH", "tokenizer": "PATH",
                    "api_key": "KEY", "host": "HOST", "served_model_name": "NAME",
                    "chat_template": "FILE|TEMPLATE"}  # fmt: skip

@@ -166,6 +166,10 @@ _HELP = {
     "tensor_parallel_size": "-tp N: shard the model over N processes, one per GPU (cuda:0..N-1; "
     "on cpu, all on the CPU over gloo), started by the engine; N divides the attention heads. "
     "N > 1 runs eagerly and synchronously for now (no CUDA graphs, overlap or speculation)",
+    "deterministic_inference": "batch-invariant inference (also --enable-deterministic-inference, "
+    "SGLang's name): a request's tokens and logprobs are bitwise the same whatever else runs "
+    "with it, through fixed-order kernels and the 'invariant' attention backend; slower "
+    "(README, 'Deterministic inference'); one GPU only",
     "max_logprobs": f"most logprobs (completions) / top_logprobs (chat) a request may ask for "
     f"(at most {MAX_LOGPROBS})",
     "chat_template": "chat template: a Jinja file, or the template itself; default: the "

@@ -33,9 +33,16 @@ class DeepseekDecoderLayer(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         tp: TensorParallel = NO_TP,
         quant: QuantizationConfig | None = None,
+        deterministic: bool = False,
     ) -> None:
         super().__init__()
-        kw = {"params_dtype": params_dtype, "tp": tp, "quant": quant}
+        kw = {
+            "params_dtype": params_dtype,
+            "tp": tp,
+            "quant": quant,
+            "deterministic": deterministic,
+        }
+        norm_kw = {"params_dtype": params_dtype, "deterministic": deterministic}
         self.self_attn = MLAAttention(config, layer_id, **kw)
         self.mlp: DeepseekMoE | DeepseekMLP
         if config.is_moe_layer(layer_id):
@@ -45,8 +52,8 @@ class DeepseekDecoderLayer(nn.Module):
                 config.hidden_size, config.intermediate_size, hidden_act=config.hidden_act, **kw
             )
         eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, params_dtype=params_dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, params_dtype=params_dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, **norm_kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, **norm_kw)
 
     def forward_residual(
         self,

@@ -67,10 +67,36 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """hidden -> logits over the whole vocabulary, on every rank (each computes its slice)."""
+    """hidden -> logits over the whole vocabulary, on every rank (each computes its slice).
+
+    `deterministic` (`EngineConfig.deterministic_inference`, one rank): the logits by the
+    batch-invariant matmul, accumulated and returned in fp32 (`ops/invariant_matmul.py`)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        *,
+        params_dtype: torch.dtype = torch.float32,
+        tp: TensorParallel = NO_TP,
+        deterministic: bool = False,
+    ) -> None:
+        super().__init__(vocab_size, hidden_size, params_dtype=params_dtype, tp=tp)
+        self._invariant = None
+        if deterministic:
+            from mlaserve.ops import fused_ops_enabled
+            from mlaserve.ops.invariant_rowwise import rowwise_matmul
+
+            self._invariant = rowwise_matmul
+            if fused_ops_enabled(self.weight.device):
+                from mlaserve.ops.invariant_matmul import invariant_matmul
+
+                self._invariant = invariant_matmul
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """[N, hidden] -> [N, vocab] float32, the same on every rank."""
+        if self._invariant is not None and self.tp.size == 1:
+            return self._invariant(hidden, self.weight, out_dtype=torch.float32)
         logits = F.linear(hidden, self.weight).float()  # [N, V / tp], this rank's slice
         if self.tp.size == 1:
             return logits

@@ -27,6 +27,10 @@ is decided on the host) take `ops.gemv` on CUDA: one launch that streams the wei
 an FP8 weight otherwise costs four launches at M = 1. The limits per weight kind are measured
 (`bench/gemv.py`); `MLASERVE_GEMV_MAX_M` / `MLASERVE_GEMV_MAX_M_FP8` override them (README,
 "Switches").
+
+Built with `deterministic=True` (`EngineConfig.deterministic_inference`), a layer instead runs
+`ops.invariant_matmul` at every size (no GEMV, cuBLAS or block-FP8 GEMM chosen by M): each
+token's output bits then depend on its own row alone; off CUDA its torch form, one row at a time.
 """
 
 from __future__ import annotations
@@ -137,6 +141,7 @@ class _Linear(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         tp: TensorParallel = NO_TP,
         quant: QuantizationConfig | None = None,
+        deterministic: bool = False,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
@@ -162,6 +167,16 @@ class _Linear(nn.Module):
             )
             self.weight.weight_loader = self.fp8_weight_loader
         self.gemv_max_m = gemv_max_m(self.weight)
+        self._invariant = None  # the deterministic mode's matmul, at every size
+        if deterministic:
+            from mlaserve.ops.invariant_rowwise import rowwise_matmul
+
+            self._invariant = rowwise_matmul
+            if fused_ops_enabled(self.weight.device):
+                from mlaserve.ops.invariant_matmul import invariant_matmul
+
+                self._invariant = invariant_matmul
+            self.gemv_max_m = 0
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(
@@ -180,7 +195,9 @@ class _Linear(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] -> [..., out]: F.linear, or the block-FP8 GEMM for an FP8 weight; the GEMV
-        for decode-sized x."""
+        for decode-sized x; the invariant matmul in the deterministic mode."""
+        if self._invariant is not None:
+            return self._invariant(x, self.weight, self.weight_scale_inv, bias)
         if x.numel() <= self.gemv_max_m * x.shape[-1] and x.numel():
             from mlaserve.ops.gemv import gemv
 
@@ -266,14 +283,16 @@ class _StackedOutputs(_Linear):
         params_dtype: torch.dtype = torch.float32,
         tp: TensorParallel = NO_TP,
         quant: QuantizationConfig | None = None,
+        deterministic: bool = False,
     ) -> None:
         if self.split_dim == 0:
             for size in output_sizes:
                 tp.split(size, f"{type(self).__name__} output size")
         self.output_sizes = list(output_sizes)
         super().__init__(
-            in_features, sum(output_sizes), params_dtype=params_dtype, tp=tp, quant=quant
-        )
+            in_features, sum(output_sizes), params_dtype=params_dtype, tp=tp, quant=quant,
+            deterministic=deterministic,
+        )  # fmt: skip
 
     def stacked_sizes(self) -> list[int]:
         return list(self.output_sizes)
@@ -315,10 +334,12 @@ class RowParallelLinear(_Linear):
         tp: TensorParallel = NO_TP,
         reduce_output: bool = True,
         quant: QuantizationConfig | None = None,
+        deterministic: bool = False,
     ) -> None:
         super().__init__(
-            in_features, out_features, bias=bias, params_dtype=params_dtype, tp=tp, quant=quant
-        )
+            in_features, out_features, bias=bias, params_dtype=params_dtype, tp=tp, quant=quant,
+            deterministic=deterministic,
+        )  # fmt: skip
         self.reduce_output = reduce_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,12 @@ is therefore the same on every rank: each rank computes and stores the full c_kv
 token (the latent is shared by all heads, so it cannot be split by heads), which costs tp times
 the cache bytes of one copy across the node: a rank's KV capacity in tokens is that of one GPU
 holding the whole cache, not tp times it (the weights, not the cache, shrink with tp).
+
+Built with `deterministic=True` (`EngineConfig.deterministic_inference`, with the `invariant`
+attention backend), every phase runs `_forward_invariant`: the linears and the per-head W_UK /
+W_UV products by `ops.invariant_matmul`, the latent RMSNorm per row, RoPE elementwise in torch,
+and the backend writes the new KV before attending (`kernels_adapter/invariant.py`): no MHA
+prefill, no fused decode prologue, nothing chosen by the token count.
 """
 
 from __future__ import annotations
@@ -63,9 +69,11 @@ class MLAAttention(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         tp: TensorParallel = NO_TP,
         quant: QuantizationConfig | None = None,
+        deterministic: bool = False,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.deterministic = deterministic
         self.num_heads = tp.split(config.num_attention_heads, "num_attention_heads")  # local
         self.q_lora_rank = config.q_lora_rank
         self.kv_lora_rank = config.kv_lora_rank
@@ -75,7 +83,13 @@ class MLAAttention(nn.Module):
         self.rope_interleaved = config.model_type == "deepseek_v2" or config.rope_interleave
         h, hidden = config.num_attention_heads, config.hidden_size
         bias = config.attention_bias
-        kw = {"params_dtype": params_dtype, "tp": tp, "quant": quant}
+        kw = {
+            "params_dtype": params_dtype,
+            "tp": tp,
+            "quant": quant,
+            "deterministic": deterministic,
+        }
+        norm_kw = {"params_dtype": params_dtype, "deterministic": deterministic}
 
         # q_a_proj (or q_proj) and kv_a_proj_with_mqa both read x: stored as one weight, one
         # GEMM (one launch per layer fewer at decode). Not where their TP layouts differ
@@ -93,13 +107,9 @@ class MLAAttention(nn.Module):
                 self.q_a_proj = ReplicatedLinear(hidden, q_out, bias=bias, **kw)
             self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, latent, bias=bias, **kw)
         if self.q_lora_rank is not None:
-            self.q_a_layernorm = RMSNorm(
-                self.q_lora_rank, _LATENT_NORM_EPS, params_dtype=params_dtype
-            )
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LATENT_NORM_EPS, **norm_kw)
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, h * config.qk_head_dim, **kw)
-        self.kv_a_layernorm = RMSNorm(
-            self.kv_lora_rank, _LATENT_NORM_EPS, params_dtype=params_dtype
-        )
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LATENT_NORM_EPS, **norm_kw)
         # kv_b_proj is never run as a linear: it is only split into W_UK / W_UV for the
         # absorbed per-head bmm's. An FP8 checkpoint's kv_b_proj is therefore dequantised once at
         # load into params_dtype (as SGLang does off DeepGEMM): 2 x 16.8M params per V3 layer
@@ -124,7 +134,17 @@ class MLAAttention(nn.Module):
         # one Triton GEMV each (`mlaserve/ops/head_gemv.py`) instead of cuBLAS's bmm.
         self._head_gemv = None
         self._head_gemv_max_m = 0
-        if fused_ops_enabled(self.kv_a_layernorm.weight.device):
+        # the deterministic mode's per-head products (`_forward_invariant`)
+        self._head_matmul = None
+        if deterministic:
+            from mlaserve.ops.invariant_rowwise import rowwise_head_matmul
+
+            self._head_matmul = rowwise_head_matmul
+            if fused_ops_enabled(self.kv_a_layernorm.weight.device):
+                from mlaserve.ops.invariant_matmul import invariant_head_matmul
+
+                self._head_matmul = invariant_head_matmul
+        elif fused_ops_enabled(self.kv_a_layernorm.weight.device):
             from mlaserve.ops.head_gemv import HEAD_GEMV_MAX_M, head_gemv
             from mlaserve.ops.mla_decode_prologue import mla_decode_prologue
             from mlaserve.ops.mla_norm_rope import mla_norm_rope
@@ -165,6 +185,8 @@ class MLAAttention(nn.Module):
         write, still covers all T rows)."""
         if self.w_uk is None:
             raise RuntimeError("MLAAttention: call process_weights_after_loading() after loading")
+        if self._head_matmul is not None:
+            return self._forward_invariant(x, cos, sin, batch, rows)
         num_tokens = x.shape[0]
         if self.fused_qkv_a_proj_with_mqa is not None:
             q, latent = self.fused_qkv_a_proj_with_mqa(x).split(
@@ -251,6 +273,38 @@ class MLAAttention(nn.Module):
         else:
             torch.bmm(o_latent.transpose(0, 1), self.w_uv, out=o.transpose(0, 1))
         return self._o_proj(o.view(num_tokens, self.num_heads * self.v_head_dim), rows)
+
+    def _forward_invariant(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`forward` in the deterministic mode (module docstring): the absorbed form in every
+        phase, each step a function of the token's own row (and, in attention, of the cache
+        bytes of its keys 0..p, its own written first)."""
+        num_tokens, head_matmul = x.shape[0], self._head_matmul
+        if self.fused_qkv_a_proj_with_mqa is not None:
+            q, latent = self.fused_qkv_a_proj_with_mqa(x).split(
+                [self.q_out, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
+            )
+        else:
+            q = self.q_proj(x) if self.q_lora_rank is None else self.q_a_proj(x)
+            latent = self.kv_a_proj_with_mqa(x)
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q = q.view(num_tokens, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        kv_c, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c)  # [T, r]
+        q_pe = apply_rope(q_pe, cos, sin, self.rope_interleaved)  # [T, H, d_r]
+        k_pe = apply_rope(k_pe, cos, sin, self.rope_interleaved)  # [T, d_r]
+        q_latent = head_matmul(q_nope, self.w_uk.transpose(1, 2))  # [T, H, r]
+        o_latent = batch.attn_backend.forward(self.layer_id, q_latent, q_pe, kv_c, k_pe, batch)
+        o = head_matmul(o_latent, self.w_uv.transpose(1, 2))  # [T, H, d_v]
+        return self._o_proj(o.reshape(num_tokens, self.num_heads * self.v_head_dim), rows)
 
     def _o_proj(self, o: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """o [T, H * d_v] -> [T, hidden], or [n, hidden] of `rows` alone."""

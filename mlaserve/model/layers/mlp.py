@@ -29,7 +29,8 @@ class DeepseekMLP(nn.Module):
 
     Under TP each rank computes its slice of the intermediate and a partial [T, hidden] down
     projection; the sum over ranks is down_proj's all-reduce, or the caller's with
-    `reduce_output=False` (the MoE sums its shared and routed experts in one)."""
+    `reduce_output=False` (the MoE sums its shared and routed experts in one).
+    `deterministic`: batch-invariant linears (`linear.py`); SiLU-and-mul is elementwise."""
 
     def __init__(
         self,
@@ -41,6 +42,7 @@ class DeepseekMLP(nn.Module):
         tp: TensorParallel = NO_TP,
         reduce_output: bool = True,
         quant: QuantizationConfig | None = None,
+        deterministic: bool = False,
     ) -> None:
         super().__init__()
         if hidden_act != "silu":
@@ -48,8 +50,9 @@ class DeepseekMLP(nn.Module):
         # gate/up column-parallel, down row-parallel: rank r holds intermediate [r*I/tp, ...)
         tp.split(intermediate_size, "intermediate_size (dense MLP / shared experts)")
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, params_dtype=params_dtype, tp=tp, quant=quant
-        )
+            hidden_size, [intermediate_size] * 2, params_dtype=params_dtype, tp=tp, quant=quant,
+            deterministic=deterministic,
+        )  # fmt: skip
         self.down_proj = RowParallelLinear(
             intermediate_size,
             hidden_size,
@@ -57,6 +60,7 @@ class DeepseekMLP(nn.Module):
             tp=tp,
             reduce_output=reduce_output,
             quant=quant,
+            deterministic=deterministic,
         )
         # One Triton kernel on CUDA (`mlaserve/ops/silu_and_mul.py`), the torch reference elsewhere.
         self.act = silu_and_mul

@@ -19,6 +19,15 @@ their limits are the module constants below. A/B switches (README, "Switches"):
 `MLASERVE_SHARED_OVERLAP`. Called by a decoder layer
 (`combine=False`), the kernel paths return per-slot partials (`MoePartials`) and the sorted path
 its expert rows (`SortedExpertRows`), for the next residual-add + RMSNorm to combine.
+
+Built with `deterministic=True` (`EngineConfig.deterministic_inference`), every token count takes
+one batch-invariant path (`_forward_invariant`): the router logits by `ops.invariant_matmul`
+(fp32), the selection one program per token (`ops/routing.py`), then `moe_decode` with its tiles
+and warps fixed (`decode_tiles` at several tokens): one program per (token, expert) pair and
+output block, and the pairs' partials summed in slot order, so a token's result never depends on
+the others'. Its cost grows with the pairs (each re-reads its expert; no tensor cores): cheap at
+decode sizes, much slower than the grouped GEMMs at prefill sizes (README, "Deterministic
+inference"). Off CUDA, the torch path one token at a time.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mlaserve import switches
@@ -86,10 +96,15 @@ class DeepseekMoE(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         tp: TensorParallel = NO_TP,
         quant: QuantizationConfig | None = None,
+        deterministic: bool = False,
     ) -> None:
         super().__init__()
         assert config.n_routed_experts is not None  # internal: only built for MoE layers
         self.tp = tp
+        self.deterministic = deterministic
+        # the deterministic mode's moe_decode tiles (block_n, block_k, num_warps), set with its
+        # weights in process_weights_after_loading (CUDA); None: the per-token torch path
+        self._invariant_tiles: tuple | None = None
         self.gate = TopKRouter(config)  # the router stays fp32 (published FP8 checkpoints: bf16)
         self.experts = FusedExperts(
             config.n_routed_experts,
@@ -109,6 +124,7 @@ class DeepseekMoE(nn.Module):
                 tp=tp,
                 reduce_output=False,
                 quant=quant,
+                deterministic=deterministic,
             )
 
         # Set by process_weights_after_loading where the decode kernels run (CUDA + Triton):
@@ -124,6 +140,9 @@ class DeepseekMoE(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Hand the loaded weights to the decode kernels (views, no copies) where they run."""
         weight = self.experts.gate_up_proj
+        if self.deterministic:
+            self._set_up_invariant()
+            return
         if not fused_ops_enabled(weight.device) or weight.dtype == torch.float32:
             return
         fp8 = self.experts.quant is not None
@@ -162,11 +181,57 @@ class DeepseekMoE(nn.Module):
         fused = switches.fused_routing()
         self.select_in_kernel = SELECT_IN_KERNEL_MAX_TOKENS if fused else 0
 
+    def _set_up_invariant(self) -> None:
+        """The deterministic mode's moe_decode weights and fixed tiles, where fused ops run."""
+        experts, shared = self.experts, self.shared_experts
+        if not fused_ops_enabled(experts.gate_up_proj.device):
+            return
+        from mlaserve.ops.invariant_matmul import invariant_matmul
+        from mlaserve.ops.moe_decode import decode_tiles, moe_decode
+        from mlaserve.ops.moe_weights import MoeDecodeWeights
+
+        self._moe_decode, self._invariant_matmul = moe_decode, invariant_matmul
+        self.decode_weights = MoeDecodeWeights(
+            experts.gate_up_proj.data,
+            experts.down_proj.data,
+            shared.gate_up_proj.weight.data if shared is not None else None,
+            shared.down_proj.weight.data if shared is not None else None,
+            w13_scale=_data(experts.gate_up_proj_scale_inv),
+            w2_scale=_data(experts.down_proj_scale_inv),
+            shared_w13_scale=_data(shared.gate_up_proj.weight_scale_inv) if shared else None,
+            shared_w2_scale=_data(shared.down_proj.weight_scale_inv) if shared else None,
+        )  # a layout moe_decode refuses is a ValueError: this mode has no other CUDA path
+        tiles = decode_tiles(self.decode_weights, num_tokens=2)  # the multi-token tiles
+        self._invariant_tiles = (tiles.block_n, tiles.block_k, tiles.num_warps)
+
+    def _forward_invariant(self, x: torch.Tensor, combine: bool) -> torch.Tensor | MoePartials:
+        """The deterministic mode's MoE (module docstring): x [T, hidden] -> [T, hidden], or
+        its per-slot partials (`combine=False`, CUDA)."""
+        gate = self.gate
+        if self._invariant_tiles is None:  # torch, one token at a time
+            rows = []
+            for row in x.split(1):
+                weights, ids = gate.select(F.linear(row.float(), gate.weight), **gate._selection())
+                shared = self.shared_experts(row) if self.shared_experts is not None else None
+                rows.append(self.experts(row, weights, ids, shared))
+            return torch.cat(rows) if rows else torch.zeros_like(x)
+        logits = self._invariant_matmul(x, gate.weight, out_dtype=torch.float32)
+        weights, ids = gate.select(logits, **gate._selection())
+        block_n, block_k, num_warps = self._invariant_tiles
+        return self._moe_decode(
+            x.contiguous(), weights, ids, self.decode_weights,
+            block_n=block_n, block_k=block_k, num_warps=num_warps, combine=combine,
+        )  # fmt: skip
+
     def warm_up_kernels(self, act_dtype: torch.dtype) -> None:
         """Compile every variant of the grouped kernels the token counts they serve take, and
         the sorted path's (SiLU-and-mul of the routed and shared experts) past them: the engine's
         warm-up request alone no longer reaches it."""
         if self.decode_weights is None:
+            return
+        if self.deterministic:  # one path: its kernels at one token
+            device = self.experts.gate_up_proj.device
+            self(torch.zeros(1, self.experts.hidden_size, dtype=act_dtype, device=device))
             return
         if self.grouped_max_tokens > self.decode_max_tokens:
             from mlaserve.ops.moe_grouped import moe_grouped_warm_up
@@ -190,6 +255,8 @@ class DeepseekMoE(nn.Module):
         RMSNorm to combine in its own launch (one kernel fewer per layer); without tensor
         parallelism only (the all-reduce wants the sum), and other paths return the tensor all
         the same."""
+        if self.deterministic:
+            return self._forward_invariant(x, combine)
         num_tokens, weights = x.shape[0], self.decode_weights
         kw = {"combine": combine or self.tp.size > 1}
         if weights is not None and num_tokens <= self.decode_max_tokens:

@@ -4,7 +4,11 @@ input dtype, then scale by the weight (in the model dtype).
 Built on CUDA (with Triton), the module runs the fused kernels of `mlaserve/ops/rms_norm.py`
 (same roundings, one launch, and the residual add fused in `forward_with_residual`); the torch
 code here is their reference and the CPU path. The choice is made once, from the weight's
-device at construction (the loader builds modules on their final device)."""
+device at construction (the loader builds modules on their final device).
+
+The fused kernels run one program per row with a block fixed by N, so a row's bits never depend
+on the batch: the deterministic mode (`deterministic=True`) keeps them. Its torch path instead
+normalises one row at a time (torch's reductions may pick their split by the number of rows)."""
 
 from __future__ import annotations
 
@@ -19,10 +23,16 @@ __all__ = ["RMSNorm"]
 
 class RMSNorm(nn.Module):
     def __init__(
-        self, hidden_size: int, eps: float = 1e-6, *, params_dtype: torch.dtype = torch.float32
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        *,
+        params_dtype: torch.dtype = torch.float32,
+        deterministic: bool = False,
     ) -> None:
         super().__init__()
         self.eps = eps
+        self.rowwise = deterministic  # the torch path one row at a time (unused when fused)
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
         self.fused = fused_ops_enabled(self.weight.device)
         if self.fused:
@@ -36,6 +46,11 @@ class RMSNorm(nn.Module):
         """[..., N] -> [..., N]"""
         if self.fused:
             return self._rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+        if self.rowwise and x.dim() == 2 and x.shape[0] > 1:
+            return torch.cat([self._torch_norm(row) for row in x.split(1)])
+        return self._torch_norm(x)
+
+    def _torch_norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)

@@ -1,0 +1,116 @@
+"""The torch forms of the batch-invariant kernels: the deterministic mode's path off CUDA, and
+the references the kernels are tested against (`ops/invariant_matmul.py`,
+`ops/invariant_mla_attention.py`; shapes and layouts there).
+
+Each computes one row (token) at a time with torch calls whose shapes depend on that row alone
+(its own K, or its own position p), in fp32, rounded once: so a row's bits cannot depend on the
+batch. Slow (a Python loop over rows) and eager only (the attention reads each row's sequence
+and position on the host). Torch only: importable without Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "check_attention_shapes",
+    "rowwise_head_matmul",
+    "rowwise_matmul",
+    "rowwise_mla_attention",
+    "scale_row_div",
+]
+
+_SCALE_BLOCK = 128  # FP8 block scales: 128 x 128 (`model/layers/fp8_linear.py`)
+
+
+def scale_row_div(w: torch.Tensor, scale: torch.Tensor) -> int:
+    """Weight rows per scale row: 128 for block scales, 1 for per-row ones."""
+    n, k = w.shape[-2:]
+    blocks = -(-k // _SCALE_BLOCK)
+    if scale.dim() != 2 or scale.shape[1] != blocks or scale.stride(1) != 1:
+        raise ValueError(f"invariant matmul: scale {list(scale.shape)} for weight [{n}, {k}]")
+    if scale.shape[0] == n:
+        return 1
+    if scale.shape[0] == -(-n // _SCALE_BLOCK):
+        return _SCALE_BLOCK
+    raise ValueError(f"invariant matmul: scale {list(scale.shape)} for weight [{n}, {k}]")
+
+
+def check_attention_shapes(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv: torch.Tensor,
+    row_seq: torch.Tensor,
+    row_pos: torch.Tensor,
+) -> tuple[int, int, int, int]:
+    """(T, H, R, DR) of an invariant attention call; ValueError on inconsistent shapes."""
+    num_tokens, heads, r = q_nope.shape
+    dr = q_pe.shape[-1]
+    if q_pe.shape[:2] != (num_tokens, heads) or kv.shape[-1] != r + dr:
+        raise ValueError(
+            f"invariant_mla_attention: q_nope {list(q_nope.shape)}, q_pe {list(q_pe.shape)} vs "
+            f"cache rows of {kv.shape[-1]}"
+        )
+    if row_seq.shape != (num_tokens,) or row_pos.shape != (num_tokens,):
+        raise ValueError("invariant_mla_attention: row_seq / row_pos must be [T]")
+    return num_tokens, heads, r, dr
+
+
+def _dequantized(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    if scale is None:
+        return w.float()
+    div = scale_row_div(w, scale)
+    s = scale.repeat_interleave(div, 0)[: w.shape[0]].repeat_interleave(_SCALE_BLOCK, 1)
+    return w.float() * s[:, : w.shape[1]]
+
+
+def rowwise_matmul(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`invariant_matmul` in torch: one fp32 [1, K] @ [K, N] per row (the same call whatever
+    M is), rounded once. The CPU path of the deterministic mode."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    wf = _dequantized(w, scale)
+    rows = [F.linear(r, wf) for r in x.reshape(-1, 1, k).float()]
+    y = torch.cat(rows) if rows else x.new_empty(0, w.shape[0], dtype=torch.float32)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype).view(*lead, w.shape[0])
+
+
+def rowwise_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`invariant_head_matmul` in torch: one fp32 [H, 1, K] @ [H, K, N] per row."""
+    wt = w.float().transpose(1, 2)
+    rows = [torch.bmm(r.float().unsqueeze(1), wt).transpose(0, 1) for r in x]
+    y = torch.cat(rows) if rows else x.new_empty(0, w.shape[0], w.shape[1], dtype=torch.float32)
+    return y.to(x.dtype)
+
+
+def rowwise_mla_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv: torch.Tensor,
+    k_scale: float,
+    block_tables: torch.Tensor,
+    row_seq: torch.Tensor,
+    row_pos: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """`invariant_mla_attention` in torch, one row at a time (reads row_seq / row_pos on the
+    host: not for CUDA graphs). fp32 throughout, rounded once to q_nope's dtype."""
+    num_tokens, heads, r, _ = check_attention_shapes(q_nope, q_pe, kv, row_seq, row_pos)
+    page = kv.shape[1]
+    scale = k_scale if kv.dtype == torch.float8_e4m3fn else 1.0
+    out = torch.empty(num_tokens, heads, r, dtype=q_nope.dtype, device=q_nope.device)
+    for t, (seq, pos) in enumerate(zip(row_seq.tolist(), row_pos.tolist(), strict=True)):
+        pages = block_tables[seq, : pos // page + 1].long()
+        keys = kv[pages].flatten(0, 1)[: pos + 1].float() * scale  # [pos + 1, R + DR]
+        q = torch.cat([q_nope[t], q_pe[t]], dim=-1).float()  # [H, R + DR]
+        probs = torch.softmax((q @ keys.T) * softmax_scale, dim=-1)
+        out[t] = (probs @ keys[:, :r]).to(q_nope.dtype)
+    return out
