@@ -106,6 +106,8 @@ class DeepseekMoE(nn.Module):
         # weights in process_weights_after_loading (CUDA); None: the per-token torch path
         self._invariant_tiles: tuple | None = None
         self.gate = TopKRouter(config)  # the router stays fp32 (published FP8 checkpoints: bf16)
+        if deterministic:  # its logits go through the invariant matmul: no GEMV / kernel of its own
+            self.gate.gemv_max_m, self.gate._router_logits = 0, None
         self.experts = FusedExperts(
             config.n_routed_experts,
             config.hidden_size,
