@@ -12,7 +12,10 @@ JSON line. Not a test.
 
 Variants: default (the served configuration: bf16, FP8 KV, CUDA graphs), kv_bf16 (bf16 KV),
 spec3 (MTP speculation, k = 3), eager (no CUDA graphs), fp32 (float32 weights and KV through the
-reference attention backend, eager).
+reference attention backend, eager), deterministic (the batch-invariant mode,
+`--enable-deterministic-inference`, otherwise the served configuration: expect 48/48 identical
+and prompt-logprob differences of at most an ulp or so, from torch's logsumexp),
+deterministic_spec3 (the same with MTP speculation, k = 3).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ VARIANTS: dict[str, dict] = {
     "kv_bf16": {"kv_cache_dtype": "auto"},
     "spec3": {"num_speculative_tokens": 3},
     "eager": {"cuda_graph": False, "piecewise_cuda_graph": False},
+    "deterministic": {"deterministic_inference": True},
+    "deterministic_spec3": {"deterministic_inference": True, "num_speculative_tokens": 3},
     "fp32": {
         "dtype": "float32",
         "kv_cache_dtype": "auto",
@@ -111,18 +116,18 @@ def main() -> None:
     prompts = [_text(rng, rng.randint(40, 4000)) for _ in range(args.prompts)]
     rows = []
     print(
-        f"{'variant':>8} {'identical':>10} {'repeatable':>10} {'lp p50':>8} {'lp p99':>8} {'lp max':>8}"
+        f"{'variant':>19} {'identical':>10} {'repeatable':>10} {'lp p50':>8} {'lp p99':>8} {'lp max':>8}"
     )
     for name in args.variants:
         try:
             row = run_variant(name, prompts, args.max_tokens, args.num_pages)
         except Exception as e:  # a variant the device can't run (e.g. a backend) is reported
             row = {"variant": name, "error": repr(e)[:300]}
-            print(f"{name:>8} error: {row['error']}")
+            print(f"{name:>19} error: {row['error']}")
         else:
             lp = row["prompt_logprob_absdiff"]
             print(
-                f"{name:>8} {row['identical']:>5}/{row['of']:<4} {row['batch_repeatable']:>6}/{row['of']:<3}"
+                f"{name:>19} {row['identical']:>5}/{row['of']:<4} {row['batch_repeatable']:>6}/{row['of']:<3}"
                 f" {lp['p50']:8.2g} {lp['p99']:8.2g} {lp['max']:8.2g}"
             )
         rows.append(row)

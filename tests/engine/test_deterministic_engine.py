@@ -41,12 +41,16 @@ def _tokens_and_logprobs(out) -> tuple[list[int], list[float]]:
     return list(c.token_ids), [d[t].logprob for t, d in zip(c.token_ids, c.logprobs, strict=True)]
 
 
-def _alone_vs_together(llm: LLM, prompts: list[str], params: SamplingParams) -> None:
+def _alone_vs_together(
+    llm: LLM, prompts: list[str], params: SamplingParams, logprob_tol: float = 0.0
+) -> None:
+    """Tokens identical; logprobs within `logprob_tol` (0: bitwise)."""
     alone = [_tokens_and_logprobs(llm.generate([p], params, use_tqdm=False)[0]) for p in prompts]
     together = [_tokens_and_logprobs(o) for o in llm.generate(prompts, params, use_tqdm=False)]
     for i, (a, b) in enumerate(zip(alone, together, strict=True)):
         assert a[0] == b[0], f"prompt {i}: tokens differ alone vs together"
-        assert a[1] == b[1], f"prompt {i}: logprobs differ bitwise alone vs together"
+        gap = max((abs(x - y) for x, y in zip(a[1], b[1], strict=True)), default=0.0)
+        assert gap <= logprob_tol, f"prompt {i}: logprobs differ by {gap} alone vs together"
 
 
 @pytest.fixture
@@ -113,7 +117,9 @@ def test_gpu_greedy_alone_equals_together(options: dict) -> None:
         **options,
     )
     prompts = [p * (1 + i % 4) for i, p in enumerate(PROMPTS)] * 2
-    _alone_vs_together(llm, prompts, _greedy(48))
+    # The logits are bitwise invariant; the sampler's logprob is logit - logsumexp(row), and
+    # torch's CUDA logsumexp picks its reduction layout by the number of rows: an ulp or so.
+    _alone_vs_together(llm, prompts, _greedy(48), logprob_tol=1e-5)
     stats = llm.engine.get_stats()
     if "num_pages" in options:
         assert stats.num_preemptions > 0, "the pool was meant to be small enough to preempt"
