@@ -165,7 +165,7 @@ _HELP = {
     "the server's own threads (event loop, tokenizer), at least 1",
     "tensor_parallel_size": "-tp N: shard the model over N processes, one per GPU (cuda:0..N-1; "
     "on cpu, all on the CPU over gloo), started by the engine; N divides the attention heads. "
-    "N > 1 runs eagerly and synchronously for now (no CUDA graphs, overlap or speculation)",
+    "CUDA graphs, overlap scheduling and MTP speculation run on every rank as with N = 1",
     "max_logprobs": f"most logprobs (completions) / top_logprobs (chat) a request may ask for "
     f"(at most {MAX_LOGPROBS})",
     "chat_template": "chat template: a Jinja file, or the template itself; default: the "
