@@ -41,6 +41,9 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 K = 2
 SIZES = (1, 2, 4)
 BUCKETS_UP_TO = 32  # the prompts' one prefill (29 tokens) takes bucket 32
+# A padded batch attends up to the context capacity (a graph's fixed bound): kept small, so the
+# CPU's reference attention does not scan 8192 positions a row.
+ENGINE = {"device": "cpu", "max_model_len": 256}
 
 
 def _ids(llm: LLM) -> list[list[int]]:
@@ -70,15 +73,15 @@ def _eager_routes(llm: LLM) -> CudaGraphRunner:
 
 @pytest.fixture(scope="module")
 def tp1() -> dict:
-    plain = _ids(LLM(device="cpu"))
-    spec = LLM(device="cpu", num_speculative_tokens=K)
+    plain = _ids(LLM(**ENGINE))
+    spec = LLM(**ENGINE, num_speculative_tokens=K)
     _force_speculation(spec)
     assert _ids(spec) == plain  # (lossless on one rank: the reference for both below)
     return {"ids": plain, "accept_lengths": spec.engine.get_stats().spec_accept_lengths}
 
 
 def test_tp2_speculation_is_lossless_and_drafts_as_tp1(tp1: dict) -> None:
-    llm = LLM(device="cpu", tensor_parallel_size=2, num_speculative_tokens=K)
+    llm = LLM(**ENGINE, tensor_parallel_size=2, num_speculative_tokens=K)
     try:
         _force_speculation(llm)
         assert _ids(llm) == tp1["ids"]
@@ -93,7 +96,7 @@ def test_tp2_speculation_is_lossless_and_drafts_as_tp1(tp1: dict) -> None:
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "mtp"])
 def test_tp2_follows_rank_0s_routes_with_overlap(tp1: dict, spec: bool) -> None:
     kwargs = {"num_speculative_tokens": K} if spec else {}
-    llm = LLM(device="cpu", tensor_parallel_size=2, overlap_schedule=True, **kwargs)
+    llm = LLM(**ENGINE, tensor_parallel_size=2, overlap_schedule=True, **kwargs)
     try:
         graphs = _eager_routes(llm)
         if spec:
