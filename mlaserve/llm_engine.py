@@ -24,7 +24,6 @@ from collections import deque
 from typing import Any
 
 from mlaserve.config import EngineConfig, ModelConfig
-from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.engine.grammar import GrammarBackend, GrammarError
 from mlaserve.engine.output_processor import OutputProcessor
 from mlaserve.engine.overlap import StepLedger
@@ -86,20 +85,8 @@ class LLMEngine:
         self.load_time_s = time.perf_counter() - t0
         self.graph_report: CaptureReport | None = None
         self.spec_costs: StepCosts | None = None
-        use_graphs = config.resolved_cuda_graph()
         spec = config.speculative
-        # With speculation a decode step is a VERIFY of k+1 tokens per request, or a plain
-        # DECODE when the policy says speculation does not pay; both graphed.
-        shapes = [(ForwardMode.DECODE, 1)]
-        if spec is not None:
-            shapes.append((ForwardMode.VERIFY, spec.k + 1))
-        self.graphs = CudaGraphRunner(
-            self.runner,
-            config.resolved_cuda_graph_batch_sizes() if use_graphs else (),
-            use_graphs=use_graphs,
-            shapes=shapes,
-            piecewise_max_tokens=config.resolved_piecewise_cuda_graph_max_tokens(),
-        )
+        self.graphs = CudaGraphRunner.for_engine(self.runner, config)
         self.spec_decoder: SpecDecoder | None = None
         if spec is not None:
             drafter = MTPDrafter(self.runner, spec.k)
@@ -350,12 +337,16 @@ class LLMEngine:
             prev.sample.feed if prev is not None else None,
             prev.step if prev is not None else None,
         )
-        target = self.graphs.run_with_hidden(host)
+        # Under TP with overlap, the workers get the sampled ids on the device (their next
+        # step's future ids): the forward's message announces them, `feed_workers` sends them.
+        feed = len(scheduled.sampled_requests) if self.overlap else 0
+        target = self.graphs.run_with_hidden(host, feed)
         logits = target.logits[: target.num_rows]
         if host.prompt_spans:
             for scored in self.runner.prompt_logprobs(logits, host):
                 self.output.record_prompt_logprobs(scored)
         sample = self.runner.sample_async(logits, scheduled, self.grammar, target.greedy)
+        self.runner.feed_workers(sample.feed, feed)
         self.scheduler.after_step(scheduled)
         for row, r in enumerate(scheduled.sampled_requests):
             r.num_pending_tokens += 1

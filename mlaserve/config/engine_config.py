@@ -103,9 +103,9 @@ class EngineConfig:
     speculative_disable_batch_size: int | None = None
     # Tensor parallelism (vLLM's name, CLI -tp): the model sharded over this many processes, one
     # per GPU (cuda:0..N-1; all on the CPU with device "cpu", over gloo), started by the engine;
-    # rank 0 is the engine's own process (`engine/tp_workers.py`). N must divide the heads. In
-    # this slice N > 1 runs eagerly and synchronously: CUDA graphs, overlap scheduling and
-    # speculation are off (asking for them with N > 1 is a ConfigError).
+    # rank 0 is the engine's own process (`engine/tp_workers.py`). N must divide the heads.
+    # CUDA graphs, overlap scheduling and MTP speculation run under TP as on one rank: rank 0
+    # schedules, samples and accepts; every rank replays the same graphs (`engine/tp_worker.py`).
     tensor_parallel_size: int = 1
     # Batch-invariant ("deterministic") inference, SGLang's --enable-deterministic-inference: a
     # token's logits are bitwise independent of the batch it runs in (other requests, batch
@@ -196,7 +196,7 @@ class EngineConfig:
                 f"speculative_disable_batch_size: must be an integer >= 1, got {cap!r}"
             )
         spec = self._parse_speculative()
-        self._check_tensor_parallel(spec)
+        self._check_tensor_parallel()
         self._check_deterministic()
         if k is not None and spec is not None and spec.num_speculative_tokens != k:
             raise ConfigError(
@@ -205,24 +205,10 @@ class EngineConfig:
             )
         self._derive(spec)
 
-    def _check_tensor_parallel(self, spec: SpeculativeConfig | None) -> None:
+    def _check_tensor_parallel(self) -> None:
         n = self.tensor_parallel_size
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"tensor_parallel_size: must be an integer >= 1, got {n!r}")
-        if n == 1:
-            return
-        off = "off under tensor parallelism in this slice of issue 42"
-        if spec is not None:
-            raise ConfigError(
-                f"tensor_parallel_size: {n} with speculative decoding: speculation is {off} "
-                "(drop speculative_config / num_speculative_tokens, or use 1)"
-            )
-        for name in ("cuda_graph", "piecewise_cuda_graph", "overlap_schedule"):
-            if getattr(self, name):
-                raise ConfigError(
-                    f"{name}: {name.replace('_', ' ')} is {off}; tensor_parallel_size {n} runs "
-                    "eagerly and synchronously (leave it unset or off)"
-                )
 
     def _check_deterministic(self) -> None:
         if not isinstance(self.deterministic_inference, bool):
@@ -293,13 +279,11 @@ class EngineConfig:
         return dev
 
     def resolved_cuda_graph(self) -> bool:
-        """CUDA graphs for decode: as asked, else on with CUDA; off under tensor parallelism
-        (N > 1) in this slice (the collectives inside the graphs come next)."""
+        """CUDA graphs for decode: as asked, else on with CUDA (under tensor parallelism too:
+        every rank captures the same graphs, the collectives inside them)."""
         device = self.resolved_device()
         if self.cuda_graph and device.type != "cuda":
             raise ConfigError(f"cuda_graph: CUDA graphs need a CUDA device, got {device}")
-        if self.tensor_parallel_size > 1:
-            return False
         return device.type == "cuda" if self.cuda_graph is None else self.cuda_graph
 
     def resolved_piecewise_cuda_graph_max_tokens(self) -> int:
@@ -318,10 +302,10 @@ class EngineConfig:
     def resolved_overlap_schedule(self) -> bool:
         """Overlap scheduling: as asked, else on with CUDA. With speculation it applies to the
         plain steps the policy chooses (no draft work) only: a speculative step reads the
-        accepted tokens back before the next one can be scheduled. Off under tensor
-        parallelism (N > 1) in this slice: each step's forward runs synchronously."""
-        if self.tensor_parallel_size > 1:
-            return False
+        accepted tokens back before the next one can be scheduled. Under tensor parallelism
+        rank 0's loop keeps its rules (at most one step in flight, `engine/overlap.py`); the
+        workers run each step as it comes, reading the sampled ids rank 0 broadcasts on the
+        device as their next step's future ids."""
         if self.overlap_schedule is None:
             return self.resolved_device().type == "cuda"
         return self.overlap_schedule

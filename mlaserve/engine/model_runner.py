@@ -18,6 +18,7 @@ import torch
 
 from mlaserve.config import ConfigError, EngineConfig, ModelConfig
 from mlaserve.engine.forward_batch import ForwardBatch
+from mlaserve.engine.forward_route import ForwardRoute
 from mlaserve.engine.grammar import GrammarBackend
 from mlaserve.engine.input_buffers import HostBatch, InputBuffers
 from mlaserve.engine.overlap import OverlapError, StepFence
@@ -25,7 +26,7 @@ from mlaserve.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logpr
 from mlaserve.engine.read_back import PendingSample, ReadBack, ReadBackRows, StepResult
 from mlaserve.engine.request import Request
 from mlaserve.engine.scheduler import SchedulerOutput
-from mlaserve.engine.step_broadcast import StepArgs, StepSender
+from mlaserve.engine.step_broadcast import StepSender
 from mlaserve.engine.token_rows import TokenRows
 from mlaserve.kernels_adapter import get_backend_class, resolve_backend_name
 from mlaserve.kv_cache import MLAKVPool
@@ -56,7 +57,8 @@ class ModelRunner:
         `control_group`: that group's gloo side, where the ranks agree on the KV pool's size."""
         self.config = config
         self.tp = tp
-        # Rank 0 under TP > 1: each step's batch goes to the other ranks (`make_batch`).
+        # Rank 0 under TP > 1: each target forward's batch (`make_batch` with a route), and the
+        # draft's and the capture's messages, go to the other ranks (`engine/step_broadcast.py`).
         self.step_sender: StepSender | None = None
         self.model_config = model_config
         self.device = config.resolved_device()
@@ -287,12 +289,17 @@ class ModelRunner:
         q_len: int | None = None,
         split: bool = True,
         pad_tokens_to: int | None = None,
+        *,
+        route: ForwardRoute | None = None,
+        feed: int = 0,
     ) -> ForwardBatch:
         """`max_seq_len`: the bound on seq_lens the backend may use; eager steps pass the exact
         host-side maximum, a CUDA graph its fixed capture bound (max_model_len). `pad_to`: the
         captured batch size a uniform batch replays in (`q_len` states its width when the host
         batch is padding alone). `split=False`: for a graph that replays the inputs' device-side
-        split itself (`InputBuffers.split`), over `pad_tokens_to` token rows if given."""
+        split itself (`InputBuffers.split`), over `pad_tokens_to` token rows if given.
+        `route`: given for a target forward (the graph runner's): under TP, rank 0 sends the
+        batch with it, and `feed` (the ids `feed_workers` broadcasts after it), to the workers."""
         max_seq_len = max_seq_len or max(host.seq_lens)
         batch = self.buffers.fill(
             host,
@@ -305,11 +312,19 @@ class ModelRunner:
             attn_backend=self.attn_backend,
         )
         # Under TP, rank 0 sends the batch once its own staging accepted it (a batch refused
-        # here never reaches the workers); the forward that follows meets theirs. Graphs are
-        # off under TP in this slice, so split and pad_tokens_to keep their defaults.
-        if self.step_sender is not None:
-            self.step_sender.send(host, StepArgs(pad_to, max_seq_len, q_len))
+        # here never reaches the workers); the forward that follows meets theirs.
+        if self.step_sender is not None and route is not None:
+            self.step_sender.send_step(host, route, feed)
         return batch
+
+    def feed_workers(self, ids: torch.Tensor | None, n: int) -> None:
+        """Rank 0 under TP: the `n` sampled ids [n] int64 on the device, broadcast on the model
+        group to the workers (the `feed` its STEP message announced); nothing else."""
+        if self.step_sender is None or n == 0:
+            return
+        if ids is None or ids.shape != (n,) or ids.dtype != torch.int64:
+            raise ValueError(f"feed_workers: expected [{n}] int64 ids, got {ids!r}")
+        self.tp.broadcast(ids.contiguous(), src=0)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -1,30 +1,48 @@
-"""A step's inputs from rank 0 to the other tensor-parallel ranks: the host batch as int64.
+"""What rank 0 tells the other tensor-parallel ranks, in order: small int64 messages on the
+control group (gloo, CPU tensors; `engine/tp_workers.py` makes it), never a pickled request.
 
-Rank 0 owns the scheduler; the other ranks run the same forward on the same inputs. What they
-need is exactly what `InputBuffers.fill` stages from a `HostBatch` (plus the `make_batch`
-arguments), so that is what crosses: two broadcasts per step over the control group (gloo, CPU
-tensors; `engine/tp_workers.py` makes it), never a pickled request.
+Rank 0 owns the scheduler, sampling and acceptance; the other ranks run the same device work on
+the same inputs, in the same order, so that their collectives meet. Each message is two
+broadcasts, a header and a body:
 
-    header  int64 [HEADER_LEN]: op, mode, T, S, L, P, has_table_rows, logits_hidden_only,
-            pad_to, max_seq_len, q_len, body length (-1: None)
-    body    int64 [T + T + T + S + S (+ S) + S + P + L]:
-            input_ids | positions | slot_mapping | seq_lens | q_lens | (table_rows) |
-            pages per sequence | the pages, flat | logits_indices
+    header  int64 [HEADER_LEN]: op, then the op's fields (below), ..., body length (last)
 
-T tokens, S sequences, L logits rows, P page-table entries. A STOP header (op 1) has no body:
-the workers leave their loop. Ownership: rank 0 builds the body fresh each step (nothing of it
-outlives `send`); a worker's `receive` returns a `HostBatch` of its own arrays, which its own
-`InputBuffers` stage, as rank 0's stage its own. Page tables travel whole (a worker's
-`InputBuffers` sees new list objects every step and rewrites those rows): O(batch x pages) int64
-per step, small next to a forward; the per-slot diff is a later refinement.
+    STEP          a target forward: mode, T, S, L, P, has_table_rows, logits_hidden_only,
+                  route path, route size, route graphed, future_identity (-1: no future ids),
+                  feed
+                  body [T + T + T + S + S (+ S) + S + P + L]: input_ids | positions |
+                  slot_mapping | seq_lens | q_lens | (table_rows) | pages per sequence | the
+                  pages, flat | logits_indices
+    GRAPHS        rank 0's graph runner (the worker builds the same): use_graphs, piecewise max
+                  tokens, number of batch sizes B, of shapes Q
+                  body [B + 2Q]: batch sizes | (mode, q_len) per shape
+    CAPTURE       the target graphs: number of batch sizes B, of shapes Q, of token buckets K
+                  body [B + 2Q + K]: batch sizes | (mode, q_len) per shape | buckets
+    CAPTURE_DRAFT the draft graphs: number of q_lens Q
+                  body [Q]: the draft-extend q_lens
+    DRAFT_DECODE  the MTP after a decode / verify forward: bs, q, draft
+    DRAFT_EXTEND  the MTP after an EXTEND forward: n sampled, draft, T
+                  body [T + n + n + P]: the MTP's input ids | sequence ends | pages per
+                  sequence | the pages, flat
+    STOP          leave the loop (no body)
 
-Not here: overlap scheduling's device-resident future ids (overlap is off under TP in this
-slice; a batch with them is refused), the prompt-logprob spans and the scheduled requests (rank
-0's alone: sampling and logprobs happen once, there).
+Device values go on the model group (NCCL on CUDA) right after the message's device work, by
+`TensorParallel.broadcast` from rank 0, never through the host: a STEP with feed n > 0 is
+followed by its n sampled ids ([n] int64: the next step's future ids under overlap scheduling);
+DRAFT_DECODE by the emitted tokens and accept lengths ([bs, q + 1] int64: tokens | length);
+DRAFT_EXTEND with n > 0 by the sampled ids ([n] int64).
+
+Future ids (overlap scheduling): a STEP row whose input id is -(j + 1) reads the previous STEP's
+fed id j; the worker keeps its last received feed for that (`engine/tp_worker.py`).
+
+Ownership: rank 0 builds each body fresh (nothing of it outlives the send); a worker's messages
+hold its own arrays. Page tables travel whole (a worker's `InputBuffers` sees new list objects
+every step and rewrites those rows): O(batch x pages) int64 per step, small next to a forward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,91 +51,202 @@ import torch
 import torch.distributed as dist
 
 from mlaserve.engine.forward_batch import ForwardMode
+from mlaserve.engine.forward_route import ForwardRoute, RoutePath
 from mlaserve.engine.input_buffers import HostBatch
 
-__all__ = ["HEADER_LEN", "StepArgs", "StepReceiver", "StepSender", "decode_body", "encode_step"]
+__all__ = [
+    "HEADER_LEN",
+    "CaptureDraftMsg",
+    "CaptureMsg",
+    "DraftDecodeMsg",
+    "DraftExtendMsg",
+    "GraphsMsg",
+    "StepMsg",
+    "StepReceiver",
+    "StepSender",
+    "decode_message",
+    "encode_capture",
+    "encode_capture_draft",
+    "encode_draft_decode",
+    "encode_draft_extend",
+    "encode_graphs",
+    "encode_step",
+]
 
-HEADER_LEN = 12
-OP_STEP, OP_STOP = 0, 1
+HEADER_LEN = 16
+OP_STEP, OP_STOP, OP_GRAPHS, OP_CAPTURE, OP_CAPTURE_DRAFT, OP_DRAFT_DECODE, OP_DRAFT_EXTEND = range(
+    7
+)
 _MODES = list(ForwardMode)
 
 
+@dataclass
+class StepMsg:
+    host: HostBatch
+    route: ForwardRoute
+    feed: int  # ids broadcast on the device after the forward (0: none)
+    future_identity: int  # -1: the batch reads no future ids; else `HostBatch.future_identity`
+
+
 @dataclass(frozen=True)
-class StepArgs:
-    """`ModelRunner.make_batch`'s arguments besides the host batch (None: not given)."""
+class GraphsMsg:
+    """`CudaGraphRunner`'s arguments: rank 0 decides them, every worker builds the same."""
 
-    pad_to: int | None = None
-    max_seq_len: int | None = None
-    q_len: int | None = None
-
-
-def _opt(v: int | None) -> int:
-    return -1 if v is None else int(v)
+    batch_sizes: tuple[int, ...]
+    shapes: tuple[tuple[ForwardMode, int], ...]
+    use_graphs: bool
+    piecewise_max_tokens: int
 
 
-def _unopt(v: int) -> int | None:
-    return None if v < 0 else v
+@dataclass(frozen=True)
+class CaptureMsg:
+    batch_sizes: tuple[int, ...]
+    shapes: tuple[tuple[ForwardMode, int], ...]
+    buckets: tuple[int, ...]
 
 
-def encode_step(host: HostBatch, args: StepArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (header [HEADER_LEN], body) int64 CPU tensors for `host`."""
-    if host.future_ids is not None:
-        raise ValueError(
-            "step broadcast: a batch reading device-resident future ids (overlap scheduling) "
-            "cannot be sent to the other tensor-parallel ranks; overlap is off under TP"
-        )
-    tables = host.block_tables
+@dataclass(frozen=True)
+class CaptureDraftMsg:
+    q_lens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DraftDecodeMsg:
+    bs: int
+    q: int
+    draft: bool
+
+
+@dataclass
+class DraftExtendMsg:
+    ids: np.ndarray  # [T] int64: the MTP's input ids (sampled rows: 0, set on the device)
+    ends: list[int]  # per sampled sequence: its length after the step
+    tables: list[list[int]]  # per sampled sequence: its pages
+    draft: bool
+
+
+Message = StepMsg | GraphsMsg | CaptureMsg | CaptureDraftMsg | DraftDecodeMsg | DraftExtendMsg
+
+
+def _header(op: int, fields: Sequence[int], body_len: int) -> torch.Tensor:
+    if len(fields) > HEADER_LEN - 2:
+        raise ValueError(f"step broadcast: {len(fields)} header fields, at most {HEADER_LEN - 2}")
+    values = [op, *(int(f) for f in fields)]
+    values += [0] * (HEADER_LEN - 1 - len(values)) + [body_len]
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _i64(values: Any) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def _tables(tables: Sequence[Sequence[int]]) -> tuple[list[int], np.ndarray]:
     lens = [len(p) for p in tables]
+    return lens, np.fromiter((p for pages in tables for p in pages), np.int64, sum(lens))
+
+
+def _untables(counts: np.ndarray, pages: np.ndarray) -> list[list[int]]:
+    ends = np.cumsum(counts)
+    return [pages[e - c : e].tolist() for c, e in zip(counts.tolist(), ends.tolist(), strict=True)]
+
+
+def _pack(header_fields: tuple[int, Sequence[int]], parts: list[np.ndarray]):
+    op, fields = header_fields
+    body = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
+    return _header(op, fields, body.numel()), body
+
+
+def encode_step(host: HostBatch, route: ForwardRoute, feed: int = 0):
+    """-> (header [HEADER_LEN], body) int64 CPU tensors for a target forward of `host`."""
+    lens, pages = _tables(host.block_tables)
     parts = [
-        np.asarray(host.input_ids, dtype=np.int64),
-        np.asarray(host.positions, dtype=np.int64),
-        np.asarray(host.slot_mapping, dtype=np.int64),
-        np.asarray(host.seq_lens, dtype=np.int64),
-        np.asarray(host.q_lens, dtype=np.int64),
+        _i64(host.input_ids),
+        _i64(host.positions),
+        _i64(host.slot_mapping),
+        _i64(host.seq_lens),
+        _i64(host.q_lens),
     ]
     if host.table_rows is not None:
-        parts.append(np.asarray(host.table_rows, dtype=np.int64))
-    parts.append(np.asarray(lens, dtype=np.int64))
-    parts.append(np.fromiter((p for pages in tables for p in pages), np.int64, sum(lens)))
-    parts.append(np.asarray(host.logits_indices, dtype=np.int64))
-    body = torch.from_numpy(np.concatenate(parts))
-    header = torch.tensor(
-        [
-            OP_STEP,
-            _MODES.index(host.mode),
-            len(host.input_ids),
-            host.num_seqs,
-            len(host.logits_indices),
-            sum(lens),
-            host.table_rows is not None,
-            host.logits_hidden_only,
-            _opt(args.pad_to),
-            _opt(args.max_seq_len),
-            _opt(args.q_len),
-            body.numel(),
-        ],
-        dtype=torch.int64,
-    )
-    return header, body
+        parts.append(_i64(host.table_rows))
+    parts += [_i64(lens), pages, _i64(host.logits_indices)]
+    future = -1 if host.future_ids is None else host.future_identity
+    fields = [
+        _MODES.index(host.mode), len(host.input_ids), host.num_seqs, len(host.logits_indices),
+        len(pages), host.table_rows is not None, host.logits_hidden_only,
+        int(route.path), route.size, route.graphed, future, feed,
+    ]  # fmt: skip
+    return _pack((OP_STEP, fields), parts)
 
 
-def decode_body(header: torch.Tensor, body: torch.Tensor) -> tuple[HostBatch, StepArgs]:
-    """The `HostBatch` and arguments `encode_step` encoded (the worker's own arrays)."""
+def _shape_values(shapes: Sequence[tuple[ForwardMode, int]]) -> np.ndarray:
+    return _i64([v for mode, q in shapes for v in (_MODES.index(mode), q)])
+
+
+def _shapes(values: np.ndarray) -> tuple[tuple[ForwardMode, int], ...]:
+    return tuple((_MODES[m], q) for m, q in values.reshape(-1, 2).tolist())
+
+
+def encode_graphs(msg: GraphsMsg):
+    fields = [msg.use_graphs, msg.piecewise_max_tokens, len(msg.batch_sizes), len(msg.shapes)]
+    return _pack((OP_GRAPHS, fields), [_i64(msg.batch_sizes), _shape_values(msg.shapes)])
+
+
+def encode_capture(msg: CaptureMsg):
+    fields = [len(msg.batch_sizes), len(msg.shapes), len(msg.buckets)]
+    parts = [_i64(msg.batch_sizes), _shape_values(msg.shapes), _i64(msg.buckets)]
+    return _pack((OP_CAPTURE, fields), parts)
+
+
+def encode_capture_draft(msg: CaptureDraftMsg):
+    return _pack((OP_CAPTURE_DRAFT, [len(msg.q_lens)]), [_i64(msg.q_lens)])
+
+
+def encode_draft_decode(msg: DraftDecodeMsg):
+    return _pack((OP_DRAFT_DECODE, [msg.bs, msg.q, msg.draft]), [])
+
+
+def encode_draft_extend(msg: DraftExtendMsg):
+    lens, pages = _tables(msg.tables)
+    fields = [len(msg.ends), msg.draft, len(msg.ids)]
+    return _pack((OP_DRAFT_EXTEND, fields), [_i64(msg.ids), _i64(msg.ends), _i64(lens), pages])
+
+
+def decode_message(header: torch.Tensor, body: torch.Tensor) -> Message:
+    """The message `encode_*` encoded (the worker's own arrays)."""
     h = header.tolist()
-    _, mode, t, s, n_logits, n_pages, owned, hidden_only, pad_to, max_seq_len, q_len, n = h
+    op, f, n = h[0], h[1:-1], h[-1]
     flat = body.numpy()
     if flat.shape[0] != n:
         raise ValueError(f"step broadcast: body of {flat.shape[0]} values, header says {n}")
+    if op == OP_STEP:
+        return _decode_step(f, flat)
+    if op == OP_GRAPHS:
+        use_graphs, pw, b = f[:3]
+        sizes, shapes = np.split(flat, [b])
+        return GraphsMsg(tuple(sizes.tolist()), _shapes(shapes), bool(use_graphs), pw)
+    if op == OP_CAPTURE:
+        b, q = f[:2]  # (f[2]: the bucket count, the rest of the body)
+        sizes, shapes, buckets = np.split(flat, [b, b + 2 * q])
+        return CaptureMsg(tuple(sizes.tolist()), _shapes(shapes), tuple(buckets.tolist()))
+    if op == OP_CAPTURE_DRAFT:
+        return CaptureDraftMsg(tuple(flat.tolist()))
+    if op == OP_DRAFT_DECODE:
+        return DraftDecodeMsg(f[0], f[1], bool(f[2]))
+    if op == OP_DRAFT_EXTEND:
+        s, draft, t = f[:3]
+        ids, ends, counts, pages = np.split(flat, [t, t + s, t + 2 * s])
+        return DraftExtendMsg(ids.copy(), ends.tolist(), _untables(counts, pages), bool(draft))
+    raise ValueError(f"step broadcast: unknown op {op}")
+
+
+def _decode_step(f: list[int], flat: np.ndarray) -> StepMsg:
+    mode, t, s, n_logits, n_pages, owned, hidden_only, path, size, graphed, future, feed = f[:12]
     sizes = [t, t, t, s, s, *([s] if owned else []), s, n_pages, n_logits]
     chunks = np.split(flat, np.cumsum(sizes)[:-1])
     ids, positions, slots, seq_lens, q_lens = chunks[:5]
     rest = chunks[5:]
     table_rows = rest.pop(0).tolist() if owned else None
     counts, pages, logits = rest
-    ends = np.cumsum(counts)
-    tables = [
-        pages[e - c : e].tolist() for c, e in zip(counts.tolist(), ends.tolist(), strict=True)
-    ]
     host = HostBatch(
         _MODES[mode],
         ids.copy(),
@@ -125,46 +254,60 @@ def decode_body(header: torch.Tensor, body: torch.Tensor) -> tuple[HostBatch, St
         slots.copy(),
         seq_lens.tolist(),
         q_lens.tolist(),
-        tables,
+        _untables(counts, pages),
         logits.tolist(),
         table_rows=table_rows,
         logits_hidden_only=bool(hidden_only),
     )
-    return host, StepArgs(_unopt(pad_to), _unopt(max_seq_len), _unopt(q_len))
+    route = ForwardRoute(RoutePath(path), size, bool(graphed))
+    return StepMsg(host, route, feed, future)
 
 
 class StepSender:
-    """Rank 0's end: `send` each step's batch before its forward, `stop` once at shutdown.
-    `group`: the control group (gloo); rank 0 is the source."""
+    """Rank 0's end: each message before its device work, `stop` once at shutdown. `group`: the
+    control group (gloo); rank 0 is the source."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
-        self.num_sent = 0  # steps broadcast (the engine tells a desynchronised group by it)
+        self.num_sent = 0  # messages broadcast (the engine tells a desynchronised group by it)
 
-    def send(self, host: HostBatch, args: StepArgs) -> None:
-        header, body = encode_step(host, args)
+    def _send(self, header: torch.Tensor, body: torch.Tensor) -> None:
         self.num_sent += 1
         dist.broadcast(header, 0, group=self.group)
-        dist.broadcast(body, 0, group=self.group)
+        if body.numel():  # an empty body is not sent (the receiver reads its length first)
+            dist.broadcast(body, 0, group=self.group)
+
+    def send_step(self, host: HostBatch, route: ForwardRoute, feed: int = 0) -> None:
+        self._send(*encode_step(host, route, feed))
+
+    def send(self, msg: Message) -> None:
+        """Any message but a STEP (`send_step`)."""
+        encode = {
+            GraphsMsg: encode_graphs,
+            CaptureMsg: encode_capture,
+            CaptureDraftMsg: encode_capture_draft,
+            DraftDecodeMsg: encode_draft_decode,
+            DraftExtendMsg: encode_draft_extend,
+        }[type(msg)]
+        self._send(*encode(msg))
 
     def stop(self) -> None:
-        header = torch.full((HEADER_LEN,), -1, dtype=torch.int64)
-        header[0] = OP_STOP
+        header = _header(OP_STOP, [], 0)
         dist.broadcast(header, 0, group=self.group)
 
 
 class StepReceiver:
-    """A worker's end: `receive` blocks until rank 0's next step (its batch and arguments) or
-    its stop (None)."""
+    """A worker's end: `receive` blocks until rank 0's next message, or its stop (None)."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
         self._header = torch.empty(HEADER_LEN, dtype=torch.int64)
 
-    def receive(self) -> tuple[HostBatch, StepArgs] | None:
+    def receive(self) -> Message | None:
         dist.broadcast(self._header, 0, group=self.group)
         if int(self._header[0]) == OP_STOP:
             return None
         body = torch.empty(int(self._header[-1]), dtype=torch.int64)
-        dist.broadcast(body, 0, group=self.group)
-        return decode_body(self._header, body)
+        if body.numel():
+            dist.broadcast(body, 0, group=self.group)
+        return decode_message(self._header, body)

@@ -4,15 +4,28 @@
 
 Joins the group (the model group: NCCL on CUDA, gloo on CPU; the control group: gloo), builds
 the same `ModelRunner` as rank 0 with `TensorParallel(rank, N, group)` on `cuda:rank` (CPU: all
-on cpu), then loops: receive the step's host batch (`engine/step_broadcast.py`), stage it in its
-own `InputBuffers`, run the same forward (its collectives meet rank 0's), repeat; no sampling
-(the LM head's logits are all-gathered: rank 0 samples once). A stop message ends the loop.
+on cpu), (with speculation) the same MTP drafter and the graph runner rank 0 announces (GRAPHS:
+its batch sizes, shapes, prefill buckets and whether it graphs), then follows rank
+0's messages in order (`engine/step_broadcast.py`, `Follower`): a target forward by rank 0's
+route (a graph replay, a piecewise prefill or an eager forward, its collectives meeting rank
+0's), the sampled ids rank 0 broadcasts on the device after it (the next step's future ids under
+overlap scheduling), the MTP's draft-extend and draft after a decode or an EXTEND forward (with
+the emitted tokens and accept lengths, or the sampled ids, from rank 0's device), and the
+capture of the graphs. No sampling and no acceptance: rank 0 does both, once. A stop message
+ends the loop.
+
+Invariant (CUDA graphs under TP): every rank captures the same graphs in the same order with
+the same shapes, since the collectives recorded in them must meet on replay. Rank 0 decides: its
+capture plan (batch sizes, shapes, prefill buckets) comes first, and a worker whose own plan
+differs raises instead of capturing (`Follower.follow`); each replay names its graph, and a
+worker without that graph raises (`CudaGraphRunner.execute`).
 
 Failures: anything raised here is sent to rank 0 over `conn` (its traceback) and the process
 exits 1; rank 0's next collective then fails (the peer's sockets closed) and it raises the engine
 dead, with that traceback. The control group waits for the next step without a deadline (an idle
 engine is not a failure); if rank 0 dies, its sockets close and the wait raises here, so a worker
-never outlives its engine. The model group's collectives have `timeout_s`.
+never outlives its engine. The model group's eager collectives have `timeout_s` (collectives
+replayed from a CUDA graph are not watched by torch's NCCL watchdog).
 """
 
 from __future__ import annotations
@@ -37,7 +50,7 @@ IDLE_WAIT = timedelta(days=365)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["IDLE_WAIT", "MULTICAST_OFF", "init_groups", "worker_main"]
+__all__ = ["IDLE_WAIT", "MULTICAST_OFF", "Follower", "init_groups", "worker_main"]
 
 
 def init_groups(
@@ -71,6 +84,7 @@ def worker_main(
     from mlaserve.config import ModelConfig
     from mlaserve.engine.model_runner import ModelRunner
     from mlaserve.engine.step_broadcast import StepReceiver
+    from mlaserve.spec import MTPDrafter
 
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s [tp rank {rank}] %(message)s")
     tp = None
@@ -87,14 +101,12 @@ def worker_main(
         )  # fmt: skip
         model_config = ModelConfig.from_pretrained(config.model_path)
         runner = ModelRunner(config, model_config, tp=tp, control_group=control)
+        spec = config.speculative
+        drafter = MTPDrafter(runner, spec.k) if spec is not None else None
+        follower = Follower(runner, drafter)  # its graph runner: rank 0's GRAPHS message
         receiver = StepReceiver(control)
-        with torch.inference_mode():
-            while (step := receiver.receive()) is not None:
-                host, args = step
-                batch = runner.make_batch(
-                    host, pad_to=args.pad_to, max_seq_len=args.max_seq_len, q_len=args.q_len
-                )
-                runner.forward_with_hidden(batch)
+        while (msg := receiver.receive()) is not None:
+            follower.follow(msg)
     except BaseException:
         with contextlib.suppress(OSError):  # rank 0 gone: nobody to tell
             conn.send(traceback.format_exc())
@@ -102,3 +114,93 @@ def worker_main(
     if tp is not None and dist.is_initialized():
         dist.destroy_process_group()
     conn.close()
+
+
+class Follower:
+    """A worker's side of each message (module doc): the device work rank 0 does for it, in
+    the order it comes. Holds the last target forward (the draft reads it) and the last fed
+    ids (the next forward's future ids)."""
+
+    def __init__(self, runner: Any, drafter: Any | None) -> None:
+        self.runner = runner
+        self.graphs = None  # rank 0's graph runner's twin (GRAPHS)
+        self.drafter = drafter
+        self.target = None  # the last target forward's TargetOutput
+        self.feed = None  # the ids rank 0 fed after the last target forward, if any
+        self.num_messages = 0
+
+    def follow(self, msg: Any) -> None:
+        import torch
+
+        from mlaserve.engine import step_broadcast as sb
+
+        self.num_messages += 1
+        if isinstance(msg, sb.GraphsMsg):
+            from mlaserve.graph_runner import CudaGraphRunner
+
+            self.graphs = CudaGraphRunner(
+                self.runner, msg.batch_sizes, use_graphs=msg.use_graphs, shapes=msg.shapes,
+                piecewise_max_tokens=msg.piecewise_max_tokens,
+            )  # fmt: skip
+            self.target = None  # the old runner's outputs
+            return
+        if self.graphs is None:
+            raise RuntimeError(f"tensor parallel worker: {msg!r} before rank 0's graph runner")
+        if isinstance(msg, sb.CaptureMsg):
+            plan = self.graphs.capture_plan()
+            if msg != plan:
+                raise RuntimeError(
+                    f"tensor parallel rank {self.runner.tp.rank}: rank 0 captures {msg}, this "
+                    f"rank would capture {plan}; every rank must capture the same graphs"
+                )
+            self.graphs.capture()
+            return
+        if isinstance(msg, sb.CaptureDraftMsg):
+            self._need_drafter(msg).capture(self.graphs, msg.q_lens)
+            return
+        with torch.inference_mode():
+            if isinstance(msg, sb.StepMsg):
+                self._step(msg)
+            elif isinstance(msg, sb.DraftDecodeMsg):
+                bs, q = msg.bs, msg.q
+                packed = self._receive((bs, q + 1))
+                self._need_drafter(msg).draft_after_decode(
+                    self._last_target(msg), packed[:, :q], packed[:, q], bs, msg.draft
+                )
+            elif isinstance(msg, sb.DraftExtendMsg):
+                sampled = self._receive((len(msg.ends),))
+                self._need_drafter(msg).draft_after_extend(self._last_target(msg), msg, sampled)
+            else:
+                raise RuntimeError(f"tensor parallel worker: unexpected message {msg!r}")
+
+    def _step(self, msg: Any) -> None:
+        host = msg.host
+        if msg.future_identity >= 0:  # rows -(j + 1) read the ids fed after the last forward
+            if self.feed is None:
+                raise RuntimeError(
+                    "tensor parallel worker: a step reads future ids, but the step before fed "
+                    "none (overlap rule 4, engine/overlap.py)"
+                )
+            host.future_ids = self.feed
+            host.future_identity = msg.future_identity
+        self.target = self.graphs.execute(host, msg.route)
+        self.feed = self._receive((msg.feed,)) if msg.feed else None
+
+    def _receive(self, shape: tuple[int, ...]) -> Any:
+        """A device tensor rank 0 broadcasts on the model group (empty: none is sent)."""
+        import torch
+
+        buf = torch.empty(shape, dtype=torch.int64, device=self.runner.device)
+        if buf.numel():
+            self.runner.tp.broadcast(buf, src=0)
+        return buf
+
+    def _last_target(self, msg: Any) -> Any:
+        if self.target is None:
+            raise RuntimeError(f"tensor parallel worker: {msg!r} before any target forward")
+        return self.target
+
+    def _need_drafter(self, msg: Any) -> Any:
+        if self.drafter is None:
+            raise RuntimeError(f"tensor parallel worker: {msg!r}, but this rank has no drafter")
+        return self.drafter

@@ -33,9 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
+from mlaserve.config import EngineConfig
 from mlaserve.engine.forward_batch import ForwardBatch, ForwardMode
+from mlaserve.engine.forward_route import EAGER, ForwardRoute, RoutePath
 from mlaserve.engine.input_buffers import HostBatch
 from mlaserve.engine.model_runner import ModelRunner
+from mlaserve.engine.step_broadcast import CaptureMsg, GraphsMsg
 from mlaserve.graph_runner.piecewise_graph_runner import PiecewiseGraphRunner, PiecewiseReport
 from mlaserve.sampling import GreedyRows, greedy_rows
 
@@ -103,7 +106,14 @@ class CudaGraphRunner:
         self.runner = runner
         self.batch_sizes = sorted(batch_sizes)
         self.use_graphs = use_graphs
-        self.shapes = list(shapes)
+        self.shapes = [(mode, q) for mode, q in shapes]
+        # Under TP rank 0 decides the graphs: every worker builds this same runner
+        # (`engine/tp_worker.py`), which the capture plan then checks (`capture`).
+        if runner.step_sender is not None:
+            runner.step_sender.send(
+                GraphsMsg(tuple(self.batch_sizes), tuple(self.shapes), use_graphs,
+                          piecewise_max_tokens)
+            )  # fmt: skip
         self.graphs: dict[tuple[ForwardMode, int, int], _Graph] = {}
         self.pool: tuple | None = None
         self.num_replays = 0
@@ -116,13 +126,48 @@ class CudaGraphRunner:
                 runner, piecewise_max_tokens, use_graphs=use_graphs
             )
 
+    @classmethod
+    def for_engine(cls, runner: ModelRunner, config: EngineConfig) -> CudaGraphRunner:
+        """The engine's graph runner for `config` (under TP, rank 0's; the workers build its
+        twin from the message the constructor sends):
+        DECODE at q_len 1, and with speculation VERIFY at k+1, at the configured batch sizes
+        when graphs are on; the piecewise prefill buckets when those are."""
+        use_graphs = config.resolved_cuda_graph()
+        # With speculation a decode step is a VERIFY of k+1 tokens per request, or a plain
+        # DECODE when the policy says speculation does not pay; both graphed.
+        shapes = [(ForwardMode.DECODE, 1)]
+        if config.speculative is not None:
+            shapes.append((ForwardMode.VERIFY, config.speculative.k + 1))
+        return cls(
+            runner,
+            config.resolved_cuda_graph_batch_sizes() if use_graphs else (),
+            use_graphs=use_graphs,
+            shapes=shapes,
+            piecewise_max_tokens=config.resolved_piecewise_cuda_graph_max_tokens(),
+        )
+
     @property
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1] if self.batch_sizes else 0
 
     # ----- start-up -----
+    def capture_plan(self) -> CaptureMsg:
+        """What `capture` captures, in this order: every shape at every batch size (largest
+        first), then the piecewise buckets (largest first)."""
+        buckets = self.piecewise.buckets if self.piecewise is not None else ()
+        return CaptureMsg(tuple(self.batch_sizes), tuple(self.shapes), tuple(buckets))
+
     def capture(self) -> CaptureReport:
-        """Warm up every shape eagerly, then capture, largest batch first."""
+        """Warm up every shape eagerly, then capture, largest batch first.
+
+        Under tensor parallelism every rank captures the same graphs in the same order, with
+        the same shapes: their collectives are recorded in the graphs, and a replay meets the
+        other ranks' replays of the same graph. Rank 0 decides (its plan goes to the workers
+        first, `engine/step_broadcast.py` CAPTURE); a worker refuses to capture a plan that is
+        not its own (`engine/tp_worker.py`). The eager warm-up runs the same forwards on every
+        rank in the same order, so its collectives meet too."""
+        if self.runner.step_sender is not None:
+            self.runner.step_sender.send(self.capture_plan())
         t0 = time.perf_counter()
         for mode, q_len in self.shapes:
             for bs in reversed(self.batch_sizes):
@@ -214,15 +259,15 @@ class CudaGraphRunner:
         out = self.run_with_hidden(host)
         return out.logits[: out.num_rows]
 
-    @torch.inference_mode()
-    def run_with_hidden(self, host: HostBatch) -> TargetOutput:
-        """`run`, keeping what a draft model reads: the final-normed hidden states of every row
-        of the (padded) batch, and the batch itself (views of the input buffers)."""
-        size = self.padded_size(host)
+    def route(self, host: HostBatch) -> ForwardRoute:
+        """How `host` runs here (counted by reason when eagerly): rank 0's decision, which the
+        other tensor-parallel ranks follow (`engine/forward_route.py`)."""
         bucket = self.piecewise.bucket_for(host) if self.piecewise and self.enabled else None
         if bucket is not None:
-            logits, hidden, batch = self.piecewise.run(host, bucket)
-            return TargetOutput(logits, hidden, batch, logits.shape[0], graphed=False)
+            pw = self.piecewise
+            path = RoutePath.ONE_GRAPH if pw.takes_one_graph(host) else RoutePath.PIECEWISE
+            return ForwardRoute(path, bucket, pw.use_graphs)
+        size = self.padded_size(host)
         if size is None:
             if not host.mode.is_uniform:
                 reason = "extend"
@@ -231,18 +276,53 @@ class CudaGraphRunner:
             else:
                 reason = "batch_too_large"
             self.num_eager_steps[reason] += 1
-            batch = self.runner.make_batch(host)
+            return EAGER
+        entry = self.graphs.get((host.mode, host.q_lens[0], size))
+        graphed = entry is not None and entry.graph is not None
+        if not graphed:  # not captured (yet), or use_graphs=False: the padded batch, eagerly
+            self.num_eager_steps["no_graphs"] += 1
+        return ForwardRoute(RoutePath.UNIFORM, size, graphed)
+
+    @torch.inference_mode()
+    def run_with_hidden(self, host: HostBatch, feed: int = 0) -> TargetOutput:
+        """`run`, keeping what a draft model reads: the final-normed hidden states of every row
+        of the (padded) batch, and the batch itself (views of the input buffers). `feed`: under
+        TP, the number of sampled ids rank 0 broadcasts after this forward
+        (`ModelRunner.feed_workers`)."""
+        return self.execute(host, self.route(host), feed)
+
+    @torch.inference_mode()
+    def execute(self, host: HostBatch, route: ForwardRoute, feed: int = 0) -> TargetOutput:
+        """Run `host` by `route` (this rank's own, or rank 0's under TP). Under TP rank 0's
+        `make_batch` sends the batch with its route to the workers; a worker refuses a graphed
+        route naming a graph it did not capture (a group that captured differently)."""
+        path, size = route.path, route.size
+        if path in (RoutePath.PIECEWISE, RoutePath.ONE_GRAPH):
+            if self.piecewise is None or not self.piecewise.has_bucket(size, route.graphed):
+                raise RuntimeError(f"route {route}: this rank has no such prefill bucket")
+            logits, hidden, batch = self.piecewise.run(
+                host, size, path is RoutePath.ONE_GRAPH, route=route, feed=feed
+            )
+            return TargetOutput(logits, hidden, batch, logits.shape[0], graphed=False)
+        if path is RoutePath.EAGER:
+            batch = self.runner.make_batch(host, route=route, feed=feed)
             logits, hidden = self.runner.forward_with_hidden(batch)
             rows = logits.shape[0]
             return TargetOutput(logits, hidden, batch, rows, graphed=False)
-        q_len = host.q_lens[0]
+        q_len = host.q_lens[0] if host.q_lens else 1
         entry = self.graphs.get((host.mode, q_len, size))
-        split = entry is None or entry.graph is None or not entry.splits_inputs
-        batch = self.runner.make_batch(host, pad_to=size, max_seq_len=self.bound, split=split)
+        if route.graphed and (entry is None or entry.graph is None):
+            raise RuntimeError(
+                f"route {route}: no captured {host.mode.value} graph of q_len {q_len} and batch "
+                f"size {size} on this rank (the ranks captured different graphs)"
+            )
+        split = not route.graphed or not entry.splits_inputs
+        batch = self.runner.make_batch(
+            host, pad_to=size, max_seq_len=self.bound, q_len=q_len, split=split,
+            route=route, feed=feed,
+        )  # fmt: skip
         rows = host.num_seqs * q_len
-        if entry is None or entry.graph is None:
-            # Not captured (yet), or use_graphs=False: the same padded batch, run eagerly.
-            self.num_eager_steps["no_graphs"] += 1
+        if not route.graphed:
             logits, hidden = self.runner.forward_with_hidden(batch)
             return TargetOutput(logits, hidden, batch, rows, graphed=False)
         entry.graph.replay()

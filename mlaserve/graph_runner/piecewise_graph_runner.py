@@ -57,6 +57,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -365,17 +366,28 @@ class PiecewiseGraphRunner:
             return None
         return self.buckets[i]
 
+    def has_bucket(self, bucket: int, graphed: bool) -> bool:
+        """Whether this runner replays `bucket` (`graphed`: from captured pieces)."""
+        if graphed != self.use_graphs:
+            return False
+        return bucket in self._buckets if graphed else bucket in self.buckets
+
     @torch.inference_mode()
-    def run(self, host: HostBatch, bucket: int) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+    def run(
+        self, host: HostBatch, bucket: int, one: bool | None = None, **send: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
         """-> (logits of batch.logits_indices [n, vocab] fp32, final-normed hidden states of the
         real rows [T, hidden] (a view of a static buffer; the logits rows' alone, [n, hidden],
-        when `batch.logits_hidden_only`), the real batch)."""
+        when `batch.logits_hidden_only`), the real batch). `one`: whether the one graph runs it
+        (None: `takes_one_graph`); `send`: `make_batch`'s route and feed (TP)."""
         runner = self.runner
-        one = self._takes_one_graph(host)
+        one = self.takes_one_graph(host) if one is None else one
+        if one and not self.one_graph:
+            raise RuntimeError(f"bucket {bucket}: this rank has no one-graph prefill")
         if one and self.use_graphs:  # the graph splits the upload over the whole bucket
-            batch = runner.make_batch(host, split=False, pad_tokens_to=bucket)
+            batch = runner.make_batch(host, split=False, pad_tokens_to=bucket, **send)
         else:
-            batch = runner.make_batch(host)
+            batch = runner.make_batch(host, **send)
             runner.buffers.pad_tokens(batch.num_tokens, bucket)
         num_tokens, num_logits = batch.num_tokens, batch.logits_indices.shape[0]
         hidden = self._replay_one_graph(bucket) if one else self._replay(batch, bucket)
@@ -412,7 +424,7 @@ class PiecewiseGraphRunner:
         entry.pieces[-1].replay()
         return entry.hidden  # type: ignore[return-value]
 
-    def _takes_one_graph(self, host: HostBatch) -> bool:
+    def takes_one_graph(self, host: HostBatch) -> bool:
         """One fresh prompt whose readers want what the one graph computes: every row's hidden
         states, or (`whole_logits_only`) at most one logits row's."""
         if not (self.one_graph and host.num_seqs == 1 and host.seq_lens == host.q_lens):

@@ -165,7 +165,7 @@ _HELP = {
     "the server's own threads (event loop, tokenizer), at least 1",
     "tensor_parallel_size": "-tp N: shard the model over N processes, one per GPU (cuda:0..N-1; "
     "on cpu, all on the CPU over gloo), started by the engine; N divides the attention heads. "
-    "N > 1 runs eagerly and synchronously for now (no CUDA graphs, overlap or speculation)",
+    "CUDA graphs, overlap scheduling and MTP speculation run on every rank as with N = 1",
     "deterministic_inference": "batch-invariant inference (also --enable-deterministic-inference, "
     "SGLang's name): a request's tokens and logprobs are bitwise the same whatever else runs "
     "with it, through fixed-order kernels and the 'invariant' attention backend; slower "

@@ -40,6 +40,7 @@ import dataclasses
 import logging
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from mlaserve.engine.forward_batch import ForwardBatch, ForwardMode
@@ -47,6 +48,7 @@ from mlaserve.engine.input_buffers import HostBatch
 from mlaserve.engine.model_runner import ModelRunner
 from mlaserve.engine.request import Request
 from mlaserve.engine.scheduler import SchedulerOutput
+from mlaserve.engine.step_broadcast import CaptureDraftMsg, DraftDecodeMsg, DraftExtendMsg
 from mlaserve.graph_runner import CudaGraphRunner, TargetOutput
 from mlaserve.sampling.argmax_kernel import row_argmax
 
@@ -177,6 +179,10 @@ class MTPDrafter:
             self.drafts_t[i + 1, :bs].copy_(row_argmax(self.mtp.compute_logits(hidden)))
 
     # ----- a step -----
+    # Under tensor parallelism rank 0 (which accepted and sampled) announces each of these
+    # (`engine/step_broadcast.py` DRAFT_DECODE / DRAFT_EXTEND) and broadcasts the device values
+    # they read; every worker then runs `draft_after_decode` / `draft_after_extend` on its last
+    # target forward, so the MTP's collectives meet rank 0's (`engine/tp_worker.py`).
     @torch.inference_mode()
     def after_decode(
         self,
@@ -186,8 +192,25 @@ class MTPDrafter:
         requests: list[Request],
         draft: bool,
     ) -> torch.Tensor | None:
+        bs, q = len(requests), target.batch.q_len
+        sender = self.runner.step_sender
+        if sender is not None:
+            sender.send(DraftDecodeMsg(bs, q, draft))
+            packed = torch.cat([out_tokens.reshape(bs, q), accept_len.reshape(bs, 1)], dim=1)
+            self.runner.tp.broadcast(packed.to(torch.int64), src=0)
+        return self.draft_after_decode(target, out_tokens, accept_len, bs, draft)
+
+    def draft_after_decode(
+        self,
+        target: TargetOutput,
+        out_tokens: torch.Tensor,
+        accept_len: torch.Tensor,
+        bs: int,
+        draft: bool,
+    ) -> torch.Tensor | None:
+        """`after_decode` for `bs` real rows, on any rank."""
         batch = target.batch
-        bs, size, q = len(requests), batch.bs, batch.q_len
+        size, q = batch.bs, batch.q_len
         # The emitted tokens become the draft's inputs (the target's ids are consumed).
         batch.input_ids.view(size, q)[:bs].copy_(out_tokens)
         self.accept[:bs].copy_(accept_len)
@@ -215,37 +238,46 @@ class MTPDrafter:
     ) -> torch.Tensor | None:
         # Row i's input is token i+1. The host knows it except where a chunk sampled: its last
         # row takes the sampled token, scattered on the device at the logits rows.
-        batch = target.batch
         ids: list[int] = []
         for s in sched.scheduled:
             r, start = s.request, s.request.num_computed_tokens
             end = start + s.num_new_tokens
             ids.extend(r.tokens(start + 1, end))
             ids.append(0 if s.samples else r.token_at(end))
-        n = len(requests)
-        batch.input_ids.copy_(_upload(torch.tensor(ids, dtype=torch.int64), batch.input_ids.device))
+        ends = [
+            s.request.num_computed_tokens + s.num_new_tokens for s in sched.scheduled if s.samples
+        ]
+        msg = DraftExtendMsg(np.asarray(ids, dtype=np.int64), ends, [r.pages for r in requests],
+                             draft)  # fmt: skip
+        if self.runner.step_sender is not None:
+            self.runner.step_sender.send(msg)
+            if ends:
+                self.runner.tp.broadcast(sampled.contiguous(), src=0)
+        return self.draft_after_extend(target, msg, sampled)
+
+    def draft_after_extend(
+        self, target: TargetOutput, msg: DraftExtendMsg, sampled: torch.Tensor
+    ) -> torch.Tensor | None:
+        """`after_extend` from its host rows (`msg`: the MTP's input ids, and per sampled
+        sequence its end and pages) and the sampled ids [n], on any rank."""
+        batch = target.batch
+        n = len(msg.ends)
+        ids = torch.from_numpy(msg.ids)
+        batch.input_ids.copy_(_upload(ids, batch.input_ids.device))
         if n:
             batch.input_ids.index_copy_(0, batch.logits_indices, sampled)
         self.runner.attn_backend.prepare(batch)
         h = self.mtp(batch.input_ids, batch.positions, target.hidden, batch)
-        if not n or not draft:
+        if not n or not msg.draft:
             return None
         self.sel_hidden[:n].copy_(h.index_select(0, batch.logits_indices))
         # The sampled rows' page tables, in rows 0..n-1 of the input buffers (what the chain
         # reads), padded to the draft graph's size.
-        ends = [
-            s.request.num_computed_tokens + s.num_new_tokens for s in sched.scheduled if s.samples
-        ]
+        ends = msg.ends
         host = HostBatch(
-            ForwardMode.DECODE,
-            [0] * n,
-            [e - 1 for e in ends],
-            [0] * n,
-            ends,
-            [1] * n,
-            [r.pages for r in requests],
-            [],
-        )
+            ForwardMode.DECODE, [0] * n, [e - 1 for e in ends], [0] * n, ends, [1] * n,
+            msg.tables, [],
+        )  # fmt: skip
         size = self._graph_size(n)
         chain = self.runner.make_batch(host, pad_to=size or n)
         self.sel_pos[: chain.bs].copy_(chain.positions)
@@ -285,6 +317,10 @@ class MTPDrafter:
 
         if not graphs.use_graphs:
             return 0
+        # Under TP the workers capture the same draft graphs after their target graphs, in
+        # this order (`engine/tp_worker.py`; the target plan was checked equal there).
+        if self.runner.step_sender is not None:
+            self.runner.step_sender.send(CaptureDraftMsg(tuple(q_lens)))
         self.reset_accept()
         sizes = list(reversed(graphs.batch_sizes))
         for size in sizes:  # warm-up: every lazily compiled kernel runs before capture

@@ -78,6 +78,10 @@ def replay_step_times(engine: Any, size: int, iters: int, prompt_len: int = 64) 
     graphs, drafter, k = engine.graphs, dec.drafter, dec.k
     if not graphs.use_graphs or size not in graphs.batch_sizes:
         raise ValueError(f"replay_step_times: no captured graphs of batch size {size}")
+    if engine.runner.tp.size > 1:  # a replay here would wait for workers that never replay it
+        raise ValueError(
+            "replay_step_times: replays graphs on rank 0 alone; use tensor_parallel_size 1"
+        )
     from mlaserve.sampling_params import SamplingParams  # the request API, not the engine's
 
     vocab = engine.model_config.vocab_size

@@ -1,5 +1,5 @@
-"""The step broadcast's wire format: a HostBatch encoded on rank 0 decodes to the same inputs
-(no process group needed: encode_step / decode_body are the two ends)."""
+"""The step broadcast's wire format: every message encoded on rank 0 decodes to the same values
+(no process group needed: the encoders and `decode_message` are the two ends)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,28 @@ import pytest
 import torch
 
 from mlaserve.engine.forward_batch import ForwardMode
+from mlaserve.engine.forward_route import EAGER, ForwardRoute, RoutePath
 from mlaserve.engine.input_buffers import HostBatch
-from mlaserve.engine.step_broadcast import HEADER_LEN, StepArgs, decode_body, encode_step
+from mlaserve.engine.step_broadcast import (
+    HEADER_LEN,
+    CaptureDraftMsg,
+    CaptureMsg,
+    DraftDecodeMsg,
+    DraftExtendMsg,
+    GraphsMsg,
+    StepMsg,
+    decode_message,
+    encode_capture,
+    encode_capture_draft,
+    encode_draft_decode,
+    encode_draft_extend,
+    encode_graphs,
+    encode_step,
+)
 
 
 @pytest.mark.parametrize("owned", [True, False])
-def test_round_trip(owned: bool) -> None:
+def test_step_round_trip(owned: bool) -> None:
     host = HostBatch(
         ForwardMode.EXTEND,
         np.arange(7, dtype=np.int64) + 3,
@@ -26,10 +42,13 @@ def test_round_trip(owned: bool) -> None:
         table_rows=[2, 5] if owned else None,
         logits_hidden_only=True,
     )
-    header, body = encode_step(host, StepArgs(None, 6, None))
+    route = ForwardRoute(RoutePath.PIECEWISE, 16, graphed=True)
+    header, body = encode_step(host, route, feed=2)
     assert header.shape == (HEADER_LEN,) and body.dtype == torch.int64
-    got, args = decode_body(header, body)
-    assert args == StepArgs(None, 6, None)
+    msg = decode_message(header, body)
+    assert isinstance(msg, StepMsg)
+    assert (msg.route, msg.feed, msg.future_identity) == (route, 2, -1)
+    got = msg.host
     assert got.mode is ForwardMode.EXTEND
     assert got.input_ids.tolist() == list(range(3, 10))
     assert got.positions.tolist() == host.positions
@@ -39,10 +58,51 @@ def test_round_trip(owned: bool) -> None:
     assert got.logits_indices == [3, 6]
     assert got.table_rows == host.table_rows
     assert got.logits_hidden_only
+    assert got.future_ids is None
 
 
-def test_future_ids_are_refused() -> None:
-    host = HostBatch(ForwardMode.DECODE, [-1], [4], [9], [5], [1], [[2]], [])
-    host.future_ids = torch.zeros(1, dtype=torch.int64)
-    with pytest.raises(ValueError, match="overlap is off under TP"):
-        encode_step(host, StepArgs())
+@pytest.mark.parametrize("identity", [0, 2])
+def test_future_ids_travel_as_placeholders(identity: int) -> None:
+    """Rows -(j + 1) stay as they are; the worker reads its own fed ids for them."""
+    host = HostBatch(ForwardMode.DECODE, [-1, -2], [4, 7], [9, 30], [5, 8], [1, 1], [[2], [7]], [])
+    host.future_ids = torch.zeros(2, dtype=torch.int64)
+    host.future_identity = identity
+    msg = decode_message(*encode_step(host, ForwardRoute(RoutePath.UNIFORM, 2)))
+    assert msg.host.input_ids.tolist() == [-1, -2]
+    assert msg.future_identity == identity
+    assert msg.route == ForwardRoute(RoutePath.UNIFORM, 2, graphed=False)
+
+
+def test_other_messages_round_trip() -> None:
+    shapes = ((ForwardMode.DECODE, 1), (ForwardMode.VERIFY, 3))
+    for msg, encode in [
+        (GraphsMsg((1, 2, 8), shapes, True, 4096), encode_graphs),
+        (CaptureMsg((1, 2, 8), shapes, (16, 32, 40)), encode_capture),
+        (CaptureMsg((), shapes[:1], ()), encode_capture),
+        (CaptureDraftMsg((1, 3)), encode_capture_draft),
+        (DraftDecodeMsg(5, 3, True), encode_draft_decode),
+        (DraftDecodeMsg(1, 1, False), encode_draft_decode),
+    ]:
+        assert decode_message(*encode(msg)) == msg
+    extend = DraftExtendMsg(np.array([4, 5, 0, 9], np.int64), [3, 12], [[7], [8, 9, 10]], True)
+    got = decode_message(*encode_draft_extend(extend))
+    assert got.ids.tolist() == [4, 5, 0, 9]
+    assert (got.ends, got.tables, got.draft) == ([3, 12], [[7], [8, 9, 10]], True)
+    empty = decode_message(
+        *encode_draft_extend(DraftExtendMsg(np.zeros(3, np.int64), [], [], False))
+    )
+    assert (empty.ids.tolist(), empty.ends, empty.tables) == ([0, 0, 0], [], [])
+
+
+def test_a_short_body_is_refused() -> None:
+    header, body = encode_draft_extend(DraftExtendMsg(np.arange(4), [4], [[1]], False))
+    with pytest.raises(ValueError, match="header says"):
+        decode_message(header, body[:-1])
+
+
+def test_routes_are_checked() -> None:
+    assert EAGER.path is RoutePath.EAGER
+    with pytest.raises(ValueError, match="size must be >= 1"):
+        ForwardRoute(RoutePath.UNIFORM, 0)
+    with pytest.raises(ValueError, match="EAGER"):
+        ForwardRoute(RoutePath.EAGER, 4)

@@ -1,0 +1,175 @@
+"""Tensor-parallel greedy agreement against TP1, on the GPU host (issue 42, "Correctness").
+
+    python3 bench/tp_agreement.py                                    # the default model
+    python3 bench/tp_agreement.py --model /tmp/v3lite                # bench/make_checkpoint.py
+    python3 bench/tp_agreement.py --model /tmp/v3lite --load-format dummy
+
+Per model: `--prompts` greedy prompts (bench/soak.py's word mix) x `--max-tokens` tokens at TP1,
+then TP2 (and TP4 when 4 GPUs are visible), in the served configuration (bf16, FP8 KV, CUDA
+graphs with the collectives inside, piecewise prefill graphs, overlap scheduling). Also TP2
+eager (no graphs) against TP2 with graphs, and TP2 with MTP speculation (`--spec K`, when the
+checkpoint has an MTP layer) against TP2 without.
+
+Reported per variant against its reference: how many completions are identical, where the others
+first part (token position), the reference's top-1 minus top-2 logprob there (a near-tie that
+bf16 reduction order may flip is small; a wrong token would part at a large margin), and the
+first-step logits' max |diff| over every prompt (the first sampled position, whole vocabulary, fp32
+logits as the sampler sees them). A printed table and a JSON line. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from soak import _text  # the soak's prompt words
+
+from mlaserve import LLM, SamplingParams
+from mlaserve.config import ModelConfig
+
+
+def _first_logits(llm: LLM) -> dict[str, torch.Tensor]:
+    """Record each request's first sampled logits row (fp32, on the host) as the engine samples
+    it: `ModelRunner.sample_async` wrapped (measurement only)."""
+    runner, seen = llm.engine.runner, {}
+    sample_async = runner.sample_async
+
+    def recording(logits, sched, *args, **kwargs):
+        for i, r in enumerate(sched.sampled_requests):
+            if r.request_id not in seen:
+                seen[r.request_id] = logits[i].float().cpu()
+        return sample_async(logits, sched, *args, **kwargs)
+
+    runner.sample_async = recording
+    return seen
+
+
+def run(name: str, engine_kwargs: dict, prompts: list[str], args, margins: bool) -> dict:
+    t0 = time.time()
+    llm = LLM(model=args.model, load_format=args.load_format, num_pages=args.num_pages,
+              max_model_len=args.max_model_len, device=args.device, **engine_kwargs)  # fmt: skip
+    engine = llm.engine
+    first = _first_logits(llm) if "num_speculative_tokens" not in engine_kwargs else None
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    row = {
+        "variant": name,
+        "ids": [list(o.outputs[0].token_ids) for o in outs],
+        "first": [first[o.request_id] for o in outs] if first is not None else None,
+        "graph_replays": engine.get_stats().num_graph_replays,
+        "max_in_flight": engine.ledger.max_in_flight,
+    }
+    if margins:  # the reference's top-1 minus top-2 logprob at every position
+        scored = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True,
+                                logprobs=2)  # fmt: skip
+        again = llm.generate(prompts, scored, use_tqdm=False)
+        row["margins_ids"] = [list(o.outputs[0].token_ids) for o in again]
+        row["margins"] = [
+            [
+                (lambda t: t[0] - t[1])(sorted((x.logprob for x in d.values()), reverse=True))
+                for d in o.outputs[0].logprobs
+            ]
+            for o in again
+        ]
+    llm.shutdown()
+    del llm, engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    row["s"] = round(time.time() - t0, 1)
+    return row
+
+
+def compare(got: dict, ref: dict) -> dict:
+    firsts = [
+        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        for a, b in zip(got["ids"], ref["ids"], strict=True)
+    ]
+    parted = [(k, i) for k, i in enumerate(firsts) if i is not None]
+    gaps = []
+    for k, i in parted:  # the reference's margin where it parts (if its scored run agrees there)
+        if "margins" in ref and ref["margins_ids"][k][: i + 1] == ref["ids"][k][: i + 1]:
+            gaps.append(round(ref["margins"][k][i], 4))
+    out = {
+        "variant": got["variant"],
+        "reference": ref["variant"],
+        "identical": len(firsts) - len(parted),
+        "of": len(firsts),
+        "identical_pct": round(100 * (len(firsts) - len(parted)) / len(firsts), 1),
+        "first_divergence": sorted(i for _, i in parted),
+        "ref_top1_top2_gap_there": gaps,
+        "graph_replays": got["graph_replays"],
+        "max_in_flight": got["max_in_flight"],
+        "s": got["s"],
+    }
+    if got["first"] is not None and ref["first"] is not None:
+        diffs = [(a - b).abs().max().item() for a, b in zip(got["first"], ref["first"])]
+        out["first_logits_max_abs_diff"] = max(diffs)
+        out["first_logits_median_max_abs_diff"] = statistics.median(diffs)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: the shipped one)")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--spec", type=int, default=2, help="MTP draft tokens for the spec variant")
+    ap.add_argument("--tp", type=int, nargs="*", default=None, help="default: 2, and 4 if visible")
+    ap.add_argument("--num-pages", type=int, default=2000, help="a fixed KV pool per rank")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: the engine's")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (gloo)")
+    args = ap.parse_args()
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    sizes = args.tp or [n for n in (2, 4) if n <= gpus]
+    device_name = torch.cuda.get_device_name() if gpus else args.device
+    rng = random.Random(args.seed)
+    prompts = [_text(rng, rng.randint(40, 4000)) for _ in range(args.prompts)]
+    mc = ModelConfig.from_pretrained(args.model) if args.model else None
+    has_mtp = mc is None or mc.num_nextn_predict_layers > 0
+    runs = {"tp1": run("tp1", {}, prompts, args, margins=True)}
+    rows = []
+    for n in sizes:
+        runs[f"tp{n}"] = run(f"tp{n}", {"tensor_parallel_size": n}, prompts, args, False)
+        rows.append(compare(runs[f"tp{n}"], runs["tp1"]))
+    if 2 in sizes:
+        eager = {"tensor_parallel_size": 2, "cuda_graph": False, "piecewise_cuda_graph": False}
+        rows.append(compare(run("tp2_eager", eager, prompts, args, False), runs["tp2"]))
+        if has_mtp and args.spec:
+            spec = {"tensor_parallel_size": 2, "num_speculative_tokens": args.spec}
+            rows.append(
+                compare(run(f"tp2_mtp{args.spec}", spec, prompts, args, False), runs["tp2"])
+            )
+    print(f"model {args.model or 'default'} ({args.load_format}), {device_name}"
+          f" x{gpus}, {args.prompts} prompts x {args.max_tokens} tokens, greedy")  # fmt: skip
+    print(f"{'variant':>10} {'vs':>5} {'identical':>10} {'first part (min/med)':>21} "
+          f"{'max gap there':>13} {'logits max|d|':>13} {'replays':>8} {'s':>6}")  # fmt: skip
+    for r in rows:
+        fd = r["first_divergence"]
+        where = f"{fd[0]}/{statistics.median(fd):.0f}" if fd else "-"
+        gap = f"{max(r['ref_top1_top2_gap_there']):.3f}" if r["ref_top1_top2_gap_there"] else "-"
+        lg = r.get("first_logits_max_abs_diff")
+        print(f"{r['variant']:>10} {r['reference']:>5} {r['identical']:>4}/{r['of']:<3} "
+              f"({r['identical_pct']:5.1f}%) {where:>14} {gap:>13} "
+              f"{'-' if lg is None else f'{lg:.3g}':>13} {r['graph_replays']:>8} {r['s']:>6}")  # fmt: skip
+    print(json.dumps({
+        "bench": "tp_agreement", "model": args.model or "default", "load_format": args.load_format,
+        "device": device_name, "gpus": gpus, "prompts": args.prompts,
+        "max_tokens": args.max_tokens, "tp1_s": runs["tp1"]["s"], "rows": rows,
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
