@@ -201,7 +201,7 @@ class CustomAllReduce:
             import torch.distributed._symmetric_memory as symm_mem
 
             buffer = symm_mem.empty(plan.max_bytes, dtype=torch.uint8, device=device)
-            symm_mem.rendezvous(buffer, group)
+            symm_mem.rendezvous(buffer, group.group_name)  # the name: every torch 2.x takes it
         except Exception as exc:  # allocation or rendezvous failed on this rank
             reason = f"symmetric buffer of {plan.max_bytes} bytes: {type(exc).__name__}: {exc}"
         if reason := agree_on_reason(reason, "a peer's symmetric buffer failed", group, device):
