@@ -45,7 +45,10 @@ ULPS = 4.0  # up to 8 ranks: a few roundings apart at most
 
 
 def _time_graph(fn: Any, x: torch.Tensor, calls: int, reps: int) -> float:
-    """us per call: `calls` calls of fn(x) in one CUDA graph, median over `reps` replays."""
+    """us per call: `calls` calls of fn(x) in one CUDA graph, median over `reps` replays, each
+    started after a barrier (the ranks' replays start together: skew is not timed)."""
+    import torch.distributed as dist
+
     for _ in range(3):
         fn(x)
     torch.cuda.synchronize()
@@ -58,6 +61,7 @@ def _time_graph(fn: Any, x: torch.Tensor, calls: int, reps: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
+        dist.barrier()
         start.record()
         graph.replay()
         end.record()

@@ -249,7 +249,7 @@ def main() -> None:
     import all_reduce
     import torch
 
-    ar = all_reduce.measure(args.tp, [HIDDEN], args.batch_sizes)
+    ar = all_reduce.measure(args.tp, [HIDDEN], sorted({1, *args.batch_sizes}))  # 1: the fit
     ar_by_bs = {r["bs"]: r for r in ar["rows"]}
     deep = child_run(args, args.layers)
     shallow = child_run(args, args.fit_layers) if args.fit_layers else None

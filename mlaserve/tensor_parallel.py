@@ -16,8 +16,8 @@ here sets an NCCL option (NVLink multicast stays off: the machines set `NCCL_NVL
 On CUDA, `init_tensor_parallel` also sets up the custom all-reduce (custom_all_reduce.py: torch
 symmetric memory's one-shot / two-shot kernels for decode sizes, chosen by measured byte
 thresholds); `all_reduce` gives it the CUDA tensors it takes and NCCL the rest. Where symmetric
-memory is unavailable every size goes to NCCL (the reason is logged). Every collective here is
-capturable in a CUDA graph on CUDA (NCCL's and the custom one's).
+memory is unavailable every size goes to NCCL (the reason is logged). Both paths can be captured
+in a CUDA graph (tests/test_custom_all_reduce_gpu.py replays them against NCCL).
 
 Imports only custom_all_reduce.py and switches.py from mlaserve, so every layer from config/ up
 may hold a `TensorParallel`.
