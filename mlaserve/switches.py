@@ -19,6 +19,8 @@ __all__ = [
     "SWITCHES",
     "Switch",
     "SwitchError",
+    "all_reduce_one_shot_max_bytes",
+    "all_reduce_two_shot_max_bytes",
     "decode_prologue",
     "fused_ops",
     "fused_routing",
@@ -138,6 +140,22 @@ SWITCHES: tuple[Switch, ...] = (
         "one fresh prompt's prefill replays as one CUDA graph, attention included; 0: the pieces",
         "graph_runner/piecewise_graph_runner.py",
     ),
+    Switch(
+        "MLASERVE_ALL_REDUCE_ONE_SHOT_MAX_BYTES",
+        "int",
+        "measured, per GPU count (`MEASURED_PLANS`)",
+        "bytes up to which a tensor-parallel all-reduce of a CUDA tensor takes symmetric "
+        "memory's one-shot kernel (0: never); read when the group starts",
+        "custom_all_reduce.py",
+    ),
+    Switch(
+        "MLASERVE_ALL_REDUCE_TWO_SHOT_MAX_BYTES",
+        "int",
+        "measured, per GPU count (`MEASURED_PLANS`)",
+        "then up to this many bytes its two-shot kernel (0: never); past both NCCL (both 0: "
+        "NCCL only)",
+        "custom_all_reduce.py",
+    ),
 )
 
 
@@ -215,3 +233,13 @@ def joined_q() -> bool:
 def one_graph_prefill() -> bool:
     """`MLASERVE_ONE_GRAPH_PREFILL`: one fresh prompt's prefill as one CUDA graph."""
     return _bool("MLASERVE_ONE_GRAPH_PREFILL")
+
+
+def all_reduce_one_shot_max_bytes(default: int) -> int:
+    """`MLASERVE_ALL_REDUCE_ONE_SHOT_MAX_BYTES`, else the measured `default`."""
+    return _int("MLASERVE_ALL_REDUCE_ONE_SHOT_MAX_BYTES", default)
+
+
+def all_reduce_two_shot_max_bytes(default: int) -> int:
+    """`MLASERVE_ALL_REDUCE_TWO_SHOT_MAX_BYTES`, else the measured `default`."""
+    return _int("MLASERVE_ALL_REDUCE_TWO_SHOT_MAX_BYTES", default)

@@ -13,10 +13,14 @@ no torch.distributed call, so one-GPU serving never initialises torch.distribute
 
 torch.distributed underneath: gloo on CPU (the CI tests), NCCL on CUDA; the same calls. Nothing
 here sets an NCCL option (NVLink multicast stays off: the machines set `NCCL_NVLS_ENABLE=0`).
-Eager only for now: the custom all-reduce for decode sizes and the collectives inside CUDA
-graphs are the next slices of issue 42.
+On CUDA, `init_tensor_parallel` also sets up the custom all-reduce (custom_all_reduce.py: torch
+symmetric memory's one-shot / two-shot kernels for decode sizes, chosen by measured byte
+thresholds); `all_reduce` gives it the CUDA tensors it takes and NCCL the rest. Where symmetric
+memory is unavailable every size goes to NCCL (the reason is logged). Both paths can be captured
+in a CUDA graph (tests/test_custom_all_reduce_gpu.py replays them against NCCL).
 
-A leaf: nothing from mlaserve, so every layer from config/ up may hold a `TensorParallel`.
+Imports only custom_all_reduce.py and switches.py from mlaserve, so every layer from config/ up
+may hold a `TensorParallel`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from mlaserve.custom_all_reduce import CustomAllReduce
 
 __all__ = [
     "NO_TP",
@@ -41,11 +47,13 @@ __all__ = [
 @dataclass(frozen=True)
 class TensorParallel:
     """This process's place in the tensor-parallel group: `rank` of `size`, over `group` (a
-    torch.distributed ProcessGroup; None: the default group). Compared by rank and size only."""
+    torch.distributed ProcessGroup; None: the default group), and the group's custom all-reduce
+    (None: NCCL / gloo for every size). Compared by rank and size only."""
 
     rank: int = 0
     size: int = 1
     group: Any = field(default=None, compare=False, repr=False)
+    custom: CustomAllReduce | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -79,12 +87,15 @@ def _check_initialized(tp: TensorParallel) -> None:
 
 
 def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """Sum of `x` over the TP ranks, on every rank (same shape and dtype). Reduces in place
-    when `x` is contiguous (the callers' partial sums are fresh GEMM outputs, read only through
-    the result): no extra buffer. Identity on one rank."""
+    """Sum of `x` over the TP ranks, on every rank (same shape and dtype); callers read it only
+    through the result. A CUDA tensor the custom all-reduce takes (decode sizes) comes back as a
+    new tensor; otherwise NCCL / gloo reduce in place when `x` is contiguous (the callers'
+    partial sums are fresh GEMM outputs): no extra buffer. Identity on one rank."""
     if tp.size == 1:
         return x
     _check_initialized(tp)
+    if tp.custom is not None and tp.custom.handles(x):
+        return tp.custom.all_reduce(x)
     x = x.contiguous()
     dist.all_reduce(x, op=dist.ReduceOp.SUM, group=tp.group)
     return x
@@ -127,7 +138,9 @@ def init_tensor_parallel(
     """Join the default process group as `rank` of `size` (every process calls this) and return
     its `TensorParallel` over it. `backend`: "gloo" (CPU) or "nccl" (CUDA); `init_method`: a
     "tcp://host:port" or "file://path" rendezvous. `timeout_s` bounds every collective, so a
-    rank that dies makes the others raise instead of hang."""
+    rank that dies makes the others raise instead of hang. With "nccl" the caller has set this
+    rank's device (`torch.cuda.set_device`) first: the custom all-reduce's symmetric buffer is
+    made there (a collective over the group; None and NCCL alone where it cannot be)."""
     from datetime import timedelta
 
     if size == 1:
@@ -139,10 +152,17 @@ def init_tensor_parallel(
         world_size=size,
         timeout=timedelta(seconds=timeout_s),
     )
-    return TensorParallel(rank, size, dist.group.WORLD)
+    group = dist.group.WORLD
+    custom = None
+    if backend == "nccl":
+        custom = CustomAllReduce.create(group, torch.device("cuda", torch.cuda.current_device()))
+    return TensorParallel(rank, size, group, custom)
 
 
 def destroy_tensor_parallel(tp: TensorParallel) -> None:
-    """Leave the process group `init_tensor_parallel` joined (nothing for one rank)."""
+    """Drop the custom all-reduce's buffer and leave the process group `init_tensor_parallel`
+    joined (nothing for one rank)."""
+    if tp.custom is not None:
+        tp.custom.close()
     if tp.size > 1 and dist.is_initialized():
         dist.destroy_process_group()

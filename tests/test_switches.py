@@ -32,6 +32,8 @@ INT_READERS = {
     "MLASERVE_MOE_DECODE_MAX_TOKENS": lambda: switches.moe_decode_max_tokens(7),
     "MLASERVE_MOE_GROUPED_MAX_TOKENS": lambda: switches.moe_grouped_max_tokens(7),
     "MLASERVE_MLA_DECODE_ROWS": lambda: switches.mla_decode_rows(7),
+    "MLASERVE_ALL_REDUCE_ONE_SHOT_MAX_BYTES": lambda: switches.all_reduce_one_shot_max_bytes(7),
+    "MLASERVE_ALL_REDUCE_TWO_SHOT_MAX_BYTES": lambda: switches.all_reduce_two_shot_max_bytes(7),
 }
 BOOL_READERS = {
     "MLASERVE_PDL": switches.pdl,
@@ -134,6 +136,8 @@ def test_defaults_match_the_table(monkeypatch) -> None:
     for name in ("MLASERVE_MOE_DECODE_MAX_TOKENS", "MLASERVE_MOE_GROUPED_MAX_TOKENS"):
         assert INT_READERS[name]() == 7, name
     assert switches.mla_decode_rows(4) == 4
+    assert switches.all_reduce_one_shot_max_bytes(16) == 16
+    assert switches.all_reduce_two_shot_max_bytes(32) == 32
     quoted = 0
     for switch in SWITCHES:
         module = None

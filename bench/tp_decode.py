@@ -1,0 +1,295 @@
+"""Decode step under tensor parallelism on a DeepSeek-V3-width model at reduced depth, FP8 block
+weights from `--load-format dummy`, against its floor; and the 61-layer V3 TPOT it implies.
+
+    python3 bench/tp_decode.py --tp 4                      # 1 dense + 7 MoE layers, eager steps
+    python3 bench/tp_decode.py --tp 2 --batch-sizes 1 8 --fit-layers 0
+    python3 bench/tp_decode.py --tp 4 --graphs             # graphed steps, once TP captures graphs
+
+The model: V3's config (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, qk_nope 128, rope 64,
+v 128, 256 routed experts top-8 in 8 groups (top 4) + 1 shared, moe_intermediate 2048, dense
+intermediate 18432, vocab 129280, FP8 128x128 blocks) with `--layers` layers, the first dense,
+written as config.json + the default model's tokenizer files into a temporary folder; weights
+random on each rank's GPU (model/dummy_weights.py). Served as `LLM(..., tensor_parallel_size=N,
+load_format="dummy")`: rank 0 here, ranks 1..N-1 its worker processes (engine/tp_workers.py).
+
+Measured, in this order, on the same GPUs:
+1. the all-reduce of [bs, 7168] bf16 at each batch size, NCCL / one-shot / two-shot / the
+   engine's choice, in CUDA graphs (bench/all_reduce.py's `measure`, its own N processes);
+2. per depth (`--layers`, then `--fit-layers`), in a fresh process (a fresh process group): the
+   device copy bandwidth on cuda:0, then for each batch size `bs` requests whose `--context`
+   tokens of KV are taken as computed (bench/decode.py's `fake_prefill`: pages allocated, KV left
+   as the pool holds it; a decode step reads the same bytes whatever the values) decode through
+   `LLMEngine.step()`; step = wall time per step, median of `--rounds` runs of `--steps` steps;
+   the all-reduces of one step are counted from a torch.profiler trace of a step on rank 0
+   (kernels named AllReduce / all_reduce: NCCL's and symmetric memory's).
+
+Floor per step = rank 0's bytes (bench/decode.py's `floor_ms`: every non-expert weight of this
+rank once, the routed experts bs tokens touch in expectation under uniform routing, this rank's
+KV read; the embedding table left out) / copy bandwidth + the step's all-reduce count x the best
+all-reduce time at that size (the fastest of NCCL, one-shot, two-shot in step 1). The LM head's
+all-gather of the logits is not in the floor.
+
+Extrapolation to V3's 61 layers at bs 1, from the two depths L (`--layers`) and F
+(`--fit-layers`, default 2: 1 dense + 1 MoE): per layer p = (step_L - step_F) / (L - F); fixed
+parts (embedding, LM head, sampling, the step's host work) = step_F - F p; V3 = fixed + 61 p.
+V3's 3 dense layers count as MoE layers: at bs 1 a dense MLP (3 x 7168 x 18432) reads the same
+bytes as the 8 routed + 1 shared experts a token uses (9 x 3 x 7168 x 2048). The floor is
+extrapolated the same way. A time model only: 61 layers at TP N < 8 do not fit in memory.
+
+CUDA graphs: with TP > 1 this tree still runs eagerly (config/engine_config.py refuses graphs);
+the default measures eager steps, so the host's launch time is in them. `--graphs` asks for
+graphed steps and exits with the engine's refusal until graphs under TP land.
+
+Prints a table, the extrapolation with its method, and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+V3_LAYERS = 61
+HIDDEN = 7168
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+V3_WIDTH = {
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "vocab_size": 129280,
+    "hidden_size": HIDDEN,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "n_group": 8,
+    "topk_group": 4,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 163840,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "quantization_config": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    },
+}
+
+
+def write_model(folder: Path, layers: int) -> Path:
+    """config.json (V3's width, `layers` layers) and the default model's tokenizer files."""
+    from mlaserve.config import default_model_path
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**V3_WIDTH, "num_hidden_layers": layers}))
+    for name in TOKENIZER_FILES:
+        shutil.copy(default_model_path() / name, folder)
+    return folder
+
+
+def count_all_reduces(llm: Any) -> int:
+    """All-reduce kernels in one engine step on rank 0 (NCCL's AllReduce, symmetric memory's
+    one_shot / two_shot_all_reduce), from a torch.profiler trace."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.engine.step()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return sum("allreduce" in name.lower().replace("_", "") for name in names)
+
+
+def run_depth(args: argparse.Namespace) -> dict[str, Any]:
+    """One depth, in this (child) process: the model served with TP N, every batch size."""
+    import decode
+    import torch
+
+    from mlaserve import LLM
+    from mlaserve.config import ConfigError
+
+    bandwidth = decode.copy_bandwidth(torch.device("cuda", 0))
+    new_tokens = args.rounds * (args.steps + 2) + 8  # every timed step, warm-ups, the profile
+    with tempfile.TemporaryDirectory(prefix="tp-decode-v3-") as tmp:
+        folder = write_model(Path(tmp), args.layers)
+        try:
+            llm = LLM(
+                str(folder),
+                load_format="dummy",
+                tensor_parallel_size=args.tp,
+                cuda_graph=args.graphs,
+                kv_cache_dtype="fp8_e4m3",
+                max_num_seqs=max(args.batch_sizes),
+                max_model_len=args.context + new_tokens + 16,
+                max_num_batched_tokens=max(2048, max(args.batch_sizes)),
+            )
+        except ConfigError as exc:
+            raise SystemExit(f"the engine refuses this run (--graphs needs CUDA graphs under "
+                             f"tensor parallelism, not in this tree yet?): {exc}") from exc  # fmt: skip
+        try:
+            return _time_batch_sizes(llm, args, bandwidth, new_tokens)
+        finally:
+            llm.shutdown()
+
+
+def _time_batch_sizes(llm: Any, args: argparse.Namespace, bandwidth: float,
+                      new_tokens: int) -> dict[str, Any]:  # fmt: skip
+    import decode
+
+    engine = llm.engine
+    rows = []
+    for bs in args.batch_sizes:
+        decode.fake_prefill(llm, bs, args.context, new_tokens=new_tokens)
+        steps = [decode.time_steps(llm, args.steps) for _ in range(args.rounds)]
+        all_reduces = count_all_reduces(llm)
+        decode.finish_all(llm)
+        rows.append(
+            {
+                "bs": bs,
+                "step_ms": statistics.median(steps),
+                "step_ms_range": [min(steps), max(steps)],
+                "all_reduces": all_reduces,
+                "bytes_floor_ms": decode.floor_ms(
+                    llm, bs, args.context, bandwidth, upper_bound=False
+                ),
+            }
+        )
+        print(json.dumps({"layers": args.layers, **rows[-1]}), flush=True)
+    dense, per_expert, moe_layers = decode.weight_bytes(llm)
+    return {
+        "layers": args.layers,
+        "graphs": bool(engine.graphs.batch_sizes) and engine.graphs.enabled,
+        "backend": engine.runner.attn_backend.name,
+        "copy_bandwidth_tbs": bandwidth / 1e12,
+        "rank0_nonexpert_bytes": dense,
+        "rank0_bytes_per_routed_expert": per_expert,
+        "moe_layers": moe_layers,
+        "kv_bytes_per_token": engine.runner.kv_pool.bytes_per_token,
+        "rows": rows,
+    }
+
+
+def child_run(args: argparse.Namespace, layers: int) -> dict[str, Any]:
+    """`run_depth` at `layers` in a fresh Python process; its result."""
+    with tempfile.TemporaryDirectory(prefix="tp-decode-out-") as tmp:
+        out = Path(tmp) / "depth.json"
+        cmd = [sys.executable, __file__, "--child", str(out), "--tp", str(args.tp),
+               "--layers", str(layers), "--context", str(args.context), "--steps",
+               str(args.steps), "--rounds", str(args.rounds), "--batch-sizes",
+               *map(str, args.batch_sizes if layers == args.layers else [1])]  # fmt: skip
+        if args.graphs:
+            cmd.append("--graphs")
+        subprocess.run(cmd, check=True)
+        return json.loads(out.read_text())
+
+
+def extrapolate(deep: dict, shallow: dict, key: str) -> dict[str, float]:
+    """V3's 61 layers at bs 1 from two depths' `key` (ms): per layer, fixed parts, total."""
+    big = next(r for r in deep["rows"] if r["bs"] == 1)[key]
+    small = next(r for r in shallow["rows"] if r["bs"] == 1)[key]
+    per_layer = (big - small) / (deep["layers"] - shallow["layers"])
+    fixed = small - shallow["layers"] * per_layer
+    return {"per_layer_ms": per_layer, "fixed_ms": fixed, "v3_ms": fixed + V3_LAYERS * per_layer}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tp", type=int, required=True, help="tensor-parallel size (GPUs)")
+    ap.add_argument("--layers", type=int, default=8, help="layers, the first dense (default 8)")
+    ap.add_argument("--fit-layers", type=int, default=2,
+                    help="second depth for the 61-layer extrapolation (0: none)")  # fmt: skip
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128])
+    ap.add_argument("--context", type=int, default=1024, help="tokens of KV per sequence")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--graphs", action="store_true", help="graphed steps (needs graphs under TP)")
+    ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # internal: one depth's run
+    args = ap.parse_args()
+    if args.child:
+        args.child.write_text(json.dumps(run_depth(args)))
+        return
+    if args.fit_layers and not 1 <= args.fit_layers < args.layers:
+        raise SystemExit(f"--fit-layers {args.fit_layers}: must be in [1, --layers)")
+    import all_reduce
+    import torch
+
+    ar = all_reduce.measure(args.tp, [HIDDEN], sorted({1, *args.batch_sizes}))  # 1: the fit
+    ar_by_bs = {r["bs"]: r for r in ar["rows"]}
+    deep = child_run(args, args.layers)
+    shallow = child_run(args, args.fit_layers) if args.fit_layers else None
+    for depth in filter(None, (deep, shallow)):
+        for r in depth["rows"]:
+            best = ar_by_bs[r["bs"]]["best_us"]
+            r["all_reduce_best_us"] = best
+            r["all_reduce_chosen"] = ar_by_bs[r["bs"]]["chosen"]
+            r["floor_ms"] = r["bytes_floor_ms"] + r["all_reduces"] * best / 1e3
+            r["step_vs_floor"] = r["step_ms"] / r["floor_ms"]
+    mode = "graphed" if deep["graphs"] else "eager (CUDA graphs under TP not in this tree)"
+    print(f"\ndevice: {args.tp} x {torch.cuda.get_device_name()}  V3 width, {args.layers} layers "
+          f"(1 dense), FP8 block weights (dummy), KV fp8, ctx {args.context}, steps {mode}, "
+          f"backend {deep['backend']}, copy BW {deep['copy_bandwidth_tbs']:.2f} TB/s")  # fmt: skip
+    print(f"{'bs':>4} {'step ms':>8} {'bytes ms':>8} {'ARs':>4} {'AR us':>6} {'AR path':>8} "
+          f"{'floor ms':>8} {'step/floor':>10}")  # fmt: skip
+    for r in deep["rows"]:
+        print(f"{r['bs']:>4} {r['step_ms']:>8.3f} {r['bytes_floor_ms']:>8.3f} "
+              f"{r['all_reduces']:>4} {r['all_reduce_best_us']:>6.1f} "
+              f"{r['all_reduce_chosen']:>8} {r['floor_ms']:>8.3f} {r['step_vs_floor']:>10.2f}")  # fmt: skip
+    summary: dict[str, Any] = {
+        "bench": "tp_decode",
+        "device": torch.cuda.get_device_name(),
+        "tp": args.tp,
+        "steps": "graphed" if deep["graphs"] else "eager",
+        "context": args.context,
+        "all_reduce": ar,
+        "depths": [d for d in (deep, shallow) if d],
+    }
+    if shallow and 1 in args.batch_sizes:
+        step, floor = extrapolate(deep, shallow, "step_ms"), extrapolate(deep, shallow, "floor_ms")
+        summary["v3_61_layers_bs1"] = {"step": step, "floor": floor}
+        print(f"\nV3, 61 layers, TP {args.tp}, bs 1 (a time model: per layer from {args.layers} - "
+              f"{args.fit_layers} layers, fixed = step_{args.fit_layers} - {args.fit_layers} x "
+              f"per layer, V3 = fixed + 61 x per layer; dense layers counted as MoE ones):")  # fmt: skip
+        print(f"  TPOT {step['v3_ms']:.2f} ms ({step['per_layer_ms']:.3f} ms/layer, fixed "
+              f"{step['fixed_ms']:.2f} ms); floor {floor['v3_ms']:.2f} ms "
+              f"({floor['per_layer_ms']:.3f} ms/layer); TensorRT-LLM, 8 x H200 with MTP: 6.3 ms")  # fmt: skip
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The tensor-parallel benchmarks' own arithmetic, on the CPU (bench/all_reduce.py,
+bench/tp_decode.py; their GPU runs are the lead's): the plan a run's timings imply, on issue
+42's timings, is the one mlaserve ships; the 61-layer extrapolation recovers a linear model;
+the V3-width config the decode bench writes parses as V3 with FP8 blocks and splits over 2 and
+4 ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.all_reduce import implied_plan
+from bench.tp_decode import V3_LAYERS, extrapolate, write_model
+from mlaserve.config import ModelConfig
+from mlaserve.custom_all_reduce import MEASURED_PLANS
+from mlaserve.tensor_parallel import TensorParallel
+
+# Issue 42's table (nvidia-h200-x4, us per call in a graph of 50): bs -> (NCCL, 1-shot, 2-shot)
+ISSUE_42 = {
+    2: {1: (11.5, 6.6, 6.5), 8: (11.6, 7.4, 7.1), 32: (13.2, 9.4, 7.5), 64: (17.7, 12.2, 10.0),
+        256: (36.4, 27.3, 17.9)},
+    4: {1: (16.6, 7.4, 7.0), 8: (15.9, 8.9, 9.6), 32: (19.6, 13.1, 9.4), 64: (23.4, 16.9, 12.1),
+        256: (44.1, 43.6, 26.3)},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("gpus", sorted(ISSUE_42))
+def test_the_shipped_plans_are_what_the_issue_42_timings_imply(gpus: int) -> None:
+    rows = [
+        {"bytes": bs * 7168 * 2, "nccl_us": n, "one_shot_us": one, "two_shot_us": two,
+         "best_us": min(n, one, two)}
+        for bs, (n, one, two) in ISSUE_42[gpus].items()
+    ]  # fmt: skip
+    plan = implied_plan(rows)
+    assert plan == {
+        "one_shot_max_bytes": MEASURED_PLANS[gpus].one_shot_max_bytes,
+        "two_shot_max_bytes": MEASURED_PLANS[gpus].two_shot_max_bytes,
+    }
+
+
+def test_implied_plan_without_a_custom_win_is_nccl_only() -> None:
+    rows = [{"bytes": 16 << k, "nccl_us": 5.0, "one_shot_us": 6.0, "two_shot_us": 7.0,
+             "best_us": 5.0} for k in range(4)]  # fmt: skip
+    assert implied_plan(rows) == {"one_shot_max_bytes": 0, "two_shot_max_bytes": 0}
+
+
+def test_extrapolation_recovers_a_linear_model() -> None:
+    fixed, per_layer = 1.5, 0.25  # ms
+
+    def depth(layers: int) -> dict:
+        return {"layers": layers, "rows": [{"bs": 1, "step_ms": fixed + layers * per_layer},
+                                           {"bs": 8, "step_ms": 99.0}]}  # fmt: skip
+
+    got = extrapolate(depth(8), depth(2), "step_ms")
+    assert got["per_layer_ms"] == pytest.approx(per_layer)
+    assert got["fixed_ms"] == pytest.approx(fixed)
+    assert got["v3_ms"] == pytest.approx(fixed + V3_LAYERS * per_layer)
+
+
+def test_the_v3_width_config_parses_and_splits(tmp_path: Path) -> None:
+    mc = ModelConfig.from_pretrained(write_model(tmp_path, 8))
+    assert (mc.hidden_size, mc.num_attention_heads, mc.q_lora_rank, mc.kv_lora_rank) == (
+        7168, 128, 1536, 512,
+    )  # fmt: skip
+    assert (mc.n_routed_experts, mc.num_experts_per_tok, mc.n_shared_experts) == (256, 8, 1)
+    assert (mc.moe_intermediate_size, mc.intermediate_size, mc.vocab_size) == (2048, 18432, 129280)
+    assert mc.num_hidden_layers == 8 and mc.is_moe_layer(1) and not mc.is_moe_layer(0)
+    assert mc.quantization is not None and mc.quantization.weight_block_size == (128, 128)
+    for n in (2, 4):
+        tp = TensorParallel(0, n)
+        assert tp.split(mc.num_attention_heads, "heads") == 128 // n
+        assert tp.split(mc.moe_intermediate_size, "moe_intermediate") % 128 == 0  # FP8 blocks
+        assert tp.split(mc.intermediate_size, "intermediate") % 128 == 0
+        assert (tp.split(mc.num_attention_heads, "heads") * mc.v_head_dim) % 128 == 0  # o_proj
