@@ -11,6 +11,7 @@ request asked) reads those back too.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
@@ -55,6 +56,8 @@ class ModelRunner:
         """`tp`: this process's rank of the tensor-parallel group (`engine/tp_workers.py`);
         `control_group`: that group's gloo side, where the ranks agree on the KV pool's size."""
         self.config = config
+        # `--enable-expert-parallel`: the MoE layers place whole experts per rank of this group.
+        tp = dataclasses.replace(tp, expert_parallel=config.enable_expert_parallel)
         self.tp = tp
         # Rank 0 under TP > 1: each step's batch goes to the other ranks (`make_batch`).
         self.step_sender: StepSender | None = None
@@ -91,6 +94,11 @@ class ModelRunner:
                 f"backend {backend_name!r}'s max_uniform_q_len {backend_cls.max_uniform_q_len}"
             )
 
+        # This process's device memory before its weights: what it allocates outside torch's
+        # allocator (NCCL's buffers) counts against --gpu-memory-utilization too.
+        self._free_at_start = (
+            torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        )
         logger.info(
             "loading weights from %s (%s on %s, load format %s)",
             config.model_path, self.dtype, self.device, config.load_format,
@@ -114,6 +122,10 @@ class ModelRunner:
                     f"{model_config.num_hidden_layers}.*), and {config.model_path} has none"
                 )
             self.num_kv_layers += model_config.num_nextn_predict_layers
+        if tp.size > 1 and self.device.type == "cuda":
+            # NCCL makes its communicator and buffers at the first collective: make them now, so
+            # that the KV pool is sized from what is left after them.
+            tp.all_reduce(torch.zeros(1, device=self.device))
         self.num_pages = self._decide_num_pages()
         if tp.size > 1:  # every rank's pool holds the same pages: the smallest budget wins
             self.num_pages = _agree_min(self.num_pages, control_group)
@@ -194,12 +206,15 @@ class ModelRunner:
 
     def _budget_within_share(self, free: int, total: int) -> int:
         """KV bytes under vLLM's --gpu-memory-utilization: this process may hold
-        `utilization * total` bytes in all; the weights (and whatever else it holds now) come
-        off first, and the KV cache takes kv_cache_memory_fraction of the rest, leaving the
-        remainder for activations and CUDA graphs. Never more than is actually free."""
+        `utilization * total` bytes in all; the weights (and whatever else it holds now: NCCL's
+        buffers, outside torch's allocator, show in the free memory it has used since it
+        started) come off first, and the KV cache takes kv_cache_memory_fraction of the rest,
+        leaving the remainder for activations and CUDA graphs (captured after the pool). Per
+        GPU: under TP each rank sizes its own, and the ranks take the smallest. Never more than
+        is actually free."""
         cfg = self.config
         share = int(cfg.gpu_memory_utilization * total)
-        held = torch.cuda.memory_reserved(self.device)
+        held = max(torch.cuda.memory_reserved(self.device), self._free_at_start - free)
         if held >= share:
             raise ConfigError(
                 f"gpu_memory_utilization: {cfg.gpu_memory_utilization} of {total / 2**30:.1f} GiB "

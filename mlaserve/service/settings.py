@@ -166,6 +166,9 @@ _HELP = {
     "tensor_parallel_size": "-tp N: shard the model over N processes, one per GPU (cuda:0..N-1; "
     "on cpu, all on the CPU over gloo), started by the engine; N divides the attention heads. "
     "N > 1 runs eagerly and synchronously for now (no CUDA graphs, overlap or speculation)",
+    "enable_expert_parallel": "with -tp N > 1: each rank holds whole routed experts (N must "
+    "divide them) instead of a slice of every expert; attention, the router and the shared "
+    "experts stay tensor-parallel, one all-reduce per MoE layer as under TP (vLLM's flag)",
     "max_logprobs": f"most logprobs (completions) / top_logprobs (chat) a request may ask for "
     f"(at most {MAX_LOGPROBS})",
     "chat_template": "chat template: a Jinja file, or the template itself; default: the "

@@ -19,6 +19,16 @@ their limits are the module constants below. A/B switches (README, "Switches"):
 `MLASERVE_SHARED_OVERLAP`. Called by a decoder layer
 (`combine=False`), the kernel paths return per-slot partials (`MoePartials`) and the sorted path
 its expert rows (`SortedExpertRows`), for the next residual-add + RMSNorm to combine.
+
+Under tensor parallelism every routed and shared expert is split along its intermediate dim and
+the layer all-reduces routed + shared partial sums once. Expert parallelism
+(`--enable-expert-parallel`, `TensorParallel.expert_parallel`) keeps whole routed experts per
+rank (E / tp each, `moe_expert_weights.py`) over the same group, as SGLang and vLLM run EP over
+the TP group without an all-to-all: the router is replicated, each rank computes its experts'
+share of every token, the shared experts stay tensor-parallel, and the same single all-reduce sums
+it all. Under EP every token count takes the sorted path (its other-rank bin skips the GEMMs):
+the decode and grouped kernels index every routed id into the local stack, and would need to
+skip other ranks' experts first.
 """
 
 from __future__ import annotations
@@ -125,6 +135,9 @@ class DeepseekMoE(nn.Module):
         """Hand the loaded weights to the decode kernels (views, no copies) where they run."""
         weight = self.experts.gate_up_proj
         if not fused_ops_enabled(weight.device) or weight.dtype == torch.float32:
+            return
+        if self.experts.expert_parallel:  # their ids must be local: the sorted path serves EP
+            logger.info("expert parallel: MoE decode / grouped kernels off, the sorted path runs")
             return
         fp8 = self.experts.quant is not None
         expert_bytes = sum(
