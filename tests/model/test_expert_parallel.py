@@ -174,6 +174,26 @@ def test_tokens_routed_only_to_other_ranks_get_zero() -> None:
     assert (y[:2] == 0).all() and (y[2] != 0).any()
 
 
+def test_fp8_grouped_layout_skips_the_other_rank_bin() -> None:
+    """The FP8 grouped GEMM's block map under EP (what `_forward_sorted` hands the CUDA kernel):
+    every local row sits in a block of its expert, the other-rank bin's rows only in blocks
+    marked -1, which the kernel skips (`fp8_triton.py`)."""
+    m = FusedExperts(8, 128, 128, tp=TensorParallel(1, 2, expert_parallel=True))
+    all_counts = torch.tensor([3, 0, 17, 1, 6], dtype=torch.int32)  # 4 local experts + other
+    layout = m._layout(all_counts, 27)
+    rows = layout.sorted_rows.view(-1, layout.block_m)
+    assert set(layout.block_expert.tolist()) <= {-1, 0, 2, 3}
+    bounds = [0, 3, 3, 20, 21]
+    for block, expert in zip(rows, layout.block_expert.tolist(), strict=True):
+        real = block[block < 27]
+        if expert >= 0:
+            assert ((real >= bounds[expert]) & (real < bounds[expert + 1])).all()
+        else:
+            assert (real >= 21).all()  # only the other ranks' pairs
+    computed = rows[layout.block_expert >= 0]
+    assert sorted(computed[computed < 27].tolist()) == list(range(21))
+
+
 def test_experts_not_divisible_by_ranks_raise(checkpoint: Callable[[str], Path]) -> None:
     with pytest.raises(ValueError, match=r"n_routed_experts .*: 8 is not divisible by .* 3"):
         FusedExperts(8, 64, 32, tp=TensorParallel(0, 3, expert_parallel=True))
@@ -188,3 +208,52 @@ def test_experts_not_divisible_by_ranks_raise(checkpoint: Callable[[str], Path])
     bad = dataclasses.replace(config, n_routed_experts=6, n_group=2, topk_group=1)
     with pytest.raises(ConfigError, match=r"enable_expert_parallel: .*6 routed experts"):
         engine.resolved_tensor_parallel_size(bad)
+
+
+# ----- GPU: the sorted path's other-rank bin on the CUDA kernels, V3-sized experts -----
+
+# bf16 outputs: the whole layer rounds one sum of K products to bf16, the EP ranks two partial
+# sums, then their bf16 sum: within a few bf16 ulps of the output's scale.
+GPU_REL = 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 512])
+def test_ep_ranks_sum_to_the_whole_layer_on_gpu(fp8: bool, num_tokens: int) -> None:
+    """V3's expert shape (H 7168, I 2048, top-8) with 32 experts over 2 EP ranks: the sum of the
+    ranks' outputs equals the whole layer's (sort kernel, grouped_mm or the FP8 grouped GEMM
+    with the other-rank blocks marked -1, the sorted combine)."""
+    e, h, inter, k = 32, 7168, 2048, 8
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    quant = QuantizationConfig() if fp8 else None
+    with torch.device(dev):
+        whole = FusedExperts(e, h, inter, params_dtype=torch.bfloat16, quant=quant)
+        kw = {"params_dtype": torch.bfloat16, "quant": quant}
+        ranks = [TensorParallel(r, 2, expert_parallel=True) for r in range(2)]
+        parts = [FusedExperts(e, h, inter, tp=tp, **kw) for tp in ranks]
+    for name in ("gate_up_proj", "down_proj"):
+        full = getattr(whole, name)
+        w = torch.randn(full.shape, generator=g, device=dev) / 32
+        if fp8:
+            wq, s = quantize_weight_block(w)
+            full.data.copy_(wq)
+            getattr(whole, f"{name}_scale_inv").data.copy_(s)
+        else:
+            full.data.copy_(w)
+        for r, part in enumerate(parts):
+            half = slice(r * e // 2, (r + 1) * e // 2)
+            getattr(part, name).data.copy_(full.data[half])
+            if fp8:
+                scale = getattr(whole, f"{name}_scale_inv").data[half]
+                getattr(part, f"{name}_scale_inv").data.copy_(scale)
+    x = torch.randn(num_tokens, h, generator=g, device=dev).bfloat16()
+    ids = torch.stack([torch.randperm(e, generator=g, device=dev)[:k] for _ in range(num_tokens)])
+    topk_w = torch.rand(num_tokens, k, generator=g, device=dev)
+    expected = whole(x, topk_w, ids).float()
+    got = sum(part(x, topk_w, ids).float() for part in parts)
+    err = ((got - expected).abs().max() / expected.abs().max()).item()
+    print(f"EP2 vs whole, {num_tokens} tokens, {'fp8' if fp8 else 'bf16'}: max_rel {err:.2e}")
+    assert err <= GPU_REL
