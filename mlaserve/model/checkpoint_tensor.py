@@ -39,10 +39,16 @@ __all__ = ["CheckpointTensor", "ReadStats"]
 
 @dataclass
 class ReadStats:
-    """Bytes and tensors read from the checkpoint, summed over every `load`."""
+    """Bytes and tensors read from the checkpoint, summed over every `load`; `seconds`: the
+    whole load's wall time (set by the loader)."""
 
     bytes: int = 0
     reads: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / 1e9 / max(self.seconds, 1e-9)
 
     def add(self, t: torch.Tensor) -> None:
         self.bytes += t.numel() * t.element_size()

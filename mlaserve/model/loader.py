@@ -128,10 +128,12 @@ def load_model(
         model = DeepseekForCausalLM(
             model_config, params_dtype=dtype, tp=tp, with_mtp=with_mtp, quant=quant
         )
+    # What this rank read (None: dummy weights), for the engine's per-rank GB/s line.
+    model.checkpoint_reads = None
     if dummy:
         fill_dummy_weights(model, seed)
     else:
-        load_weights(model, path, index, tp=tp)
+        model.checkpoint_reads = load_weights(model, path, index, tp=tp)
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)  # the fill is asynchronous: time it done
     size = sum(p.nbytes for p in model.parameters())  # tied ones once
@@ -158,10 +160,10 @@ def load_weights(
     index: dict[str, _Entry] | None = None,
     *,
     tp: TensorParallel = NO_TP,
-) -> None:
+) -> ReadStats:
     """Hand every checkpoint tensor to its parameter's weight loader as a `CheckpointTensor`
-    (read: only the slice that loader keeps); raise on anything missing or wrong. Logs this
-    rank's bytes read and GB/s."""
+    (read: only the slice that loader keeps); raise on anything missing or wrong. Logs and
+    returns this rank's bytes read and time."""
     index = _index_checkpoint(path) if index is None else index
     config = model.config
     params = dict(model.named_parameters())
@@ -227,11 +229,10 @@ def load_weights(
                 except ValueError as e:
                     raise WeightLoadError(f"{key} in {file.name}: {e}") from None
                 loaded.add(key)
-    elapsed = time.perf_counter() - start
+    stats.seconds = time.perf_counter() - start
     logger.info(
         "weights: rank %d/%d read %.2f GB of the checkpoint in %.2f s (%.2f GB/s, %d reads)",
-        tp.rank, tp.size, stats.bytes / 1e9, elapsed, stats.bytes / 1e9 / max(elapsed, 1e-9),
-        stats.reads,
+        tp.rank, tp.size, stats.bytes / 1e9, stats.seconds, stats.gb_per_s, stats.reads,
     )  # fmt: skip
 
     for name, source in _MTP_TIED.items():
@@ -254,6 +255,7 @@ def load_weights(
     extra = [k for k in unexpected if not _is_ignorable(k, config)]
     if extra:
         logger.warning("ignoring %d unexpected checkpoint tensors, e.g. %s", len(extra), extra[:5])
+    return stats
 
 
 def _checkpoint_keys(name: str, config: ModelConfig) -> tuple[list[tuple[str, dict]], str | None]:

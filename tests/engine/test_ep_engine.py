@@ -1,6 +1,7 @@
 """`--enable-expert-parallel` through the engine on the CPU: `LLM(..., tensor_parallel_size=2,
 enable_expert_parallel=True)` (rank 1 a worker process, gloo) gives TP1's greedy tokens on the
-default model (8 routed experts, 4 a rank), and each rank's model holds whole experts.
+default model (8 routed experts, 4 a rank), and each rank's model holds whole experts; rank 0
+logs every rank's checkpoint bytes and GB/s.
 
 Check: greedy token ids of 3 prompts x 16 tokens equal TP1's (float32: EP only reorders the sum
 of each token's experts over the ranks, measured max_rel < 1e-6 on the logits in
@@ -11,6 +12,10 @@ intermediate); the CLI takes vLLM's `--enable-expert-parallel`.
 from __future__ import annotations
 
 import gc
+import logging
+import re
+
+import pytest
 
 from mlaserve import LLM, SamplingParams
 from mlaserve.service.cli import build_parser
@@ -27,15 +32,18 @@ def _experts(llm: LLM):  # rank 0's last MoE layer's routed experts
     return llm.engine.runner.model.model.layers[-1].mlp.experts
 
 
-def test_ep2_greedy_equals_tp1() -> None:
+def test_ep2_greedy_equals_tp1(caplog: pytest.LogCaptureFixture) -> None:
     tp1 = LLM(device="cpu")
     want = _ids(tp1)
     whole = _experts(tp1)
     shape = (whole.num_experts, whole.gate_up_proj.shape[1])
     del tp1, whole
     gc.collect()
-    ep2 = LLM(device="cpu", tensor_parallel_size=2, enable_expert_parallel=True)
+    with caplog.at_level(logging.INFO, logger="mlaserve.engine.model_runner"):
+        ep2 = LLM(device="cpu", tensor_parallel_size=2, enable_expert_parallel=True)
     try:
+        # rank 0 logs both ranks' checkpoint reads (each reads its half of the experts)
+        assert re.search(r"weights per rank: rank 0 .* GB/s\), rank 1 .* GB/s\)", caplog.text)
         experts = _experts(ep2)
         assert (experts.num_experts, experts.gate_up_proj.shape[1]) == (shape[0] // 2, shape[1])
         assert experts.expert_parallel and experts.first_expert == 0
