@@ -5,17 +5,18 @@
 Variants: tp1, tp2, ep2 (tp2 + --enable-expert-parallel), tp4, ep4. Every variant runs eagerly
 (no CUDA graphs, no overlap: TP > 1 refuses them for now), in its own process (each starts its
 ranks and frees its GPUs on exit), on the same prompts (bench/soak.py's word mix, 40 to
---prompt-bytes bytes) with the same fixed KV pool. Per variant against tp1: completions identical token for
-token, where the others first part, and over the first 16 prompts the prompt tokens' own
-logprobs |variant - tp1| (median, p99, max: the prefill logits' distance). Load time and each
-rank's GB/s are in the variants' logs ("rank r/N read ... GB/s"). Prints a table and a JSON line.
-Not a test.
+--prompt-bytes bytes) with the same fixed KV pool. Per variant against tp1: completions
+identical token for token, where the others first part, and over the first 16 prompts the
+prompt tokens' own logprobs |variant - tp1| (median, p99, max: the prefill logits' distance).
+Load time is in the table; each rank's GB/s is in the variants' logs ("weights per rank").
+Prints a table and a JSON line. Not a test.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 import subprocess
 import sys
@@ -46,6 +47,9 @@ def run_one(args: argparse.Namespace) -> None:
     """Child process: one variant; writes its token ids and prompt logprobs to --out."""
     from mlaserve import LLM, SamplingParams
 
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    for name in ("mlaserve.engine.model_runner", "mlaserve.model.loader"):  # the GB/s lines
+        logging.getLogger(name).setLevel(logging.INFO)
     t0 = time.time()
     llm = LLM(args.model, num_pages=args.num_pages, **EAGER, **VARIANTS[args.run])
     loaded = time.time() - t0

@@ -134,8 +134,9 @@ class FusedExperts(ExpertWeights):
         combine: bool = True,
     ) -> torch.Tensor | SortedExpertRows:
         """x [T, H]; topk_weights [T, K] fp32; topk_ids [T, K] global expert ids; shared [T, H]
-        (the shared experts' output, added last) or None -> [T, H] (partial under TP). `join`: called
-        before `shared` is first read (it is still being computed on another stream).
+        (the shared experts' output, added last) or None -> [T, H] (partial under TP or EP).
+        `join`: called before `shared` is first read (it is still being computed on another
+        stream).
         `combine=False`: the sorted path's fused kernels may return the rows uncombined
         (`SortedExpertRows`), for the next norm to combine in its launch."""
         join = join or _no_join
