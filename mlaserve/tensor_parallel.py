@@ -48,12 +48,16 @@ __all__ = [
 class TensorParallel:
     """This process's place in the tensor-parallel group: `rank` of `size`, over `group` (a
     torch.distributed ProcessGroup; None: the default group), and the group's custom all-reduce
-    (None: NCCL / gloo for every size). Compared by rank and size only."""
+    (None: NCCL / gloo for every size). Compared by rank, size and `expert_parallel` only.
+    `expert_parallel` (`--enable-expert-parallel`): the MoE layers keep
+    whole routed experts per rank over this group instead of splitting each (`model/layers/moe.py`);
+    the collectives are the same."""
 
     rank: int = 0
     size: int = 1
     group: Any = field(default=None, compare=False, repr=False)
     custom: CustomAllReduce | None = field(default=None, compare=False, repr=False)
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:

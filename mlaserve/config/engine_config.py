@@ -113,6 +113,11 @@ class EngineConfig:
     # fixed-order kernels (`ops/invariant_*.py`) and the `invariant` attention backend, which it
     # selects. Slower (README, "Deterministic inference"); one rank only.
     deterministic_inference: bool = False
+    # vLLM's --enable-expert-parallel: with tensor_parallel_size N > 1 each rank holds whole
+    # routed experts (n_routed_experts / N of them, which must divide) instead of a 1/N slice of
+    # every expert; the router, attention and shared experts stay as under TP, and the MoE's
+    # all-reduce is the same (model/layers/moe.py). No effect with N = 1.
+    enable_expert_parallel: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ----- derived from the fields above, once, in __post_init__ (not arguments, compared or
@@ -350,6 +355,12 @@ class EngineConfig:
             raise ConfigError(
                 f"tensor_parallel_size: {n} does not divide the model's {heads} attention heads "
                 f"(each rank holds heads / N of them; try a divisor of {heads})"
+            )
+        experts = model_config.n_routed_experts or 0
+        if self.enable_expert_parallel and n > 1 and experts % n:
+            raise ConfigError(
+                f"enable_expert_parallel: tensor_parallel_size {n} does not divide the model's "
+                f"{experts} routed experts (each rank holds whole experts, {experts} / N of them)"
             )
         if n > 1 and self.resolved_device().type == "cuda":
             visible = torch.cuda.device_count()

@@ -11,6 +11,7 @@ request asked) reads those back too.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
@@ -56,6 +57,8 @@ class ModelRunner:
         """`tp`: this process's rank of the tensor-parallel group (`engine/tp_workers.py`);
         `control_group`: that group's gloo side, where the ranks agree on the KV pool's size."""
         self.config = config
+        # `--enable-expert-parallel`: the MoE layers place whole experts per rank of this group.
+        tp = dataclasses.replace(tp, expert_parallel=config.enable_expert_parallel)
         self.tp = tp
         # Rank 0 under TP > 1: each target forward's batch (`make_batch` with a route), and the
         # draft's and the capture's messages, go to the other ranks (`engine/step_broadcast.py`).
@@ -93,6 +96,11 @@ class ModelRunner:
                 f"backend {backend_name!r}'s max_uniform_q_len {backend_cls.max_uniform_q_len}"
             )
 
+        # This process's device memory before its weights: what it allocates outside torch's
+        # allocator (NCCL's buffers) counts against --gpu-memory-utilization too.
+        self._free_at_start = (
+            torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        )
         logger.info(
             "loading weights from %s (%s on %s, load format %s)",
             config.model_path, self.dtype, self.device, config.load_format,
@@ -108,6 +116,8 @@ class ModelRunner:
             deterministic=config.deterministic_inference,
         )
 
+        if tp.size > 1:
+            _log_rank_reads(self.model.checkpoint_reads, tp, control_group)
         # With speculation the MTP layer(s) cache latents under layer ids N.. of the same pool.
         self.num_kv_layers = model_config.num_hidden_layers
         if self.spec is not None:
@@ -117,6 +127,10 @@ class ModelRunner:
                     f"{model_config.num_hidden_layers}.*), and {config.model_path} has none"
                 )
             self.num_kv_layers += model_config.num_nextn_predict_layers
+        if tp.size > 1 and self.device.type == "cuda":
+            # NCCL makes its communicator and buffers at the first collective: make them now, so
+            # that the KV pool is sized from what is left after them.
+            tp.all_reduce(torch.zeros(1, device=self.device))
         self.num_pages = self._decide_num_pages()
         if tp.size > 1:  # every rank's pool holds the same pages: the smallest budget wins
             self.num_pages = _agree_min(self.num_pages, control_group)
@@ -197,12 +211,15 @@ class ModelRunner:
 
     def _budget_within_share(self, free: int, total: int) -> int:
         """KV bytes under vLLM's --gpu-memory-utilization: this process may hold
-        `utilization * total` bytes in all; the weights (and whatever else it holds now) come
-        off first, and the KV cache takes kv_cache_memory_fraction of the rest, leaving the
-        remainder for activations and CUDA graphs. Never more than is actually free."""
+        `utilization * total` bytes in all; the weights (and whatever else it holds now: NCCL's
+        buffers, outside torch's allocator, show in the free memory it has used since it
+        started) come off first, and the KV cache takes kv_cache_memory_fraction of the rest,
+        leaving the remainder for activations and CUDA graphs (captured after the pool). Per
+        GPU: under TP each rank sizes its own, and the ranks take the smallest. Never more than
+        is actually free."""
         cfg = self.config
         share = int(cfg.gpu_memory_utilization * total)
-        held = torch.cuda.memory_reserved(self.device)
+        held = max(torch.cuda.memory_reserved(self.device), self._free_at_start - free)
         if held >= share:
             raise ConfigError(
                 f"gpu_memory_utilization: {cfg.gpu_memory_utilization} of {total / 2**30:.1f} GiB "
@@ -447,6 +464,22 @@ class ModelRunner:
         out = self.sampler(logits, sb, mask, greedy)
         slots.record(sb.slots, out.token_ids)
         return sb, out
+
+
+def _log_rank_reads(reads: object, tp: TensorParallel, group: object) -> None:
+    """Rank 0 logs every rank's checkpoint bytes and GB/s (the workers log at WARNING only);
+    every rank calls this (an all-gather over the control group)."""
+    import torch.distributed as dist
+
+    mine = torch.tensor([getattr(reads, "bytes", 0), int(getattr(reads, "seconds", 0.0) * 1e6)])
+    parts = [torch.zeros_like(mine) for _ in range(tp.size)]
+    dist.all_gather(parts, mine, group=group)
+    if tp.rank == 0 and reads is not None:
+        logger.info("weights per rank: %s", ", ".join(
+            f"rank {r} {int(b) / 1e9:.2f} GB in {int(us) / 1e6:.2f} s "
+            f"({int(b) / 1e3 / max(int(us), 1):.2f} GB/s)"
+            for r, (b, us) in enumerate(p.tolist() for p in parts)
+        ))  # fmt: skip
 
 
 def _agree_min(n: int, group: object) -> int:

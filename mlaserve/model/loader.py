@@ -22,8 +22,12 @@ SM89+ with Triton) weight and scale go to the layer as they are; elsewhere (CPU:
 the tests run) the weight is dequantised (W = W_fp8 * scale, fp32) and cast to the model dtype.
 `kv_b_proj` (and MTP's `eh_proj`) are always dequantised: see `mla.py`.
 
-Each tensor goes through its parameter's `weight_loader` (which takes this rank's TP shard)
-and is cast to the parameter dtype. Every failure raises `WeightLoadError` naming the key.
+Each tensor reaches its parameter's `weight_loader` as a `CheckpointTensor`
+(`checkpoint_tensor.py`): a lazy view of `safe_open(...).get_slice(key)` that the layer narrows
+to this rank's shard before reading it, so a tensor-parallel rank reads only its slices (and an
+expert-parallel rank only its experts); an FP8 weight carries its block scale, sliced with it.
+The parameter dtype cast happens on copy. Every failure raises `WeightLoadError` naming the key.
+Ranks are separate processes and load at once; each logs its bytes read and GB/s.
 
 `load_format="dummy"` reads no safetensors: the model (with its MTP layer when config.json has
 one) is filled with seeded random weights on its device (`dummy_weights.py`), then derived as
@@ -36,18 +40,20 @@ import json
 import logging
 import re
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
 
 from mlaserve.config import LOAD_FORMATS, ModelConfig
+from mlaserve.model.checkpoint_tensor import CheckpointTensor, ReadStats
 from mlaserve.model.deepseek import DeepseekForCausalLM
 from mlaserve.model.dummy_weights import fill_dummy_weights
 from mlaserve.model.layers.linear import NO_TP, TensorParallel, default_weight_loader
-from mlaserve.ops.fp8_quant import FP8_DTYPE, dequantize_weight_block, triton_available
+from mlaserve.ops.fp8_quant import FP8_DTYPE, triton_available
 
 __all__ = ["WeightLoadError", "fp8_runs_on", "load_kv_scales", "load_model", "load_weights"]
 
@@ -67,6 +73,14 @@ _MTP_TIED = {
 
 class WeightLoadError(ValueError):
     """The checkpoint's weights cannot be loaded; the message names the key and the problem."""
+
+
+class _Entry(NamedTuple):
+    """One checkpoint tensor as its file's header describes it."""
+
+    file: Path
+    dtype: str  # safetensors' name: "BF16", "F8_E4M3", ...
+    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -117,10 +131,12 @@ def load_model(
             model_config, params_dtype=dtype, tp=tp, with_mtp=with_mtp, quant=quant,
             deterministic=deterministic,
         )  # fmt: skip
+    # What this rank read (None: dummy weights), for the engine's per-rank GB/s line.
+    model.checkpoint_reads = None
     if dummy:
         fill_dummy_weights(model, seed)
     else:
-        load_weights(model, path, index)
+        model.checkpoint_reads = load_weights(model, path, index, tp=tp)
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)  # the fill is asynchronous: time it done
     size = sum(p.nbytes for p in model.parameters())  # tied ones once
@@ -142,9 +158,15 @@ def fp8_runs_on(device: torch.device) -> bool:
 
 
 def load_weights(
-    model: DeepseekForCausalLM, path: Path, index: dict[str, tuple[Path, str]] | None = None
-) -> None:
-    """Copy every checkpoint tensor into its parameter; raise on anything missing or wrong."""
+    model: DeepseekForCausalLM,
+    path: Path,
+    index: dict[str, _Entry] | None = None,
+    *,
+    tp: TensorParallel = NO_TP,
+) -> ReadStats:
+    """Hand every checkpoint tensor to its parameter's weight loader as a `CheckpointTensor`
+    (read: only the slice that loader keeps); raise on anything missing or wrong. Logs and
+    returns this rank's bytes read and time."""
     index = _index_checkpoint(path) if index is None else index
     config = model.config
     params = dict(model.named_parameters())
@@ -163,36 +185,58 @@ def load_weights(
     consumed = set(scales.values())
     loaded: set[str] = set()
     unexpected: list[str] = []
-    files = sorted({file for file, _ in index.values()})
-    for shard, file in enumerate(files, 1):
-        # Progress per shard, as vLLM shows it: a 671B checkpoint is 163 files and minutes.
-        logger.info("loading weights: shard %d/%d (%s)", shard, len(files), file.name)
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+    stats = ReadStats()
+    start = time.perf_counter()
+    files = sorted({entry.file for entry in index.values()})
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def handle(file: Path) -> Any:  # every file opened once (a scale may live in another)
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            return handles[file]
+
+        for shard, file in enumerate(files, 1):
+            # Progress per shard, as vLLM shows it: a 671B checkpoint is 163 files and minutes.
+            logger.info("loading weights: shard %d/%d (%s)", shard, len(files), file.name)
+            for key in handle(file).keys():  # noqa: SIM118 (safe_open is not a dict)
                 if key in consumed:
                     continue
                 route = routes.get(key)
                 if route is None:
                     unexpected.append(key)
                     continue
-                dtype = index[key][1]
-                if dtype not in _FLOAT_DTYPES and dtype != _FP8_DTYPE:
-                    raise WeightLoadError(f"{key}: unsupported weight dtype {dtype}")
+                entry = index[key]
+                if entry.dtype not in _FLOAT_DTYPES and entry.dtype != _FP8_DTYPE:
+                    raise WeightLoadError(f"{key}: unsupported weight dtype {entry.dtype}")
                 param = params[route.param_name]
                 loader = getattr(param, "weight_loader", default_weight_loader)
-                tensor = f.get_tensor(key)
-                kwargs = route.kwargs
-                if dtype == _FP8_DTYPE:
-                    scale = _read_block_scale(index, scales[key], tensor.shape)
-                    if param.dtype == FP8_DTYPE:  # the layer keeps FP8: hand it both
-                        kwargs = {**kwargs, "scale": scale}
-                    else:  # dequantise once, here (CPU; kv_b_proj; eh_proj)
-                        tensor = dequantize_weight_block(tensor, scale)
+                scale, scale_key = None, ""
+                if entry.dtype == _FP8_DTYPE:
+                    scale_key = scales[key]
+                    _check_block_scale(index, scale_key, entry.shape)
+                    scale = handle(index[scale_key].file).get_slice(scale_key)
+                tensor = CheckpointTensor(
+                    handle(file).get_slice(key),
+                    entry.shape,
+                    name=key,
+                    scale=scale,
+                    scale_name=scale_key,
+                    # a layer that keeps FP8 takes weight and scale; elsewhere (CPU, kv_b_proj,
+                    # eh_proj) the slice it reads is dequantised
+                    dequantize=param.dtype != FP8_DTYPE,
+                    stats=stats,
+                )
                 try:
-                    loader(param, tensor, **kwargs)
+                    loader(param, tensor, **route.kwargs)
                 except ValueError as e:
                     raise WeightLoadError(f"{key} in {file.name}: {e}") from None
                 loaded.add(key)
+    stats.seconds = time.perf_counter() - start
+    logger.info(
+        "weights: rank %d/%d read %.2f GB of the checkpoint in %.2f s (%.2f GB/s, %d reads)",
+        tp.rank, tp.size, stats.bytes / 1e9, stats.seconds, stats.gb_per_s, stats.reads,
+    )  # fmt: skip
 
     for name, source in _MTP_TIED.items():
         if name in required and not set(required[name][0]) & loaded:
@@ -214,6 +258,7 @@ def load_weights(
     extra = [k for k in unexpected if not _is_ignorable(k, config)]
     if extra:
         logger.warning("ignoring %d unexpected checkpoint tensors, e.g. %s", len(extra), extra[:5])
+    return stats
 
 
 def _checkpoint_keys(name: str, config: ModelConfig) -> tuple[list[tuple[str, dict]], str | None]:
@@ -247,11 +292,9 @@ def _checkpoint_keys(name: str, config: ModelConfig) -> tuple[list[tuple[str, di
     return [(hf, {})], None
 
 
-def _fp8_scale_keys(
-    index: dict[str, tuple[Path, str]], config: ModelConfig, path: Path
-) -> dict[str, str]:
+def _fp8_scale_keys(index: dict[str, _Entry], config: ModelConfig, path: Path) -> dict[str, str]:
     """Every F8_E4M3 tensor's block-scale key (`X.weight_scale_inv` or `X.scale`)."""
-    fp8 = [key for key, (_, dtype) in index.items() if dtype == _FP8_DTYPE]
+    fp8 = [key for key, entry in index.items() if entry.dtype == _FP8_DTYPE]
     if not fp8:
         return {}
     if config.quantization is None:
@@ -276,33 +319,22 @@ def _fp8_scale_keys(
     return scales
 
 
-def _read_block_scale(
-    index: dict[str, tuple[Path, str]], key: str, weight_shape: torch.Size
-) -> torch.Tensor:
-    """The fp32 block scale `key` of a weight of `weight_shape`, checked: float, shape
-    [ceil(N/128), ceil(K/128)], every value finite and > 0."""
-    file, dtype = index[key]
-    if dtype not in _FLOAT_DTYPES:
-        raise WeightLoadError(f"{key}: block scale must be a float tensor, got dtype {dtype}")
+def _check_block_scale(index: dict[str, _Entry], key: str, weight_shape: tuple[int, ...]) -> None:
+    """The block scale `key` of a weight of `weight_shape`, checked from the header: float,
+    shape [ceil(N/128), ceil(K/128)]. Its values are checked where a rank reads them
+    (`CheckpointTensor`)."""
+    entry = index[key]
+    if entry.dtype not in _FLOAT_DTYPES:
+        raise WeightLoadError(f"{key}: block scale must be a float tensor, got dtype {entry.dtype}")
     if len(weight_shape) != 2:
         raise WeightLoadError(f"{key}: block scales need a 2-D weight, got {list(weight_shape)}")
-    with safe_open(file, framework="pt", device="cpu") as f:
-        scale = f.get_tensor(key).float()
     n, k = weight_shape
     expected = [-(-n // 128), -(-k // 128)]
-    if list(scale.shape) != expected:
+    if list(entry.shape) != expected:
         raise WeightLoadError(
-            f"{key}: block scale shape {list(scale.shape)} does not match the weight's "
+            f"{key}: block scale shape {list(entry.shape)} does not match the weight's "
             f"{list(weight_shape)} in 128x128 blocks (expected {expected})"
         )
-    bad = ~(torch.isfinite(scale) & (scale > 0))
-    if bad.any():
-        value = scale[bad][0].item()
-        raise WeightLoadError(
-            f"{key}: block scale is corrupt ({int(bad.sum())} values not finite and > 0, "
-            f"e.g. {value})"
-        )
-    return scale
 
 
 def _hf_name(name: str, config: ModelConfig) -> str:
@@ -318,7 +350,7 @@ def load_kv_scales(model_config: ModelConfig, path: str | Path) -> list[float] |
     Layers without one get 1.0."""
     path = Path(path)
     found: dict[int, float] = {}
-    for key, (file, _) in _index_checkpoint(path).items():
+    for key, (file, _, _) in _index_checkpoint(path).items():
         m = _KV_SCALE_KEY.match(key)
         if m and int(m.group(1)) < model_config.num_hidden_layers:
             with safe_open(file, framework="pt", device="cpu") as f:
@@ -340,14 +372,15 @@ def _is_ignorable(key: str, config: ModelConfig) -> bool:
     return m is not None and int(m.group(1)) >= config.num_hidden_layers
 
 
-def _index_checkpoint(path: Path) -> dict[str, tuple[Path, str]]:
-    """key -> (file, safetensors dtype string), from the headers only."""
+def _index_checkpoint(path: Path) -> dict[str, _Entry]:
+    """key -> (file, safetensors dtype string, shape), from the headers only."""
     files = _checkpoint_files(path)
-    index: dict[str, tuple[Path, str]] = {}
+    index: dict[str, _Entry] = {}
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118
-                index[key] = (file, f.get_slice(key).get_dtype())
+                sl = f.get_slice(key)
+                index[key] = _Entry(file, sl.get_dtype(), tuple(sl.get_shape()))
     return index
 
 

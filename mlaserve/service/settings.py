@@ -170,6 +170,9 @@ _HELP = {
     "SGLang's name): a request's tokens and logprobs are bitwise the same whatever else runs "
     "with it, through fixed-order kernels and the 'invariant' attention backend; slower "
     "(README, 'Deterministic inference'); one GPU only",
+    "enable_expert_parallel": "with -tp N > 1: each rank holds whole routed experts (N must "
+    "divide them) instead of a slice of every expert; attention, the router and the shared "
+    "experts stay tensor-parallel, one all-reduce per MoE layer as under TP (vLLM's flag)",
     "max_logprobs": f"most logprobs (completions) / top_logprobs (chat) a request may ask for "
     f"(at most {MAX_LOGPROBS})",
     "chat_template": "chat template: a Jinja file, or the template itself; default: the "

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from mlaserve.config import ConfigError, ModelConfig
 from mlaserve.model import WeightLoadError, load_model
+from mlaserve.model.checkpoint_tensor import CheckpointTensor as CT
 from mlaserve.model.layers.embedding import VocabParallelEmbedding
 from mlaserve.model.layers.linear import (
     ColumnParallelLinear,
@@ -214,37 +215,40 @@ def test_weight_loaders_take_this_ranks_shard() -> None:
     full = torch.arange(8 * 4, dtype=torch.float32).view(8, 4)
 
     col = ColumnParallelLinear(4, 8, tp=tp)
-    col.weight.weight_loader(col.weight, full)
+    col.weight.weight_loader(col.weight, CT.from_tensor(full))
     torch.testing.assert_close(col.weight.data, full[4:])
 
     row = RowParallelLinear(4, 8, tp=tp)
-    row.weight.weight_loader(row.weight, full)
+    row.weight.weight_loader(row.weight, CT.from_tensor(full))
     torch.testing.assert_close(row.weight.data, full[:, 2:])
 
     merged = MergedColumnParallelLinear(4, [8, 8], tp=tp)
-    merged.weight.weight_loader(merged.weight, full, shard_id=0)
-    merged.weight.weight_loader(merged.weight, full + 100, shard_id=1)
+    merged.weight.weight_loader(merged.weight, CT.from_tensor(full), shard_id=0)
+    merged.weight.weight_loader(merged.weight, CT.from_tensor(full + 100), shard_id=1)
     torch.testing.assert_close(merged.weight.data, torch.cat([full[4:], full[4:] + 100]))
 
     emb = VocabParallelEmbedding(8, 4, tp=tp)
-    emb.weight.weight_loader(emb.weight, full)
+    emb.weight.weight_loader(emb.weight, CT.from_tensor(full))
     torch.testing.assert_close(emb.weight.data, full[4:])
 
     experts = FusedExperts(2, 4, 8, tp=tp)  # E=2, H=4, I=8
     gate_up = torch.randn(2, 16, 4)
-    experts.weight_loader(experts.gate_up_proj, gate_up)
+    experts.weight_loader(experts.gate_up_proj, CT.from_tensor(gate_up))
     by_expert = FusedExperts(2, 4, 8, tp=tp)
     for e in range(2):
         for s in range(2):
             by_expert.weight_loader(
-                by_expert.gate_up_proj, gate_up[e, s * 8 : (s + 1) * 8], expert_id=e, shard_id=s
+                by_expert.gate_up_proj,
+                CT.from_tensor(gate_up[e, s * 8 : (s + 1) * 8]),
+                expert_id=e,
+                shard_id=s,
             )
     torch.testing.assert_close(experts.gate_up_proj.data, by_expert.gate_up_proj.data)
     torch.testing.assert_close(experts.gate_up_proj.data[:, :4], gate_up[:, 4:8])  # gate, rank 1
     torch.testing.assert_close(experts.gate_up_proj.data[:, 4:], gate_up[:, 12:])  # up, rank 1
 
     with pytest.raises(ValueError, match=r"expected \[8, 4\], got \[8, 3\]"):
-        col.weight.weight_loader(col.weight, full[:, :3])
+        col.weight.weight_loader(col.weight, CT.from_tensor(full[:, :3]))
 
 
 @pytest.mark.parametrize("name", ["v2_no_q_lora", "v3_moe"])

@@ -24,6 +24,7 @@ import torch
 import mlaserve
 from mlaserve.config import ModelConfig, QuantizationConfig
 from mlaserve.model import DeepseekForCausalLM
+from mlaserve.model.checkpoint_tensor import CheckpointTensor as CT
 from mlaserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from mlaserve.model.layers.linear import (
     NO_TP,
@@ -193,7 +194,7 @@ def test_odd_vocabulary_is_padded_per_rank() -> None:
     shards = [VocabParallelEmbedding(509, 4, tp=TensorParallel(r, 2)) for r in range(2)]
     for emb in shards:
         emb.weight.data.fill_(float("nan"))
-        emb.weight.weight_loader(emb.weight, full)
+        emb.weight.weight_loader(emb.weight, CT.from_tensor(full))
     assert [e.weight.shape[0] for e in shards] == [255, 255]
     torch.testing.assert_close(torch.cat([e.weight.data for e in shards])[:509], full)
     assert (shards[1].weight.data[254] == 0).all()  # the padding row
@@ -205,10 +206,10 @@ def test_fp8_weights_and_block_scales_are_sliced_alike() -> None:
     for cls, dim in ((ColumnParallelLinear, 0), (RowParallelLinear, 1)):
         shape = (256, 512)  # in, out: the weight is [512, 256]
         whole = cls(*shape, quant=quant)
-        whole.weight.weight_loader(whole.weight, w, scale=s)
+        whole.weight.weight_loader(whole.weight, CT.from_tensor(w, s))
         for r in range(2):
             part = cls(*shape, tp=TensorParallel(r, 2), quant=quant)
-            part.weight.weight_loader(part.weight, w, scale=s)
+            part.weight.weight_loader(part.weight, CT.from_tensor(w, s))
             n = part.weight.shape[dim]
             bits = whole.weight.data.view(torch.uint8).narrow(dim, r * n, n)
             assert torch.equal(part.weight.data.view(torch.uint8), bits), cls.__name__
@@ -222,8 +223,8 @@ def test_fp8_weights_and_block_scales_are_sliced_alike() -> None:
     for m in (whole, *experts):
         for e in range(2):
             for shard in (0, 1):
-                m.fp8_weight_loader(m.gate_up_proj, gate, e, shard, scale=gs)
-            m.fp8_weight_loader(m.down_proj, down, e, scale=ds)
+                m.fp8_weight_loader(m.gate_up_proj, CT.from_tensor(gate, gs), e, shard)
+            m.fp8_weight_loader(m.down_proj, CT.from_tensor(down, ds), e)
     for r, part in enumerate(experts):
         rows = whole.gate_up_proj.data.view(torch.uint8)[
             :, [*range(r * 256, r * 256 + 256), *range(512 + r * 256, 768 + r * 256)]

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mlaserve.model.checkpoint_tensor import CheckpointTensor
 from mlaserve.model.layers.linear import NO_TP, TensorParallel, check_shape
 from mlaserve.tensor_parallel import all_gather, all_reduce
 
@@ -46,11 +47,13 @@ class VocabParallelEmbedding(nn.Module):
         )
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        """`loaded` is the full [V, hidden] table; keep this rank's rows, zero the padding."""
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
+        """`loaded` is the whole [V, hidden] table, unread; read this rank's rows, zero the
+        padding."""
         check_shape(loaded, (self.vocab_size, self.hidden_size))
         n = self.valid_rows
-        param.data[:n].copy_(loaded.narrow(0, self.vocab_start, n))
+        if n:
+            param.data[:n].copy_(loaded.narrow(0, self.vocab_start, n).load())
         param.data[n:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

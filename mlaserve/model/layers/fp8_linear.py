@@ -14,10 +14,12 @@ bytes per scale column instead of 1/128^2). Every DeepSeek-V3/R1/Kimi-K2 and V2-
 128-aligned; the per-row form exists for odd shapes (tests, V2-Lite's dense 10944).
 
 Under tensor parallelism a rank keeps a slice of the weight along its split dim, and the same
-slice of the block scales (`shard_block_weight`): rows [r*n/tp, (r+1)*n/tp) of the weight are
-scale rows [r*n/tp/128, ...). That needs every shard boundary on a 128 boundary
-(`check_block_aligned`, at construction): V3/R1/Kimi-K2 at TP2/4/8 are (q_b 24576 or 12288 rows,
-o_proj 16384 or 8192 columns, dense 18432, experts 2048), V2-Lite's dense 10944 is not.
+slice of the block scales: rows [r*n/tp, (r+1)*n/tp) of the weight are scale rows
+[r*n/tp/128, ...). The checkpoint tensor the loader hands over (`model/checkpoint_tensor.py`)
+carries its scale and narrows both at once, reading only the rank's blocks. That needs every
+shard boundary on a 128 boundary (`check_block_aligned`, at construction; `narrow` checks it
+again): V3/R1/Kimi-K2 at TP2/4/8 are (q_b 24576 or 12288 rows, o_proj 16384 or 8192 columns,
+dense 18432, experts 2048), V2-Lite's dense 10944 is not. Expert parallelism splits no expert.
 
 `copy_block_rows` is the one place that writes both tensors; the layers' weight loaders call it.
 A float tensor loaded into an FP8 layer (a re-export that left one projection unquantised) is
@@ -39,7 +41,6 @@ __all__ = [
     "copy_block_rows",
     "make_fp8_weight",
     "needs_per_row_scales",
-    "shard_block_weight",
 ]
 
 
@@ -66,25 +67,6 @@ def check_block_aligned(n: int, tp: TensorParallel, block: int, what: str) -> No
             f"share to be a multiple of {block}, but {n} over {tp.size} ranks is "
             f"{n / tp.size:g} a rank (a shard boundary would split a block)"
         )
-
-
-def shard_block_weight(
-    loaded: torch.Tensor,
-    scale: torch.Tensor | None,
-    dim: int,
-    tp: TensorParallel,
-    block: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """This rank's slice along `dim` (0: rows, 1: columns) of a full checkpoint weight [n, k]
-    and of its block scale [ceil(n/128), ceil(k/128)] (None for a float weight, quantised
-    later). The split is block-aligned (`check_block_aligned` ran at construction)."""
-    if tp.size == 1:
-        return loaded, scale
-    local = loaded.shape[dim] // tp.size
-    weight = loaded.narrow(dim, tp.rank * local, local)
-    if scale is None:
-        return weight, None
-    return weight, scale.narrow(dim, tp.rank * local // block, local // block)
 
 
 def make_fp8_weight(

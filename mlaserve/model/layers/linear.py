@@ -1,8 +1,9 @@
 """Linear layers that know how they would be split for tensor parallelism (TP).
 
 Every layer takes a `TensorParallel(rank, size, group)` (`NO_TP`: one rank) and gives its
-parameters a `weight_loader(param, loaded, ...)` that receives the *full* checkpoint tensor and
-copies this rank's shard into the parameter:
+parameters a `weight_loader(param, loaded, ...)`. `loaded` is a `CheckpointTensor`
+(`model/checkpoint_tensor.py`): the whole checkpoint tensor's shape, nothing read yet; the loader
+narrows it to this rank's shard and `load()`s that alone (a rank never reads another's slice):
 
     ReplicatedLinear            every rank holds the whole [out, in] weight
     MergedReplicatedLinear      several replicated outputs stored side by side (q_a|kv_a)
@@ -14,13 +15,13 @@ copies this rank's shard into the parameter:
 The collectives (`mlaserve/tensor_parallel.py`) run through the layer's `TensorParallel`: the
 row-parallel output's all-reduce here, the rest in the layers that own them (MoE, embedding).
 A weight whose full shape is wrong raises `ValueError` naming expected and got shapes; the
-weight loader turns that into a `WeightLoadError` naming the checkpoint key.
+loader (`model/loader.py`) turns that into a `WeightLoadError` naming the checkpoint key.
 
 Built with `quant` (a `QuantizationConfig`), a layer keeps its weight in FP8 with 128 x 128
 block scales (`weight_scale_inv`, layout in `fp8_linear.py`) and runs `block_fp8_linear`; its
-weight loader then also takes the checkpoint's `scale`. Under TP an FP8 layer keeps the scale
-blocks of its slice (`shard_block_weight`); a split that would cut a 128-block is a ValueError at
-construction naming the layer class and the dimension.
+checkpoint tensor then carries its block scale, and narrowing it to the rank's slice narrows the
+scale alike. A split that would cut a 128-block is a ValueError at construction naming the layer
+class and the dimension (and `CheckpointTensor.narrow` checks it again at load).
 
 Decode-sized inputs (at most `gemv_max_m` tokens; shapes are fixed per captured graph, so this
 is decided on the host) take `ops.gemv` on CUDA: one launch that streams the weight once, where
@@ -43,12 +44,12 @@ from torch import nn
 
 from mlaserve import switches
 from mlaserve.config import QuantizationConfig
+from mlaserve.model.checkpoint_tensor import CheckpointTensor
 from mlaserve.model.layers.fp8_linear import (
     check_block_aligned,
     copy_block_rows,
     make_fp8_weight,
     needs_per_row_scales,
-    shard_block_weight,
 )
 from mlaserve.ops import fused_ops_enabled
 from mlaserve.ops.fp8_gemm import block_fp8_linear
@@ -108,18 +109,19 @@ def gemv_max_m(weight: torch.Tensor) -> int:
     return GEMV_MAX_M
 
 
-def check_shape(loaded: torch.Tensor, expected: tuple[int, ...] | torch.Size) -> None:
+def check_shape(loaded: CheckpointTensor, expected: tuple[int, ...] | torch.Size) -> None:
     if tuple(loaded.shape) != tuple(expected):
         raise ValueError(f"shape mismatch: expected {list(expected)}, got {list(loaded.shape)}")
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    """Replicated parameter: copy the whole tensor (cast to the parameter's dtype/device)."""
+def default_weight_loader(param: nn.Parameter, loaded: CheckpointTensor) -> None:
+    """Replicated parameter: read the whole tensor (cast to the parameter's dtype/device)."""
     check_shape(loaded, param.shape)
-    param.data.copy_(loaded)
+    param.data.copy_(loaded.load())
 
 
-def _shard(loaded: torch.Tensor, dim: int, tp: TensorParallel) -> torch.Tensor:
+def _shard(loaded: CheckpointTensor, dim: int, tp: TensorParallel) -> CheckpointTensor:
+    """This rank's equal share of `loaded` along `dim` (nothing read)."""
     size = loaded.shape[dim] // tp.size
     return loaded.narrow(dim, tp.rank * size, size)
 
@@ -222,38 +224,37 @@ class _Linear(nn.Module):
     def fp8_weight_loader(
         self,
         param: nn.Parameter,
-        loaded: torch.Tensor,
+        loaded: CheckpointTensor,
         shard_id: int | None = None,
-        scale: torch.Tensor | None = None,
     ) -> None:
-        """FP8 weight: `loaded` [n, in] e4m3 with its block `scale` (or a float tensor, which is
-        quantised here); `shard_id` picks the stacked tensor (gate/up) it is. Under TP the weight
-        and its scale are sliced alike (`shard_block_weight`)."""
+        """FP8 weight: `loaded` [n, in] e4m3 with its block scale (or a float tensor, which is
+        quantised here); `shard_id` picks the stacked tensor (gate/up) it is. Under TP the
+        rank's slice of the weight and of its scale are read (block-aligned: checked at
+        construction)."""
         assert self.quant is not None and self.weight_scale_inv is not None  # internal
         sizes = self.stacked_sizes()
         index = 0 if shard_id is None else shard_id
         check_shape(loaded, (sizes[index], self.in_features))
         if self.split_dim is not None and self.tp.size > 1:
-            block = self.quant.block_n if self.split_dim == 0 else self.quant.block_k
-            loaded, scale = shard_block_weight(loaded, scale, self.split_dim, self.tp, block)
+            loaded = _shard(loaded, self.split_dim, self.tp)
         copy_block_rows(
             param.data,
             self.weight_scale_inv.data,
-            loaded,
-            scale,
+            loaded.load(),
+            loaded.load_scale(),
             sum(self.local_sizes()[:index]),
             self.quant,
             per_row=self.per_row_scales,
         )
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        """`loaded` is the full checkpoint tensor; keep this rank's slice of it."""
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
+        """`loaded` is the whole checkpoint tensor, unread; read this rank's slice of it."""
         is_bias = param.dim() == 1
         check_shape(
             loaded, (self.out_features,) if is_bias else (self.out_features, self.in_features)
         )
         dim = self.split_dim if not is_bias else (0 if self.split_dim == 0 else None)
-        param.data.copy_(loaded if dim is None else _shard(loaded, dim, self.tp))
+        param.data.copy_((loaded if dim is None else _shard(loaded, dim, self.tp)).load())
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, tp={self.tp.rank}/{self.tp.size}"
@@ -298,13 +299,13 @@ class _StackedOutputs(_Linear):
         return list(self.output_sizes)
 
     def weight_loader(  # type: ignore[override]
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int
+        self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int
     ) -> None:
         check_shape(loaded, (self.output_sizes[shard_id], self.in_features))
         split = self.split_dim == 0
         local = [size // self.tp.size if split else size for size in self.output_sizes]
         rows = param.data.narrow(0, sum(local[:shard_id]), local[shard_id])
-        rows.copy_(_shard(loaded, 0, self.tp) if split else loaded)
+        rows.copy_((_shard(loaded, 0, self.tp) if split else loaded).load())
 
 
 class MergedReplicatedLinear(_StackedOutputs, ReplicatedLinear):

@@ -28,6 +28,16 @@ output block, and the pairs' partials summed in slot order, so a token's result 
 the others'. Its cost grows with the pairs (each re-reads its expert; no tensor cores): cheap at
 decode sizes, much slower than the grouped GEMMs at prefill sizes (README, "Deterministic
 inference"). Off CUDA, the torch path one token at a time.
+
+Under tensor parallelism every routed and shared expert is split along its intermediate dim and
+the layer all-reduces routed + shared partial sums once. Expert parallelism
+(`--enable-expert-parallel`, `TensorParallel.expert_parallel`) keeps whole routed experts per
+rank (E / tp each, `moe_expert_weights.py`) over the same group, as SGLang and vLLM run EP over
+the TP group without an all-to-all: the router is replicated, each rank computes its experts'
+share of every token, the shared experts stay tensor-parallel, and the same single all-reduce sums
+it all. Under EP every token count takes the sorted path (its other-rank bin skips the GEMMs):
+the decode and grouped kernels index every routed id into the local stack, and would need to
+skip other ranks' experts first.
 """
 
 from __future__ import annotations
@@ -146,6 +156,9 @@ class DeepseekMoE(nn.Module):
             self._set_up_invariant()
             return
         if not fused_ops_enabled(weight.device) or weight.dtype == torch.float32:
+            return
+        if self.experts.expert_parallel:  # their ids must be local: the sorted path serves EP
+            logger.info("expert parallel: MoE decode / grouped kernels off, the sorted path runs")
             return
         fp8 = self.experts.quant is not None
         expert_bytes = sum(

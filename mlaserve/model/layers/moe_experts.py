@@ -18,6 +18,14 @@ limit), in bf16 the gate_up GEMM runs with x's gather and SiLU-and-mul inside it
 Called with `combine=False`, the sorted path returns its expert rows uncombined
 (`SortedExpertRows`): the next residual-add + RMSNorm weights, sums and adds them in its own
 launch, so the combined [T, H] tensor is never written.
+
+Expert parallelism (`ExpertWeights.expert_parallel`: this rank holds experts [first, first +
+E_local)): the router's global ids become local ones, and a pair whose expert lives on another
+rank goes to one more bin, E_local, which sorts after every local expert's rows. The GEMMs read
+the counts of the local experts only (the FP8 grouped GEMM's blocks of that bin are marked -1,
+skipped), so no FLOP is spent on another rank's expert, and those rows' outputs are set to 0
+before the combine: each rank returns its experts' share of every token, the all-reduce sums
+them. The dense path scatters that bin into a routing column it drops.
 """
 
 from __future__ import annotations
@@ -34,7 +42,11 @@ from mlaserve.model.layers.linear import NO_TP, TensorParallel
 from mlaserve.model.layers.mlp import silu_and_mul
 from mlaserve.model.layers.moe_expert_weights import ExpertWeights
 from mlaserve.ops import fused_ops_enabled
-from mlaserve.ops.fp8_grouped_gemm import grouped_block_fp8_linear, grouped_layout
+from mlaserve.ops.fp8_grouped_gemm import (
+    GroupedLayout,
+    grouped_block_fp8_linear,
+    grouped_layout,
+)
 from mlaserve.ops.moe_partials import SortedExpertRows
 
 __all__ = ["ExpertsImpl", "FusedExperts"]
@@ -93,7 +105,7 @@ class FusedExperts(ExpertWeights):
 
             self.act, self._sorted_combine = fused_silu_and_mul, moe_sorted_combine
             self._sort_by_expert, self._sort_max_pairs = sort_by_expert, EXPERT_SORT_MAX_PAIRS
-            if quant is None:
+            if quant is None and not self.expert_parallel:  # counts every row: no other bin
                 from mlaserve.ops.moe_prefill_gemm import (
                     PREFILL_GATE_UP_MAX_ROWS,
                     expert_gate_up_silu,
@@ -121,15 +133,18 @@ class FusedExperts(ExpertWeights):
         *,
         combine: bool = True,
     ) -> torch.Tensor | SortedExpertRows:
-        """x [T, H]; topk_weights [T, K] fp32; topk_ids [T, K]; shared [T, H] (the shared
-        experts' output, added last) or None -> [T, H] (partial under TP). `join`: called
-        before `shared` is first read (it is still being computed on another stream).
+        """x [T, H]; topk_weights [T, K] fp32; topk_ids [T, K] global expert ids; shared [T, H]
+        (the shared experts' output, added last) or None -> [T, H] (partial under TP or EP).
+        `join`: called before `shared` is first read (it is still being computed on another
+        stream).
         `combine=False`: the sorted path's fused kernels may return the rows uncombined
         (`SortedExpertRows`), for the next norm to combine in its launch."""
         join = join or _no_join
         if x.shape[0] == 0:
             join()
             return torch.zeros_like(x)
+        if self.expert_parallel:
+            topk_ids = self.local_ids(topk_ids)
         if self.quant is not None:
             return self._forward_sorted(x, topk_weights, topk_ids, shared, False, join, combine)
         impl = self.resolved_impl(x)
@@ -152,25 +167,26 @@ class FusedExperts(ExpertWeights):
     ) -> torch.Tensor | SortedExpertRows:
         num_tokens, top_k = topk_ids.shape
         num_rows = topk_ids.numel()
+        # EP: one bin more, for the pairs of other ranks' experts (sorted last, read by no GEMM)
+        bins = self.num_experts + int(self.expert_parallel)
         pos = None  # pair -> sorted position, where the sort gives it
         if self._sort_by_expert is not None and num_rows <= self._sort_max_pairs:
             # one launch for the torch ops below
-            order, token, pos, counts = self._sort_by_expert(
-                topk_ids.contiguous(), self.num_experts
-            )
+            order, token, pos, counts = self._sort_by_expert(topk_ids.contiguous(), bins)
         else:
             flat_ids = topk_ids.reshape(-1)  # [T*K], pair p = (token p // K, slot p % K)
             # Narrow sort keys: one radix pass for up to 256 experts instead of eight for
             # int64 (the same stable order).
-            keys = flat_ids.to(torch.uint8 if self.num_experts <= 256 else torch.int32)
+            keys = flat_ids.to(torch.uint8 if bins <= 256 else torch.int32)
             order = torch.argsort(keys, stable=True)  # pairs grouped by expert
-            counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+            counts = torch.zeros(bins, dtype=torch.int32, device=x.device)
             counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
             token = order // top_k
+        all_counts, counts = counts, counts[: self.num_experts]  # the GEMMs': local experts'
         if self.gate_up_proj_scale_inv is not None and self.down_proj_scale_inv is not None:
             xs = x[token]  # [T*K, H], rows of expert e are contiguous
             # one block -> expert map for both GEMMs (CPU: the emulated loop needs none)
-            layout = grouped_layout(counts, num_rows) if x.is_cuda else None
+            layout = self._layout(all_counts, num_rows) if x.is_cuda else None
             w13, s13 = self.gate_up_proj, self.gate_up_proj_scale_inv
             h = self.act(grouped_block_fp8_linear(xs, counts, w13, s13, layout=layout))
             w2, s2 = self.down_proj, self.down_proj_scale_inv
@@ -194,6 +210,8 @@ class FusedExperts(ExpertWeights):
                     h = silu_and_mul(F.linear(rows, self.gate_up_proj[e]))
                     out[start : start + n] = F.linear(h, self.down_proj[e])
                     start += n
+        if self.expert_parallel:  # other ranks' pairs (the last rows) were never written
+            out = torch.where(self._local_rows(counts, num_rows)[:, None], out, 0)
         join()
         if self._sorted_combine is not None:
             if not combine and pos is not None:  # the next norm combines (the same bits)
@@ -205,12 +223,34 @@ class FusedExperts(ExpertWeights):
         y = y.to(x.dtype)
         return y if shared is None else y + shared
 
+    def local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """EP: global expert ids [T, K] -> this rank's stack index, or E_local (the extra bin)
+        for another rank's expert. Device ops only (graph-safe)."""
+        local = topk_ids - self.first_expert
+        mine = (local >= 0) & (local < self.num_experts)
+        return torch.where(mine, local, self.num_experts)
+
+    def _layout(self, all_counts: torch.Tensor, num_rows: int) -> GroupedLayout:
+        """The FP8 grouped GEMM's block -> expert map; under EP the extra bin's blocks are
+        marked -1 (the kernel skips them), so only local experts' rows are computed."""
+        layout = grouped_layout(all_counts, num_rows)
+        if not self.expert_parallel:
+            return layout
+        other = layout.block_expert == self.num_experts
+        return layout._replace(block_expert=torch.where(other, -1, layout.block_expert))
+
+    @staticmethod
+    def _local_rows(counts: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """[R] bool: sorted rows that belong to a local expert (the first sum(counts))."""
+        return torch.arange(num_rows, device=counts.device) < counts.sum()
+
     def _forward_dense(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        routing = torch.zeros(
-            x.shape[0], self.num_experts, dtype=torch.float32, device=x.device
-        ).scatter_(1, topk_ids, topk_weights)  # [T, E], zero off the top-k
+        bins = self.num_experts + int(self.expert_parallel)  # EP: the last column is dropped
+        routing = torch.zeros(x.shape[0], bins, dtype=torch.float32, device=x.device).scatter_(
+            1, topk_ids, topk_weights
+        )  # [T, E], zero off the top-k
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in range(self.num_experts):
             h = silu_and_mul(F.linear(x, self.gate_up_proj[e]))
