@@ -168,5 +168,22 @@ def destroy_tensor_parallel(tp: TensorParallel) -> None:
     joined (nothing for one rank)."""
     if tp.custom is not None:
         tp.custom.close()
-    if tp.size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
+    if tp.size > 1:
+        leave_process_group()
+
+
+def leave_process_group() -> None:
+    """Leave the default process group without waiting on peers. NCCL's communicators are
+    aborted first: a plain destroy of an NCCL group whose collectives were captured in CUDA
+    graphs hung rank 0's shutdown on 2 H200s (its peers had already exited); an abort does not
+    wait for them. Gloo groups are destroyed as they are."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        from torch.distributed import distributed_c10d as c10d
+
+        abort = getattr(c10d, "_abort_process_group", None)  # torch >= 2.6
+        if abort is not None:
+            abort()
+            return
+    dist.destroy_process_group()

@@ -85,6 +85,7 @@ def worker_main(
     from mlaserve.engine.model_runner import ModelRunner
     from mlaserve.engine.step_broadcast import StepReceiver
     from mlaserve.spec import MTPDrafter
+    from mlaserve.tensor_parallel import leave_process_group
 
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s [tp rank {rank}] %(message)s")
     tp = None
@@ -111,8 +112,8 @@ def worker_main(
         with contextlib.suppress(OSError):  # rank 0 gone: nobody to tell
             conn.send(traceback.format_exc())
         os._exit(1)  # no teardown: the group is broken, and a destroy could wait on it
-    if tp is not None and dist.is_initialized():
-        dist.destroy_process_group()
+    if tp is not None:
+        leave_process_group()
     conn.close()
 
 

@@ -41,7 +41,7 @@ from mlaserve.config import EngineConfig, ModelConfig
 from mlaserve.engine.model_runner import ModelRunner
 from mlaserve.engine.step_broadcast import StepSender
 from mlaserve.engine.tp_worker import MULTICAST_OFF, init_groups, worker_main
-from mlaserve.tensor_parallel import TensorParallel
+from mlaserve.tensor_parallel import TensorParallel, leave_process_group
 
 __all__ = ["COLLECTIVE_TIMEOUT_S", "EngineDeadError", "TPWorkers", "start_runner"]
 
@@ -204,7 +204,7 @@ def _stop(state: _State, graceful: bool = True) -> None:
         conn.close()
     if dist.is_initialized():
         try:
-            dist.destroy_process_group()
+            leave_process_group()
         except Exception as e:
             logger.warning("tensor parallel: leaving the group failed: %s", e)
     shutil.rmtree(state.rendezvous_dir, ignore_errors=True)

@@ -105,7 +105,9 @@ def test_cli_flag_sets_the_option() -> None:
         pytest.param({}, id="graphs-overlap"),
         pytest.param({"num_speculative_tokens": 3}, id="spec3"),
         pytest.param({"num_pages": 24, "page_size": 16}, id="preemption"),
-        pytest.param({"num_speculative_tokens": 3, "num_pages": 40}, id="spec3-preemption"),
+        pytest.param(
+            {"num_speculative_tokens": 3, "num_pages": 28, "page_size": 16}, id="spec3-preemption"
+        ),
     ],
 )
 def test_gpu_greedy_alone_equals_together(options: dict) -> None:
