@@ -79,7 +79,6 @@ def worker_main(
     for key, value in MULTICAST_OFF.items():
         os.environ.setdefault(key, value)
     import torch
-    import torch.distributed as dist
 
     from mlaserve.config import ModelConfig
     from mlaserve.engine.model_runner import ModelRunner
