@@ -33,7 +33,7 @@ the next call may overwrite it; two calls on two streams at once would race on t
 model issues its all-reduces on the current stream only: MoE's side stream joins first).
 
 Thresholds: `MEASURED_PLANS`, per GPU count, from the collective timings in issue 42 (nvidia-
-h200-x4); re-measure with `python3 bench/all_reduce.py --gpus N`, which prints the plan its
+h200-x4) and, for 2 GPUs, bench/all_reduce.py's own run on nvidia-h200-x2; re-measure with `python3 bench/all_reduce.py --gpus N`, which prints the plan its
 run implies. `MLASERVE_ALL_REDUCE_ONE_SHOT_MAX_BYTES` / `_TWO_SHOT_MAX_BYTES` override them
 (0: never that path; both 0: NCCL only, no buffer).
 """
@@ -111,9 +111,13 @@ class AllReducePlan:
 # A bound is the largest size measured where that path was the fastest; one bound per path, so
 # 4 GPUs' bs 1 (two-shot 0.4 us ahead) goes one-shot with bs 8. Nothing is extrapolated past
 # 3.5 MiB: larger tensors take NCCL.
+# 2 GPUs re-measured through this module's own paths (one-shot copies in inside its kernel,
+# two-shot copies in first), `bench/all_reduce.py --gpus 2` on nvidia-h200-x2, 2026-11-28:
+#   NCCL 12.4 11.8 15.1 18.8 37.5; one-shot 7.6 8.7 12.0 15.2 32.1; two-shot 11.0 13.1 13.7
+#   17.0 25.2 (bs 1 / 8 / 32 / 64 / 256; bs 128: 34.6 / 20.7 / 19.4) -> one-shot to 896 KiB.
 _KIB = 1024
 MEASURED_PLANS: dict[int, AllReducePlan] = {
-    2: AllReducePlan(one_shot_max_bytes=0, two_shot_max_bytes=3584 * _KIB),
+    2: AllReducePlan(one_shot_max_bytes=896 * _KIB, two_shot_max_bytes=3584 * _KIB),
     4: AllReducePlan(one_shot_max_bytes=112 * _KIB, two_shot_max_bytes=3584 * _KIB),
 }
 

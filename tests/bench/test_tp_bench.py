@@ -16,10 +16,12 @@ from mlaserve.config import ModelConfig
 from mlaserve.custom_all_reduce import MEASURED_PLANS
 from mlaserve.tensor_parallel import TensorParallel
 
-# Issue 42's table (nvidia-h200-x4, us per call in a graph of 50): bs -> (NCCL, 1-shot, 2-shot)
+# The timings the shipped plans come from (us per call in a graph of 50): bs -> (NCCL, 1-shot,
+# 2-shot). 4 GPUs: issue 42's table (nvidia-h200-x4); 2 GPUs: bench/all_reduce.py --gpus 2
+# through this module's paths (nvidia-h200-x2, 2026-11-28).
 ISSUE_42 = {
-    2: {1: (11.5, 6.6, 6.5), 8: (11.6, 7.4, 7.1), 32: (13.2, 9.4, 7.5), 64: (17.7, 12.2, 10.0),
-        256: (36.4, 27.3, 17.9)},
+    2: {1: (12.4, 7.6, 11.0), 8: (11.8, 8.7, 13.1), 32: (15.1, 12.0, 13.7), 64: (18.8, 15.2, 17.0),
+        128: (34.6, 20.7, 19.4), 256: (37.5, 32.1, 25.2)},
     4: {1: (16.6, 7.4, 7.0), 8: (15.9, 8.9, 9.6), 32: (19.6, 13.1, 9.4), 64: (23.4, 16.9, 12.1),
         256: (44.1, 43.6, 26.3)},
 }  # fmt: skip
