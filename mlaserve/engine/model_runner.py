@@ -22,6 +22,7 @@ from mlaserve.engine.forward_batch import ForwardBatch
 from mlaserve.engine.forward_route import ForwardRoute
 from mlaserve.engine.grammar import GrammarBackend
 from mlaserve.engine.input_buffers import HostBatch, InputBuffers
+from mlaserve.engine.kv_budget import agree_min, decide_num_pages, free_device_memory
 from mlaserve.engine.overlap import OverlapError, StepFence
 from mlaserve.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs, plan_spans
 from mlaserve.engine.read_back import PendingSample, ReadBack, ReadBackRows, StepResult
@@ -39,9 +40,6 @@ from mlaserve.tensor_parallel import NO_TP, TensorParallel
 __all__ = ["ModelRunner", "PendingSample", "ReadBack", "StepResult"]
 
 logger = logging.getLogger(__name__)
-
-# Without an explicit size, a CPU KV pool takes at most this much host memory.
-CPU_KV_CACHE_BYTES = 2 << 30
 
 
 class ModelRunner:
@@ -98,9 +96,7 @@ class ModelRunner:
 
         # This process's device memory before its weights: what it allocates outside torch's
         # allocator (NCCL's buffers) counts against --gpu-memory-utilization too.
-        self._free_at_start = (
-            torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
-        )
+        free_at_start = free_device_memory(self.device)
         logger.info(
             "loading weights from %s (%s on %s, load format %s)",
             config.model_path, self.dtype, self.device, config.load_format,
@@ -131,9 +127,13 @@ class ModelRunner:
             # NCCL makes its communicator and buffers at the first collective: make them now, so
             # that the KV pool is sized from what is left after them.
             tp.all_reduce(torch.zeros(1, device=self.device))
-        self.num_pages = self._decide_num_pages()
+        self.num_pages = decide_num_pages(
+            config, model_config, device=self.device, num_kv_layers=self.num_kv_layers,
+            page_size=self.page_size, kv_cache_dtype=self.kv_cache_dtype,
+            max_pages_per_seq=self.max_pages_per_seq, free_at_start=free_at_start,
+        )  # fmt: skip
         if tp.size > 1:  # every rank's pool holds the same pages: the smallest budget wins
-            self.num_pages = _agree_min(self.num_pages, control_group)
+            self.num_pages = agree_min(self.num_pages, control_group)
         # Dummy weights have no checkpoint to carry KV scales: an FP8 cache scales by 1.0.
         dummy = config.load_format == "dummy"
         k_scales = None if dummy else load_kv_scales(model_config, config.model_path)
@@ -190,42 +190,6 @@ class ModelRunner:
             self.kv_cache_dtype,
             backend_name,
         )
-
-    def _decide_num_pages(self) -> int:  # this rank's budget (TP: the ranks then agree)
-        cfg, mc = self.config, self.model_config
-        if cfg.num_pages is not None:
-            return cfg.num_pages
-        # More pages than every sequence slot at full length could ever use are wasted.
-        useful = cfg.max_num_seqs * self.max_pages_per_seq + 1
-        per_page = MLAKVPool.bytes_per_page(
-            self.num_kv_layers, self.page_size, mc.kv_cache_dim, self.kv_cache_dtype
-        )
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cfg.kv_cache_memory_fraction)
-            if cfg.gpu_memory_utilization is not None:
-                budget = self._budget_within_share(free, total)
-        else:
-            budget = CPU_KV_CACHE_BYTES
-        return max(2, min(useful, budget // per_page))
-
-    def _budget_within_share(self, free: int, total: int) -> int:
-        """KV bytes under vLLM's --gpu-memory-utilization: this process may hold
-        `utilization * total` bytes in all; the weights (and whatever else it holds now: NCCL's
-        buffers, outside torch's allocator, show in the free memory it has used since it
-        started) come off first, and the KV cache takes kv_cache_memory_fraction of the rest,
-        leaving the remainder for activations and CUDA graphs (captured after the pool). Per
-        GPU: under TP each rank sizes its own, and the ranks take the smallest. Never more than
-        is actually free."""
-        cfg = self.config
-        share = int(cfg.gpu_memory_utilization * total)
-        held = max(torch.cuda.memory_reserved(self.device), self._free_at_start - free)
-        if held >= share:
-            raise ConfigError(
-                f"gpu_memory_utilization: {cfg.gpu_memory_utilization} of {total / 2**30:.1f} GiB "
-                f"is {share / 2**30:.1f} GiB, but the weights already take {held / 2**30:.1f} GiB"
-            )
-        return int(min(free, share - held) * cfg.kv_cache_memory_fraction)
 
     # ----- one step -----
     def build_host_batch(
@@ -480,12 +444,3 @@ def _log_rank_reads(reads: object, tp: TensorParallel, group: object) -> None:
             f"({int(b) / 1e3 / max(int(us), 1):.2f} GB/s)"
             for r, (b, us) in enumerate(p.tolist() for p in parts)
         ))  # fmt: skip
-
-
-def _agree_min(n: int, group: object) -> int:
-    """The smallest of every TP rank's `n` (an all-reduce over `group`)."""
-    import torch.distributed as dist
-
-    t = torch.tensor([n], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return int(t.item())
