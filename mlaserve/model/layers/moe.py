@@ -173,21 +173,10 @@ class DeepseekMoE(nn.Module):
             return
         from mlaserve.ops.moe_decode import moe_decode
         from mlaserve.ops.moe_grouped import moe_grouped
-        from mlaserve.ops.moe_weights import MoeDecodeWeights
 
         self._moe_decode, self._moe_grouped = moe_decode, moe_grouped
-        experts, shared = self.experts, self.shared_experts
         try:
-            self.decode_weights = MoeDecodeWeights(
-                experts.gate_up_proj.data,
-                experts.down_proj.data,
-                shared.gate_up_proj.weight.data if shared is not None else None,
-                shared.down_proj.weight.data if shared is not None else None,
-                w13_scale=_data(experts.gate_up_proj_scale_inv),
-                w2_scale=_data(experts.down_proj_scale_inv),
-                shared_w13_scale=_data(shared.gate_up_proj.weight_scale_inv) if shared else None,
-                shared_w2_scale=_data(shared.down_proj.weight_scale_inv) if shared else None,
-            )
+            self.decode_weights = self._decode_weights()
         except ValueError as exc:  # a layout the kernels do not take: the grouped path serves
             logger.warning("MoE decode kernels off for this layer: %s", exc)
             return
@@ -196,17 +185,13 @@ class DeepseekMoE(nn.Module):
         fused = switches.fused_routing()
         self.select_in_kernel = SELECT_IN_KERNEL_MAX_TOKENS if fused else 0
 
-    def _set_up_invariant(self) -> None:
-        """The deterministic mode's moe_decode weights and fixed tiles, where fused ops run."""
-        experts, shared = self.experts, self.shared_experts
-        if not fused_ops_enabled(experts.gate_up_proj.device):
-            return
-        from mlaserve.ops.invariant_matmul import invariant_matmul
-        from mlaserve.ops.moe_decode import decode_tiles, moe_decode
+    def _decode_weights(self) -> MoeDecodeWeights:
+        """This layer's routed (and shared) expert weights as `moe_decode` takes them; a layout
+        it refuses is a ValueError."""
         from mlaserve.ops.moe_weights import MoeDecodeWeights
 
-        self._moe_decode, self._invariant_matmul = moe_decode, invariant_matmul
-        self.decode_weights = MoeDecodeWeights(
+        experts, shared = self.experts, self.shared_experts
+        return MoeDecodeWeights(
             experts.gate_up_proj.data,
             experts.down_proj.data,
             shared.gate_up_proj.weight.data if shared is not None else None,
@@ -215,7 +200,18 @@ class DeepseekMoE(nn.Module):
             w2_scale=_data(experts.down_proj_scale_inv),
             shared_w13_scale=_data(shared.gate_up_proj.weight_scale_inv) if shared else None,
             shared_w2_scale=_data(shared.down_proj.weight_scale_inv) if shared else None,
-        )  # a layout moe_decode refuses is a ValueError: this mode has no other CUDA path
+        )
+
+    def _set_up_invariant(self) -> None:
+        """The deterministic mode's moe_decode weights and fixed tiles, where fused ops run."""
+        if not fused_ops_enabled(self.experts.gate_up_proj.device):
+            return
+        from mlaserve.ops.invariant_matmul import invariant_matmul
+        from mlaserve.ops.moe_decode import decode_tiles, moe_decode
+
+        self._moe_decode, self._invariant_matmul = moe_decode, invariant_matmul
+        # a layout moe_decode refuses is a ValueError: this mode has no other CUDA path
+        self.decode_weights = self._decode_weights()
         tiles = decode_tiles(self.decode_weights, num_tokens=2)  # the multi-token tiles
         self._invariant_tiles = (tiles.block_n, tiles.block_k, tiles.num_warps)
 
