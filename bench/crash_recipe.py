@@ -22,6 +22,7 @@ import asyncio
 import json
 import random
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -80,9 +81,34 @@ async def _phases(url: str, args: argparse.Namespace, max_model_len: int, vocab:
             return await send(client, item)
 
     async with http_client(url, args.request_timeout_s, args.concurrency + len(late) + 4) as client:
+        t0 = time.perf_counter()
         one = await asyncio.gather(*(bounded(item) for item in first))
+        t1 = time.perf_counter()
         two = await asyncio.gather(*(send(client, item) for item in late))
-    return [one, two]
+        t2 = time.perf_counter()
+    return [(one, t1 - t0), (two, t2 - t1)]
+
+
+def _speed(outcomes: list[Outcome], wall_s: float) -> dict:
+    """A phase's serving figures: output tokens per second of wall time, and the p50 / p90 of
+    the streams' TPOT and TTFT (ms) over the requests that completed."""
+    done = [o for o in outcomes if _kind(o) == "ok"]
+    tokens = sum(o.completion_tokens or 0 for o in done)
+
+    def pct(values: list[float], q: float) -> float | None:
+        values = sorted(values)
+        return (
+            round(1e3 * values[min(len(values) - 1, int(q * len(values)))], 2) if values else None
+        )
+
+    tpot = [o.tpot_s for o in done if o.tpot_s is not None]
+    ttft = [o.ttft_s for o in done if o.ttft_s is not None]
+    return {
+        "wall_s": round(wall_s, 2), "output_tokens": tokens,
+        "output_tok_s": round(tokens / wall_s, 1) if wall_s > 0 else None,
+        "tpot_p50_ms": pct(tpot, 0.5), "tpot_p90_ms": pct(tpot, 0.9),
+        "ttft_p50_ms": pct(ttft, 0.5), "ttft_p90_ms": pct(ttft, 0.9),
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         f"2: {args.late_streams} x {args.late_prompt} tok + 1 x {info['max_model_len'] - args.margin}",
     ]
     rows = []
-    for name, outcomes in zip(names, phases):
+    for name, (outcomes, wall_s) in zip(names, phases):
         kinds = Counter(_kind(o) for o in outcomes)
         statuses = Counter(str(o.status) for o in outcomes)
         rows.append({
@@ -138,13 +164,18 @@ def main(argv: list[str] | None = None) -> int:
             "statuses": dict(statuses),
             "errors": sorted({o.stream_error or o.error for o in outcomes
                               if _kind(o) != "ok"} - {None})[:10],
+            **_speed(outcomes, wall_s),
         })  # fmt: skip
     fatal = sum(r["outcomes"].get(k, 0) for r in rows for k in FATAL)
     ok = fatal == 0 and alive and health == 200 and tracebacks == 0
-    print(f"{'phase':<52} {'sent':>5} {'ok':>5} {'failed':>6}  statuses")
+    print(f"{'phase':<52} {'sent':>5} {'ok':>5} {'failed':>6} {'out tok/s':>10} "
+          f"{'TPOT p50/p90 ms':>16} {'TTFT p50 ms':>12}  statuses")  # fmt: skip
     for r in rows:
         statuses = ", ".join(f"{k}: {v}" for k, v in sorted(r["statuses"].items()))
-        print(f"{r['phase']:<52} {r['sent']:>5} {r['ok']:>5} {r['failed']:>6}  {statuses}")
+        tpot = f"{r['tpot_p50_ms']}/{r['tpot_p90_ms']}"
+        print(f"{r['phase']:<52} {r['sent']:>5} {r['ok']:>5} {r['failed']:>6} "
+              f"{r['output_tok_s'] or 0:>10.1f} {tpot:>16} {r['ttft_p50_ms'] or 0:>12.1f}  "
+              f"{statuses}")  # fmt: skip
         for error in r["errors"]:
             print(f"    {error}")
     print(f"/health after: {health}; server alive: {alive}; exit code on SIGTERM: {exit_code}; "

@@ -36,9 +36,8 @@ V3's 3 dense layers count as MoE layers: at bs 1 a dense MLP (3 x 7168 x 18432) 
 bytes as the 8 routed + 1 shared experts a token uses (9 x 3 x 7168 x 2048). The floor is
 extrapolated the same way. A time model only: 61 layers at TP N < 8 do not fit in memory.
 
-CUDA graphs: with TP > 1 this tree still runs eagerly (config/engine_config.py refuses graphs);
-the default measures eager steps, so the host's launch time is in them. `--graphs` asks for
-graphed steps and exits with the engine's refusal until graphs under TP land.
+CUDA graphs: the default measures eager steps, so the host's launch time is in them; `--graphs`
+measures graphed steps (every rank replays the same graph, its all-reduces inside), as served.
 
 Prints a table, the extrapolation with its method, and one JSON line.
 """

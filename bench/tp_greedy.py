@@ -3,7 +3,8 @@
     python3 bench/tp_greedy.py --model DIR [VARIANT ...] [--prompts 64] [--max-tokens 128]
 
 Variants: tp1, tp2, ep2 (tp2 + --enable-expert-parallel), tp4, ep4. Every variant runs eagerly
-(no CUDA graphs, no overlap: TP > 1 refuses them for now), in its own process (each starts its
+(no CUDA graphs, no overlap: the sharding alone; bench/tp_agreement.py runs the served
+configuration), in its own process (each starts its
 ranks and frees its GPUs on exit), on the same prompts (bench/soak.py's word mix, 40 to
 --prompt-bytes bytes) with the same fixed KV pool. Per variant against tp1: completions
 identical token for token, where the others first part, and over the first 16 prompts the

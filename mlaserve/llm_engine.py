@@ -16,6 +16,7 @@ Not thread-safe: one thread owns an engine (the HTTP service runs it in its own 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -381,11 +382,14 @@ class LLMEngine:
         t1 = time.perf_counter()
         if self.spec_decoder is not None:
             self.spec_decoder.reset_stats()  # the throwaway request is not served traffic
-        report = self.graphs.capture() if self.graphs.batch_sizes else None
+        # Capture runs collectives with the workers outside a step: watched like one.
+        workers = self.tp_workers
+        with contextlib.nullcontext() if workers is None else workers.busy():
+            report = self.graphs.capture() if self.graphs.batch_sizes else None
+            if self.spec_decoder is not None and report is not None:
+                self._capture_spec()
         self.graph_report = report
         pw = report.piecewise if report else None
-        if self.spec_decoder is not None and report is not None:
-            self._capture_spec()
         self.compile_watch.mark_ready()
         logger.info(
             "start-up: load %.2f s, warm-up %.2f s, capture %.2f s (%s)",

@@ -23,8 +23,9 @@ worker without that graph raises (`CudaGraphRunner.execute`).
 Failures: anything raised here is sent to rank 0 over `conn` (its traceback) and the process
 exits 1; rank 0's next collective then fails (the peer's sockets closed) and it raises the engine
 dead, with that traceback. The control group waits for the next step without a deadline (an idle
-engine is not a failure); if rank 0 dies, its sockets close and the wait raises here, so a worker
-never outlives its engine. The model group's eager collectives have `timeout_s` (collectives
+engine is not a failure); if rank 0 dies, its sockets close and the wait raises here, and a
+thread that watches the parent exits the process even where it sits in a collective
+(`engine/tp_watchdog.py`), so a worker never outlives its engine. The model group's eager collectives have `timeout_s` (collectives
 replayed from a CUDA graph are not watched by torch's NCCL watchdog).
 """
 
@@ -83,9 +84,11 @@ def worker_main(
     from mlaserve.config import ModelConfig
     from mlaserve.engine.model_runner import ModelRunner
     from mlaserve.engine.step_broadcast import StepReceiver
+    from mlaserve.engine.tp_watchdog import exit_with_parent
     from mlaserve.spec import MTPDrafter
     from mlaserve.tensor_parallel import leave_process_group
 
+    exit_with_parent()  # even from inside a graphed collective that rank 0 will never join
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s [tp rank {rank}] %(message)s")
     tp = None
     try:

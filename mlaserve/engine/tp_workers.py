@@ -21,6 +21,8 @@ Failures: the model group's collectives time out after `COLLECTIVE_TIMEOUT_S`, a
 closes its sockets, which fails the next collective at once; either way the step raises on rank
 0, `failed` kills every worker (a survivor may sit in a collective with the dead one) and returns
 the error that names the rank, its exit code and its traceback. The engine is dead from then on.
+A collective replayed from a CUDA graph has no timeout: a rank 0 stuck in one after a worker
+died is ended by the watchdog (`engine/tp_watchdog.py`), which kills the workers and exits.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import Any, TypeVar
 from mlaserve.config import EngineConfig, ModelConfig
 from mlaserve.engine.model_runner import ModelRunner
 from mlaserve.engine.step_broadcast import StepSender
+from mlaserve.engine.tp_watchdog import StepWatch, watch_workers
 from mlaserve.engine.tp_worker import MULTICAST_OFF, init_groups, worker_main
 from mlaserve.tensor_parallel import TensorParallel, leave_process_group
 
@@ -67,8 +70,10 @@ class _State:
     conns: list[Connection]
     rendezvous_dir: str
     sender: StepSender | None = None
-    stopped: bool = False
+    stopped: bool = False  # `_stop` began: no step may start
+    released: bool = False  # `_stop` ended: the watchdog stands down
     errors: dict[int, str] = field(default_factory=dict)  # rank -> traceback it sent
+    watch: StepWatch = field(default_factory=StepWatch)  # rank 0 busy (`engine/tp_watchdog.py`)
 
 
 class TPWorkers:
@@ -115,6 +120,7 @@ class TPWorkers:
             _stop(state, graceful=False)
             raise
         state.sender = StepSender(control)
+        watch_workers(state.procs, state.watch, lambda: state.released)
         return cls(state, tp, control)
 
     @property
@@ -125,20 +131,24 @@ class TPWorkers:
         """A step (or start-up) raised `exc` with the group in use: the group is broken. Kill the
         workers, leave the group, and return the error to raise (also kept in `dead`)."""
         if self.dead is None:
-            state = self._state
-            time.sleep(0.2)  # a worker that raised is exiting: let its report and code arrive
-            _read_errors(state)
-            codes = {r: p.exitcode for r, p in enumerate(state.procs, 1)}
-            _stop(state, graceful=False)
-            lines = [f"rank {r}: exited with code {c}" for r, c in codes.items() if c is not None]
-            lines += [f"rank {r} raised:\n{tb}" for r, tb in state.errors.items()]
-            why = "\n".join(lines) or f"no worker exited; rank 0's collective failed: {exc}"
-            self.dead = EngineDeadError(
-                f"engine dead: tensor-parallel group of {self.tp.size} ranks failed "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                f"workers stopped.\n{why}"
-            )
+            with self._state.watch.busy():  # killing and leaving may hang on a stuck device
+                self.dead = self._fail(exc)
         return self.dead
+
+    def _fail(self, exc: BaseException) -> EngineDeadError:
+        state = self._state
+        time.sleep(0.2)  # a worker that raised is exiting: let its report and code arrive
+        _read_errors(state)
+        codes = {r: p.exitcode for r, p in enumerate(state.procs, 1)}
+        _stop(state, graceful=False)
+        lines = [f"rank {r}: exited with code {c}" for r, c in codes.items() if c is not None]
+        lines += [f"rank {r} raised:\n{tb}" for r, tb in state.errors.items()]
+        why = "\n".join(lines) or f"no worker exited; rank 0's collective failed: {exc}"
+        return EngineDeadError(
+            f"engine dead: tensor-parallel group of {self.tp.size} ranks failed "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            f"workers stopped.\n{why}"
+        )
 
     def check(self) -> None:
         """Raise the engine's death if it is dead, or if a worker exited since the last step."""
@@ -158,12 +168,19 @@ class TPWorkers:
         self.check()
         sent = self.sender.num_sent
         try:
-            return step()
+            with self._state.watch.busy():
+                return step()
         except Exception as e:
             if self.sender.num_sent == sent:
                 self.check()
                 raise
             raise self.failed(e) from e
+
+    def busy(self) -> StepWatch:
+        """Mark rank 0 busy with work the workers share outside a step (loading, warm-up and
+        capture): a worker that dies meanwhile and leaves it stuck ends the process
+        (`engine/tp_watchdog.py`)."""
+        return self._state.watch.busy()
 
     def stop(self) -> None:
         """Normal shutdown: the stop message, leave the group, join the workers (kill past
@@ -208,6 +225,7 @@ def _stop(state: _State, graceful: bool = True) -> None:
         except Exception as e:
             logger.warning("tensor parallel: leaving the group failed: %s", e)
     shutil.rmtree(state.rendezvous_dir, ignore_errors=True)
+    state.released = True
 
 
 def start_runner(
@@ -219,9 +237,10 @@ def start_runner(
         return ModelRunner(config, model_config, eos_token_ids), None
     workers = TPWorkers.start(config)
     try:
-        runner = ModelRunner(
-            config, model_config, eos_token_ids, tp=workers.tp, control_group=workers.control
-        )
+        with workers.busy():
+            runner = ModelRunner(
+                config, model_config, eos_token_ids, tp=workers.tp, control_group=workers.control
+            )
     except Exception as e:
         raise workers.failed(e) from e
     runner.step_sender = workers.sender

@@ -138,3 +138,7 @@ def test_crash_recipe_scaled_down():
     )  # fmt: skip
     assert report["ok"], report["_tail"]
     assert [p["ok"] for p in report["phases"]] == [12, 5], report["_tail"]
+    # the serving figures: 12 x 12 tokens in phase 1, TPOT from every stream
+    assert report["phases"][0]["output_tokens"] == 144
+    assert all(p["output_tok_s"] > 0 and p["tpot_p90_ms"] >= p["tpot_p50_ms"] > 0
+               for p in report["phases"]), report["phases"]  # fmt: skip

@@ -1,16 +1,27 @@
 """`mlaserve serve -tp 2` on the CPU (gloo): the official client gets TP1's greedy text, and
-SIGTERM stops the server, its engine and the tensor-parallel worker in time, leaving no process."""
+SIGTERM stops the server, its engine and the tensor-parallel worker in time, leaving no process.
+A rank killed mid-stream (CPU, and 2 GPUs where present): the open stream ends with
+`engine_dead`, /health turns 503, the server exits 1 and no process is left (on any GPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import shutil
+import signal
+import subprocess
 import time
 from pathlib import Path
 
+import httpx
+import pytest
+import torch
 from openai import OpenAI
 
 from mlaserve import LLM, SamplingParams
 from tests.service.server_process import start_server
+from tests.service.test_engine_death import EXIT_WAIT_S, _HealthPoller, _stream_until_error
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n"]
 
@@ -71,3 +82,56 @@ def test_tp2_server_serves_tp1_text_and_stops_cleanly(tmp_path: Path) -> None:
     while any(_alive(p) for p in below) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in below if _alive(p)], "a process outlived the server"
+
+
+def _gpu_pids() -> set[int]:
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return {int(x) for x in out.split()}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_killed_rank_fails_the_open_stream_and_leaves_no_process(
+    tmp_path: Path, device: str
+) -> None:
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    server = start_server(None, tmp_path / "server.log", "-tp", "2", "--device", device)
+    try:
+        server.wait_ready(timeout=600)
+        below = _descendants(server.proc.pid)
+        match = re.search(r"tensor parallel: 2 ranks \(\w+\), workers \[(\d+)\]", server.logs())
+        assert match, server.logs()
+        worker = int(match.group(1))
+        assert worker in below
+        poller = _HealthPoller(server.url)
+        t0 = []
+        error = _stream_until_error(
+            server, lambda: (poller.start(), t0.append(time.monotonic()),
+                             os.kill(worker, signal.SIGKILL)),
+        )  # fmt: skip
+        failed_after = time.monotonic() - t0[0]
+        assert error["code"] == "engine_dead", error
+        # the engine is dead before this error is sent: 503 now, or already gone
+        with contextlib.suppress(httpx.TransportError):
+            assert httpx.get(f"{server.url}/health", timeout=5.0).status_code == 503
+        assert server.proc.wait(EXIT_WAIT_S) == 1
+        poller.stop.set()
+        poller.join()
+    finally:
+        server.stop(signal.SIGKILL)
+    codes = [code for code, _ in poller.seen]
+    first_down = next((i for i, c in enumerate(codes) if c != 200), len(codes))
+    assert all(c in (503, None) for c in codes[first_down:]), codes
+    print(
+        f"{device}: the stream failed {failed_after:.2f} s after the kill: {error['message']!r}"
+        f"; /health: {codes.count(200)} x 200, {codes.count(503)} x 503, then refused"
+    )
+    deadline = time.monotonic() + 10.0
+    while any(_alive(p) for p in below) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in below if _alive(p)], "a process outlived the server"
+    if device == "cuda" and shutil.which("nvidia-smi"):
+        assert not _gpu_pids() & (below | {server.proc.pid}), "a process still holds a GPU"
