@@ -188,7 +188,8 @@ class MLAAttention(nn.Module):
         if self._head_matmul is not None:
             return self._forward_invariant(x, cos, sin, batch, rows)
         num_tokens = x.shape[0]
-        q_nope, q_pe, kv_c, k_pe = self._project(x)
+        q, kv_c, k_pe = self._project(x)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         backend = batch.attn_backend
         mha = backend.mha_extend and not batch.mode.is_uniform
         # Decode modes of a backend that takes the KV written: the fused kernel stores each
@@ -262,11 +263,10 @@ class MLAAttention(nn.Module):
             torch.bmm(o_latent.transpose(0, 1), self.w_uv, out=o.transpose(0, 1))
         return self._o_proj(o.view(num_tokens, self.num_heads * self.v_head_dim), rows)
 
-    def _project(
-        self, x: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> q_nope [T, H, d_nope], q_pe [T, H, d_r], kv_c [T, r], k_pe [T, d_r]
-        (views; before the kv_a norm and RoPE)."""
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, H, d_nope + d_r], kv_c [T, r], k_pe [T, d_r] (kv_c and k_pe
+        views of one latent row; before the kv_a norm and RoPE). Callers split q into q_nope
+        and q_pe views: the MHA prefill ropes q_pe in place and then reads q whole."""
         if self.fused_qkv_a_proj_with_mqa is not None:
             q, latent = self.fused_qkv_a_proj_with_mqa(x).split(
                 [self.q_out, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
@@ -277,9 +277,8 @@ class MLAAttention(nn.Module):
         if self.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(x.shape[0], self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         kv_c, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        return q_nope, q_pe, kv_c, k_pe
+        return q, kv_c, k_pe
 
     def _forward_invariant(
         self,
@@ -293,7 +292,8 @@ class MLAAttention(nn.Module):
         phase, each step a function of the token's own row (and, in attention, of the cache
         bytes of its keys 0..p, its own written first)."""
         num_tokens, head_matmul = x.shape[0], self._head_matmul
-        q_nope, q_pe, kv_c, k_pe = self._project(x)
+        q, kv_c, k_pe = self._project(x)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)  # [T, r]
         q_pe = apply_rope(q_pe, cos, sin, self.rope_interleaved)  # [T, H, d_r]
         k_pe = apply_rope(k_pe, cos, sin, self.rope_interleaved)  # [T, d_r]
