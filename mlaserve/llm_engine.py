@@ -24,6 +24,8 @@ import time
 from collections import deque
 from typing import Any
 
+import torch
+
 from mlaserve.config import EngineConfig, ModelConfig
 from mlaserve.engine.grammar import GrammarBackend, GrammarError
 from mlaserve.engine.output_processor import OutputProcessor
@@ -255,7 +257,22 @@ class LLMEngine:
         """Stop the tensor-parallel workers (nothing on one rank); the engine cannot step after.
         Also runs when the engine is collected or the interpreter exits."""
         if self.tp_workers is not None:
+            # Graphs go first: one that captured NCCL collectives hangs the group's teardown.
+            if self.tp_workers.dead is None:
+                try:
+                    self.release_graphs()
+                except Exception as e:  # a faulted device: stopping the workers comes first
+                    logger.warning("releasing the CUDA graphs failed: %s", e)
             self.tp_workers.stop()
+
+    def release_graphs(self) -> None:
+        """Destroy every CUDA graph this engine captured (target, draft, prefill pieces) once
+        the device is done with them; later steps run eagerly."""
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+        if self.spec_decoder is not None and isinstance(self.spec_decoder.drafter, MTPDrafter):
+            self.spec_decoder.drafter.release()
+        self.graphs.release()
 
     def _step(self) -> list[RequestOutput]:
         """schedule -> (draft) run (verify, accept) -> postprocess. With overlap scheduling the

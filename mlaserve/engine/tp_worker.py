@@ -110,6 +110,7 @@ def worker_main(
         receiver = StepReceiver(control)
         while (msg := receiver.receive()) is not None:
             follower.follow(msg)
+        follower.release()  # before the group is left: captured collectives hang its teardown
     except BaseException:
         with contextlib.suppress(OSError):  # rank 0 gone: nobody to tell
             conn.send(traceback.format_exc())
@@ -131,6 +132,17 @@ class Follower:
         self.target = None  # the last target forward's TargetOutput
         self.feed = None  # the ids rank 0 fed after the last target forward, if any
         self.num_messages = 0
+
+    def release(self) -> None:
+        """Destroy this rank's CUDA graphs (`LLMEngine.release_graphs`, rank 0's twin)."""
+        import torch
+
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+        if self.drafter is not None:
+            self.drafter.release()
+        if self.graphs is not None:
+            self.graphs.release()
 
     def follow(self, msg: Any) -> None:
         import torch

@@ -157,6 +157,19 @@ class CudaGraphRunner:
         buckets = self.piecewise.buckets if self.piecewise is not None else ()
         return CaptureMsg(tuple(self.batch_sizes), tuple(self.shapes), tuple(buckets))
 
+    def release(self) -> None:
+        """Destroy every captured graph (and the piecewise runner's): the engine's shutdown,
+        before a tensor-parallel group is left. A graph that captured NCCL collectives keeps the
+        communicator busy, and destroying or aborting it then hangs (pytorch/pytorch#115388).
+        Steps after this run eagerly."""
+        for entry in self.graphs.values():
+            if entry.graph is not None:
+                entry.graph.reset()
+        self.graphs.clear()
+        if self.piecewise is not None:
+            self.piecewise.release()
+        self.pool = None
+
     def capture(self) -> CaptureReport:
         """Warm up every shape eagerly, then capture, largest batch first.
 

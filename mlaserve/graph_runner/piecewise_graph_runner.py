@@ -217,6 +217,15 @@ class PiecewiseGraphRunner:
         return buf
 
     # ----- start-up -----
+    def release(self) -> None:
+        """Destroy the captured pieces (`CudaGraphRunner.release`)."""
+        for bucket in self._buckets.values():
+            for graph in [*bucket.pieces, bucket.whole]:
+                if graph is not None:
+                    graph.reset()
+        self._buckets.clear()
+        self.pool = None
+
     def capture(self) -> PiecewiseReport:
         """Warm up every bucket eagerly, then capture each, largest first."""
         t0 = time.perf_counter()

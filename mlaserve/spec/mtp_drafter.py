@@ -303,6 +303,12 @@ class MTPDrafter:
         last step's lengths, up to k+1, which would select past a q = 1 batch)."""
         self.accept.fill_(1)
 
+    def release(self) -> None:
+        """Destroy the draft's graphs (`CudaGraphRunner.release`)."""
+        for entry in self.graphs.values():
+            entry.graph.reset()
+        self.graphs.clear()
+
     def capture(self, graphs: CudaGraphRunner, q_lens: tuple[int, ...]) -> int:
         """Warm up, then capture DRAFT_EXTEND (per q in q_lens) and DRAFT per captured size,
         after (and into the pool of) every target graph. Returns the number captured."""

@@ -178,3 +178,23 @@ def test_graphs_off_runs_eagerly() -> None:
     assert len(out[0].outputs[0].token_ids) == 8
     stats = llm.engine.get_stats()
     assert stats.num_graph_replays == 0 and stats.num_eager_steps["graphs_off"] >= 7
+
+
+def test_released_graphs_leave_an_engine_that_runs_eagerly_to_the_same_tokens() -> None:
+    """`LLMEngine.release_graphs` (the shutdown's first act under TP, since a graph that holds
+    NCCL collectives hangs the group's teardown) destroys every graph; the engine still serves."""
+    if not flashmla_available():
+        pytest.skip("flashmla needs an SM90 GPU and sgl-flash-mla")
+    llm = LLM(device="cuda", max_model_len=256, num_speculative_tokens=2)
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = ["def f(x):", "import os\n"]
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    engine = llm.engine
+    assert engine.graphs.graphs and engine.spec_decoder.drafter.graphs
+    replays = engine.get_stats().num_graph_replays
+    engine.release_graphs()
+    assert not engine.graphs.graphs and not engine.spec_decoder.drafter.graphs
+    assert engine.graphs.piecewise is None or not engine.graphs.piecewise._buckets
+    after = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert engine.get_stats().num_graph_replays == replays  # no graph left to replay
+    assert after == before
