@@ -137,6 +137,13 @@ def _round_down(nbytes: int) -> int:
     return max(0, nbytes) // ALIGN * ALIGN
 
 
+# Group names that rendezvoused symmetric memory in this process. torch keeps that state per
+# process, keyed by the name; a later group under the same name (a second tensor-parallel engine
+# in one process: the default group is "0" again) hung in its rendezvous on 2 H200s, so such a
+# group uses NCCL alone. A server holds one engine per process and never meets this.
+_RENDEZVOUSED: set[str] = set()
+
+
 def unavailable_reason(
     device: torch.device, world_size: int, plan: AllReducePlan, environ: Any = os.environ
 ) -> str | None:
@@ -198,6 +205,9 @@ class CustomAllReduce:
         world_size = dist.get_world_size(group)
         plan = plan_for(world_size) if plan is None else plan
         reason = unavailable_reason(device, world_size, plan)
+        if reason is None and group.group_name in _RENDEZVOUSED:
+            reason = (f"symmetric memory already rendezvoused under group name "
+                      f"{group.group_name!r} in this process (an earlier tensor-parallel engine)")  # fmt: skip
         if reason := agree_on_reason(reason, "a peer cannot use symmetric memory", group, device):
             return _fallback(reason, world_size)
         buffer, reason = None, None
@@ -206,6 +216,7 @@ class CustomAllReduce:
 
             buffer = symm_mem.empty(plan.max_bytes, dtype=torch.uint8, device=device)
             symm_mem.rendezvous(buffer, group.group_name)  # the name: every torch 2.x takes it
+            _RENDEZVOUSED.add(group.group_name)
         except Exception as exc:  # allocation or rendezvous failed on this rank
             reason = f"symmetric buffer of {plan.max_bytes} bytes: {type(exc).__name__}: {exc}"
         if reason := agree_on_reason(reason, "a peer's symmetric buffer failed", group, device):

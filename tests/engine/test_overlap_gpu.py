@@ -32,9 +32,9 @@ LAG_CYCLES = 36_000_000
 
 
 def _lagging(run, cycles: int):
-    def run_with_lag(host):
+    def run_with_lag(host, *args):
         torch.cuda._sleep(cycles)
-        return run(host)
+        return run(host, *args)
 
     return run_with_lag
 
