@@ -8,7 +8,8 @@ Per model: `--prompts` greedy prompts (bench/soak.py's word mix) x `--max-tokens
 then TP2 (and TP4 when 4 GPUs are visible), in the served configuration (bf16, FP8 KV, CUDA
 graphs with the collectives inside, piecewise prefill graphs, overlap scheduling). Also TP2
 eager (no graphs) against TP2 with graphs, and TP2 with MTP speculation (`--spec K`, when the
-checkpoint has an MTP layer) against TP2 without.
+checkpoint has an MTP layer) against TP2 without. Each variant runs in a fresh process, as a
+server would: one tensor-parallel engine per process.
 
 Reported per variant against its reference: how many completions are identical, where the others
 first part (token position), the reference's top-1 minus top-2 logprob there (a near-tie that
@@ -24,7 +25,9 @@ import gc
 import json
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -119,6 +122,33 @@ def compare(got: dict, ref: dict) -> dict:
     return out
 
 
+def variant_kwargs(name: str, args) -> dict:
+    """The engine options of a variant: tp1, tpN, tp2_eager, tp2_mtpK."""
+    if name == "tp2_eager":
+        return {"tensor_parallel_size": 2, "cuda_graph": False, "piecewise_cuda_graph": False}
+    if name.startswith("tp2_mtp"):
+        return {"tensor_parallel_size": 2, "num_speculative_tokens": int(name[len("tp2_mtp") :])}
+    n = int(name[2:])
+    return {"tensor_parallel_size": n} if n > 1 else {}
+
+
+def isolated(name: str, margins: bool, args) -> dict:
+    """Run one variant in a fresh process (one tensor-parallel engine per process, as served: a
+    second group in one process would fall back to NCCL, custom_all_reduce.py; and each variant
+    frees its GPUs on exit)."""
+    with tempfile.TemporaryDirectory(prefix="tp-agreement-") as tmp:
+        out = Path(tmp) / "row.pt"
+        cmd = [sys.executable, __file__, "--run", name, "--out", str(out),
+               "--load-format", args.load_format, "--prompts", str(args.prompts),
+               "--max-tokens", str(args.max_tokens), "--num-pages", str(args.num_pages),
+               "--seed", str(args.seed), "--device", args.device]  # fmt: skip
+        cmd += ["--model", args.model] if args.model else []
+        cmd += ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
+        cmd += ["--margins"] if margins else []
+        subprocess.run(cmd, check=True)
+        return torch.load(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint folder (default: the shipped one)")
@@ -131,12 +161,19 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the engine's")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (gloo)")
+    ap.add_argument("--run", help=argparse.SUPPRESS)  # internal: one variant, in this process
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--margins", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    rng = random.Random(args.seed)
+    prompts = [_text(rng, rng.randint(40, 4000)) for _ in range(args.prompts)]
+    if args.run:
+        row = run(args.run, variant_kwargs(args.run, args), prompts, args, args.margins)
+        torch.save(row, args.out)
+        return
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     sizes = args.tp or [n for n in (2, 4) if n <= gpus]
     device_name = torch.cuda.get_device_name() if gpus else args.device
-    rng = random.Random(args.seed)
-    prompts = [_text(rng, rng.randint(40, 4000)) for _ in range(args.prompts)]
     mc = ModelConfig.from_pretrained(args.model) if args.model else None
     has_mtp = mc is None or mc.num_nextn_predict_layers > 0
     # Dummy weights are drawn per rank from each shard's own shape (model/dummy_weights.py), so
@@ -144,20 +181,16 @@ def main() -> None:
     same_model = args.load_format != "dummy"
     if not same_model:
         print("load format dummy: TP-N and TP1 draw different weights; tpN vs tp1 not compared")
-    runs = {"tp1": run("tp1", {}, prompts, args, margins=True)} if same_model else {}
+    runs = {"tp1": isolated("tp1", True, args)} if same_model else {}
     rows = []
     for n in sizes:
-        runs[f"tp{n}"] = run(f"tp{n}", {"tensor_parallel_size": n}, prompts, args, False)
+        runs[f"tp{n}"] = isolated(f"tp{n}", False, args)
         if same_model:
             rows.append(compare(runs[f"tp{n}"], runs["tp1"]))
     if 2 in sizes:
-        eager = {"tensor_parallel_size": 2, "cuda_graph": False, "piecewise_cuda_graph": False}
-        rows.append(compare(run("tp2_eager", eager, prompts, args, False), runs["tp2"]))
+        rows.append(compare(isolated("tp2_eager", False, args), runs["tp2"]))
         if has_mtp and args.spec:
-            spec = {"tensor_parallel_size": 2, "num_speculative_tokens": args.spec}
-            rows.append(
-                compare(run(f"tp2_mtp{args.spec}", spec, prompts, args, False), runs["tp2"])
-            )
+            rows.append(compare(isolated(f"tp2_mtp{args.spec}", False, args), runs["tp2"]))
     print(f"model {args.model or 'default'} ({args.load_format}), {device_name}"
           f" x{gpus}, {args.prompts} prompts x {args.max_tokens} tokens, greedy")  # fmt: skip
     print(f"{'variant':>10} {'vs':>5} {'identical':>10} {'first part (min/med)':>21} "

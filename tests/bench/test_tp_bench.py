@@ -75,3 +75,23 @@ def test_the_v3_width_config_parses_and_splits(tmp_path: Path) -> None:
         assert tp.split(mc.moe_intermediate_size, "moe_intermediate") % 128 == 0  # FP8 blocks
         assert tp.split(mc.intermediate_size, "intermediate") % 128 == 0
         assert (tp.split(mc.num_attention_heads, "heads") * mc.v_head_dim) % 128 == 0  # o_proj
+
+
+def test_tp_agreement_runs_each_variant_in_its_own_process_on_the_cpu() -> None:
+    """bench/tp_agreement.py end to end over gloo: TP1, TP2, TP2 eager and TP2 with MTP, each in
+    a fresh process; on the CPU every variant equals its reference token for token."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, str(root / "bench" / "tp_agreement.py"), "--device", "cpu", "--tp", "2",
+         "--prompts", "2", "--max-tokens", "4", "--num-pages", "256"],
+        cwd=root, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = {(r["variant"], r["reference"]): r for r in report["rows"]}
+    assert set(rows) == {("tp2", "tp1"), ("tp2_eager", "tp2"), ("tp2_mtp2", "tp2")}
+    assert all(r["identical"] == r["of"] == 2 for r in rows.values()), rows
