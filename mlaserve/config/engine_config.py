@@ -4,6 +4,9 @@
 follows from its own fields alone (the speculative settings, the paths, the graph batch sizes)
 is derived once in `__post_init__`; the `resolved_*` methods answer against the machine (is CUDA
 there?) or the model, so they run where the engine runs, not where the config was built.
+
+torch is imported inside the methods that need it, never at module level: building and validating
+a config (`mlaserve serve --help`, a bad option) must not pay for torch's import.
 """
 
 from __future__ import annotations
@@ -13,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from mlaserve.backend_names import ATTENTION_BACKENDS
 from mlaserve.config.error import ConfigError
 from mlaserve.config.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from mlaserve.config.model_config import ModelConfig
 
 __all__ = [
@@ -44,6 +47,8 @@ def default_model_path() -> Path:
 
 
 def resolve_torch_dtype(name: str) -> torch.dtype:
+    import torch
+
     table = {
         "float32": torch.float32,
         "fp32": torch.float32,
@@ -276,6 +281,8 @@ class EngineConfig:
 
     # ----- resolution against the machine (asked where the engine runs) and the model -----
     def resolved_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dev = torch.device(self.device)
@@ -316,6 +323,8 @@ class EngineConfig:
         return self.overlap_schedule
 
     def resolved_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        import torch
+
         if self.dtype != "auto":
             return resolve_torch_dtype(self.dtype)
         if self.resolved_device().type == "cpu":
@@ -327,6 +336,8 @@ class EngineConfig:
         return torch.bfloat16 if dtype == torch.float32 else dtype
 
     def resolved_kv_cache_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        import torch
+
         kind = self.kv_cache_dtype
         if kind is None:
             kind = "fp8_e4m3" if self.resolved_device().type == "cuda" else "auto"
@@ -363,6 +374,8 @@ class EngineConfig:
                 f"{experts} routed experts (each rank holds whole experts, {experts} / N of them)"
             )
         if n > 1 and self.resolved_device().type == "cuda":
+            import torch
+
             visible = torch.cuda.device_count()
             if n > visible:
                 raise ConfigError(

@@ -12,7 +12,6 @@ With an API key, every route but /health, /ready and /metrics needs `Authorizati
 
 from __future__ import annotations
 
-import importlib.metadata
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,7 +22,6 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-import mlaserve
 from mlaserve.service.async_engine import AsyncEngine, EngineState
 from mlaserve.service.auth import UNAUTHENTICATED_PATHS, APIKeyMiddleware
 from mlaserve.service.body_limit import BodySizeLimitMiddleware
@@ -46,6 +44,7 @@ from mlaserve.service.protocol import (
     TokenizeResponse,
 )
 from mlaserve.service.serving import Serving
+from mlaserve.service.version import server_version
 
 __all__ = ["build_app", "server_version"]
 
@@ -60,13 +59,6 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     )
 }
 _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
-
-
-def server_version() -> str:
-    try:
-        return importlib.metadata.version("mlaserve")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree
-        return mlaserve.__version__
 
 
 def build_app(

@@ -17,6 +17,10 @@ exits 0. A model that fails to load exits 1, and so does an engine process that 
 serving: /health turns 503 at once, the open requests fail with `engine_dead`, then the server
 stops listening and exits 1 without waiting for the dead engine, so that an orchestrator
 restarts it (docs/api.md).
+
+Parsing, `--help`, `--version` and a bad option import neither torch nor the engine, uvicorn or
+the app (`mlaserve serve --help` answers in well under two seconds): `serve` imports them when
+it starts the server.
 """
 
 from __future__ import annotations
@@ -29,14 +33,9 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 from types import FrameType
-
-import uvicorn
+from typing import TYPE_CHECKING
 
 from mlaserve.config import ConfigError
-from mlaserve.service.app import build_app, server_version
-from mlaserve.service.async_engine import AsyncEngine
-from mlaserve.service.chat import ChatOptions
-from mlaserve.service.preflight import preflight
 from mlaserve.service.settings import (
     CHOICES,
     CONFIG_ENV,
@@ -45,6 +44,10 @@ from mlaserve.service.settings import (
     load_settings,
     options,
 )
+from mlaserve.service.version import server_version
+
+if TYPE_CHECKING:
+    import uvicorn
 
 __all__ = ["build_parser", "main", "resolve_torch_threads", "serve"]
 
@@ -150,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             args["model"] = positional
         settings = load_settings(args, os.environ, config_file)
+        from mlaserve.service.preflight import preflight  # the tokenizer's files: transformers
+
         settings = preflight(settings)
     except ConfigError as e:
         print(f"mlaserve: error: {e}", file=sys.stderr)
@@ -183,21 +188,27 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Server(uvicorn.Server):
+def _make_server(config: uvicorn.Config, on_exit: Callable[[], None]) -> uvicorn.Server:
     """uvicorn's server, telling the engine to stop admitting as soon as a signal arrives."""
+    import uvicorn
 
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
-        super().__init__(config)
-        self._on_exit = on_exit
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            on_exit()
+            super().handle_exit(sig, frame)
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self._on_exit()
-        super().handle_exit(sig, frame)
+    return _Server(config)
 
 
 def serve(settings: Settings, sock: socket.socket | None = None) -> int:
     """Run the server until a signal stops it; returns the process exit code. `sock` is the
     bound listening socket (`bind_socket`); without it uvicorn binds host:port itself."""
+    import uvicorn
+
+    from mlaserve.service.app import build_app
+    from mlaserve.service.async_engine import AsyncEngine
+    from mlaserve.service.chat import ChatOptions
+
     server_cfg = settings.server
     logging.basicConfig(
         level=server_cfg.log_level.upper() if server_cfg.log_level != "trace" else "DEBUG",
@@ -215,7 +226,7 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> int:
     logger.info("torch intra-op threads: %s", threads if threads is not None else "OMP_NUM_THREADS")
 
     exit_code = 0
-    server: _Server | None = None
+    server: uvicorn.Server | None = None
 
     def on_engine_error(_: BaseException) -> None:  # on the loop; AsyncEngine logged the cause
         nonlocal exit_code
@@ -262,7 +273,7 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> int:
         timeout_graceful_shutdown=server_cfg.shutdown_timeout + UVICORN_SHUTDOWN_MARGIN_S,
         lifespan="on",
     )
-    server = _Server(config, on_exit=engine.begin_drain)
+    server = _make_server(config, on_exit=engine.begin_drain)
     # NOTE: after a graceful shutdown uvicorn re-raises the signal it caught, restoring the
     # previous handler first; a no-op handler there turns SIGTERM into a clean exit 0.
     previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from mlaserve.backend_names import ATTENTION_BACKENDS
 from mlaserve.config import (
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
@@ -27,7 +28,6 @@ from mlaserve.config import (
     ConfigError,
     EngineConfig,
 )
-from mlaserve.kernels_adapter.registry import available_backends
 from mlaserve.service.parsers import REASONING_PARSERS, TOOL_PARSERS
 from mlaserve.service.protocol import MAX_LOGPROBS, MAX_PROMPT_TOKENS, MAX_PROMPTS
 
@@ -193,7 +193,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": MODEL_DTYPES,
     "load_format": LOAD_FORMATS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
-    "attention_backend": ("auto", *available_backends()),
+    "attention_backend": ("auto", *sorted(ATTENTION_BACKENDS)),
     "device": ("auto", "cpu", "cuda", "cuda:N"),
     "log_level": LOG_LEVELS,
     "tool_call_parser": tuple(sorted(TOOL_PARSERS)),
