@@ -37,6 +37,7 @@ from mlaserve.engine.scheduler import Scheduler, SchedulerOutput
 from mlaserve.engine.stats import STEP_HISTORY, EngineStats
 from mlaserve.engine.tp_workers import EngineDeadError, start_runner
 from mlaserve.graph_runner import CaptureReport, CompileWatch, CudaGraphRunner
+from mlaserve.jit_cache import apply_jit_cache
 from mlaserve.kv_cache import PageAllocator
 from mlaserve.outputs import RequestMetrics, RequestOutput
 from mlaserve.sampling_params import SamplingParams
@@ -72,6 +73,14 @@ def _without_finished(scheduled: SchedulerOutput) -> SchedulerOutput:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # Before anything compiles (and before the TP workers are spawned: they inherit it).
+        self.jit_cache = apply_jit_cache(config.cache_dir)
+        logger.info(
+            "%s",
+            self.jit_cache.describe()
+            if self.jit_cache is not None
+            else "JIT cache: --cache-dir not set; each library's own folder",
+        )
         self.model_config = ModelConfig.from_pretrained(config.model_path)
         self.max_model_len = config.resolved_max_model_len(self.model_config)
         self.model_name = config.served_model_name or config.model or "mlaserve-default"

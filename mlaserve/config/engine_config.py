@@ -123,6 +123,10 @@ class EngineConfig:
     # every expert; the router, attention and shared experts stay as under TP, and the MoE's
     # all-reduce is the same (model/layers/moe.py). No effect with N = 1.
     enable_expert_parallel: bool = False
+    # One folder for every JIT artefact (Triton, Inductor, flashinfer, CuTe DSL, CUDA's PTX
+    # cache): each library's variable is pointed under it unless set (`mlaserve/jit_cache.py`).
+    # None: each library's own default.
+    cache_dir: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ----- derived from the fields above, once, in __post_init__ (not arguments, compared or
@@ -137,6 +141,8 @@ class EngineConfig:
     _graph_batch_sizes: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.cache_dir is not None and not self.cache_dir.strip():
+            raise ConfigError("cache_dir: must not be empty (leave it unset for the defaults)")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device: expected 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.load_format not in LOAD_FORMATS:

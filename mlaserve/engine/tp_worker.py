@@ -79,6 +79,10 @@ def worker_main(
 ) -> None:
     for key, value in MULTICAST_OFF.items():
         os.environ.setdefault(key, value)
+    from mlaserve.jit_cache import apply_jit_cache
+
+    # Inherited from rank 0 already; applied again in case a worker is started another way.
+    apply_jit_cache(config.cache_dir)
     import torch
 
     from mlaserve.config import ModelConfig

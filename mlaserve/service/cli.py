@@ -36,6 +36,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from mlaserve.config import ConfigError
+from mlaserve.jit_cache import apply_jit_cache
 from mlaserve.service.settings import (
     CHOICES,
     CONFIG_ENV,
@@ -153,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             args["model"] = positional
         settings = load_settings(args, os.environ, config_file)
+        # Before the engine process is spawned: it inherits the cache's variables.
+        apply_jit_cache(settings.engine.cache_dir)
         from mlaserve.service.preflight import preflight  # the tokenizer's files: transformers
 
         settings = preflight(settings)

@@ -173,6 +173,10 @@ _HELP = {
     "enable_expert_parallel": "with -tp N > 1: each rank holds whole routed experts (N must "
     "divide them) instead of a slice of every expert; attention, the router and the shared "
     "experts stay tensor-parallel, one all-reduce per MoE layer as under TP (vLLM's flag)",
+    "cache_dir": "one folder for every JIT artefact (Triton, torch Inductor, flashinfer, CuTe "
+    "DSL, the CUDA driver's PTX cache): their cache variables point under it, in the engine and "
+    "every tensor-parallel worker, unless set; a second start with it compiles nothing "
+    "(default: unset, each library's own folder)",
     "max_logprobs": f"most logprobs (completions) / top_logprobs (chat) a request may ask for "
     f"(at most {MAX_LOGPROBS})",
     "chat_template": "chat template: a Jinja file, or the template itself; default: the "
