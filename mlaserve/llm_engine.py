@@ -49,6 +49,7 @@ from mlaserve.spec import (
     StepCosts,
     measure_engine_step_costs,
 )
+from mlaserve.startup_times import StartupTimes
 from mlaserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = ["STEP_HISTORY", "EngineDeadError", "EngineStats", "InvalidRequestError", "LLMEngine"]
@@ -73,6 +74,8 @@ def _without_finished(scheduled: SchedulerOutput) -> SchedulerOutput:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # Where start-up goes, phase by phase (logged, and on /metrics, once warm-up ends).
+        self.startup = StartupTimes()
         # Before anything compiles (and before the TP workers are spawned: they inherit it).
         self.jit_cache = apply_jit_cache(config.cache_dir)
         logger.info(
@@ -84,16 +87,24 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(config.model_path)
         self.max_model_len = config.resolved_max_model_len(self.model_config)
         self.model_name = config.served_model_name or config.model or "mlaserve-default"
-        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer_path)
+        with self.startup.phase("tokenizer"):
+            self.tokenizer = Tokenizer.from_pretrained(config.tokenizer_path)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         eos_token_ids = sorted(eos)
         self.compile_watch = CompileWatch()
         t0 = time.perf_counter()
+        device = config.resolved_device()
+        if device.type == "cuda":  # the CUDA context, on its own (else in model construction)
+            with self.startup.phase("device_init"):
+                torch.empty(1, device=device)
+                torch.cuda.synchronize(device)
         # Tensor parallelism: this process is rank 0 (scheduler, step loop, sampling); ranks
         # 1..N-1 are worker processes, running each step's forward with it.
-        self.runner, self.tp_workers = start_runner(config, self.model_config, eos_token_ids)
+        self.runner, self.tp_workers = start_runner(
+            config, self.model_config, eos_token_ids, startup=self.startup
+        )
         self.load_time_s = time.perf_counter() - t0
         self.graph_report: CaptureReport | None = None
         self.spec_costs: StepCosts | None = None
@@ -248,6 +259,7 @@ class LLMEngine:
                 else {}
             ),
             spec_accept_length_estimate=policy.accept_length_estimate if policy else 0.0,
+            startup_seconds=self.startup.phase_seconds(),
             spec_break_even=(
                 {b: policy.costs.break_even(b) for b in policy.costs.plain_s}
                 if policy is not None and policy.costs is not None
@@ -398,7 +410,7 @@ class LLMEngine:
     def warmup(self) -> None:
         """Everything that compiles or allocates lazily happens here, before serving: a
         throwaway request (prefill + decode + sampling), then every graph shape eagerly and its
-        capture. Logs the start-up time split."""
+        capture. Ends the start-up times (`self.startup`) and logs them, phase by phase."""
         t0 = time.perf_counter()
         prompt = list(range(min(16, self.model_config.vocab_size)))[: self.max_model_len - 2]
         self.add_request("__warmup__", prompt, SamplingParams(max_tokens=2, temperature=0.0))
@@ -414,14 +426,20 @@ class LLMEngine:
             report = self.graphs.capture() if self.graphs.batch_sizes else None
             if self.spec_decoder is not None and report is not None:
                 self._capture_spec()
+        t2 = time.perf_counter()
         self.graph_report = report
         pw = report.piecewise if report else None
+        # The graphs' eager runs before their capture are warm-up (they compile); the rest of
+        # the block (capture, the MTP draft's graphs and step costs) is capture.
+        eager_s = report.warmup_s + (pw.warmup_s if pw else 0.0) if report else 0.0
+        eager_s = min(eager_s, t2 - t1)
+        self.startup.add("warmup", t1 - t0 + eager_s)
+        self.startup.add("capture", t2 - t1 - eager_s)
         self.compile_watch.mark_ready()
+        self.startup.mark_ready(num_compiles=self.compile_watch.total)
+        logger.info("%s", self.startup.describe())
         logger.info(
-            "start-up: load %.2f s, warm-up %.2f s, capture %.2f s (%s)",
-            self.load_time_s,
-            t1 - t0 + (report.warmup_s + (pw.warmup_s if pw else 0.0) if report else 0.0),
-            report.capture_s + (pw.capture_s if pw else 0.0) if report else 0.0,
+            "start-up: %s",
             f"{report.num_graphs} CUDA graphs"
             + (f" + {pw.num_graphs} prefill pieces" if pw else "")
             + f", pools {(report.pool_bytes + (pw.pool_bytes if pw else 0)) / 2**20:.1f} MiB"

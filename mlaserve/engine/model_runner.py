@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -34,6 +35,7 @@ from mlaserve.kernels_adapter import get_backend_class, resolve_backend_name
 from mlaserve.kv_cache import MLAKVPool
 from mlaserve.model import load_kv_scales, load_model
 from mlaserve.sampling import GreedyRows, Sampler, SamplerOutput, SamplingBatch, SamplingSlots
+from mlaserve.startup_times import StartupTimes
 from mlaserve.tensor_parallel import NO_TP, TensorParallel
 
 # PendingSample, ReadBack and StepResult live in engine/read_back.py (named here as before).
@@ -51,9 +53,11 @@ class ModelRunner:
         *,
         tp: TensorParallel = NO_TP,
         control_group: object = None,
+        startup: StartupTimes | None = None,
     ) -> None:
         """`tp`: this process's rank of the tensor-parallel group (`engine/tp_workers.py`);
-        `control_group`: that group's gloo side, where the ranks agree on the KV pool's size."""
+        `control_group`: that group's gloo side, where the ranks agree on the KV pool's size;
+        `startup`: gets the loader's phases and kv_pool (all that follows the weights)."""
         self.config = config
         # `--enable-expert-parallel`: the MoE layers place whole experts per rank of this group.
         tp = dataclasses.replace(tp, expert_parallel=config.enable_expert_parallel)
@@ -110,7 +114,9 @@ class ModelRunner:
             seed=config.seed,
             tp=tp,
             deterministic=config.deterministic_inference,
+            startup=startup,
         )
+        loaded = time.perf_counter()
 
         if tp.size > 1:
             _log_rank_reads(self.model.checkpoint_reads, tp, control_group)
@@ -183,6 +189,8 @@ class ModelRunner:
         # (overlap rule 3, `engine/overlap.py`); room for several values per row (ids, flags,
         # k+1 tokens).
         self.read_backs = ReadBackRows(config.max_num_seqs * 32, self.device)
+        if startup is not None:
+            startup.add("kv_pool", time.perf_counter() - loaded)
         logger.info(
             "KV cache: %d pages x %d tokens, %s, backend=%s",
             self.num_pages,

@@ -42,6 +42,9 @@ class EngineStats:
     # The policy's current break-even accept length per captured batch size (its costs follow
     # the served steps); empty while unmeasured (CPU, graphs off).
     spec_break_even: dict[int, float] = field(default_factory=dict)
+    # Start-up: seconds per phase and "other" (`StartupTimes.phase_seconds`), summing to the
+    # process's age when the engine became ready; empty before that.
+    startup_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def kv_cache_usage(self) -> float:

@@ -44,6 +44,7 @@ from mlaserve.engine.model_runner import ModelRunner
 from mlaserve.engine.step_broadcast import StepSender
 from mlaserve.engine.tp_watchdog import StepWatch, watch_workers
 from mlaserve.engine.tp_worker import MULTICAST_OFF, init_groups, worker_main
+from mlaserve.startup_times import StartupTimes
 from mlaserve.tensor_parallel import TensorParallel, leave_process_group
 
 __all__ = ["COLLECTIVE_TIMEOUT_S", "EngineDeadError", "TPWorkers", "start_runner"]
@@ -229,18 +230,25 @@ def _stop(state: _State, graceful: bool = True) -> None:
 
 
 def start_runner(
-    config: EngineConfig, model_config: ModelConfig, eos_token_ids: list[int]
+    config: EngineConfig,
+    model_config: ModelConfig,
+    eos_token_ids: list[int],
+    startup: StartupTimes | None = None,
 ) -> tuple[ModelRunner, TPWorkers | None]:
     """Rank 0's ModelRunner; with `tensor_parallel_size` N > 1 the workers (ranks 1..N-1) are
-    started first, and each step's batch goes to them through the runner's `step_sender`."""
+    started first, and each step's batch goes to them through the runner's `step_sender`.
+    `startup`: gets tp_start and the runner's phases."""
+    startup = StartupTimes() if startup is None else startup
     if config.resolved_tensor_parallel_size(model_config) == 1:
-        return ModelRunner(config, model_config, eos_token_ids), None
-    workers = TPWorkers.start(config)
+        return ModelRunner(config, model_config, eos_token_ids, startup=startup), None
+    with startup.phase("tp_start"):
+        workers = TPWorkers.start(config)
     try:
         with workers.busy():
             runner = ModelRunner(
-                config, model_config, eos_token_ids, tp=workers.tp, control_group=workers.control
-            )
+                config, model_config, eos_token_ids, tp=workers.tp, control_group=workers.control,
+                startup=startup,
+            )  # fmt: skip
     except Exception as e:
         raise workers.failed(e) from e
     runner.step_sender = workers.sender

@@ -54,6 +54,7 @@ from mlaserve.model.deepseek import DeepseekForCausalLM
 from mlaserve.model.dummy_weights import fill_dummy_weights
 from mlaserve.model.layers.linear import NO_TP, TensorParallel, default_weight_loader
 from mlaserve.ops.fp8_quant import FP8_DTYPE, triton_available
+from mlaserve.startup_times import StartupTimes
 
 __all__ = ["WeightLoadError", "fp8_runs_on", "load_kv_scales", "load_model", "load_weights"]
 
@@ -100,6 +101,7 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     deterministic: bool = False,
+    startup: StartupTimes | None = None,
 ) -> DeepseekForCausalLM:
     """Build the model on `device` in `dtype`, load the checkpoint at `path`, eval mode, no grad.
 
@@ -108,7 +110,9 @@ def load_model(
     GEMMs; None = `fp8_runs_on(device)`. False dequantises them to `dtype` at load. True on CPU
     runs the emulated FP8 math (tests). `load_format` "dummy": no checkpoint read, random weights
     from `seed` (the MTP module whenever the config asks for one). `deterministic`: build the
-    batch-invariant layers (`EngineConfig.deterministic_inference`)."""
+    batch-invariant layers (`EngineConfig.deterministic_inference`). `startup`: gets the
+    model_construction, weight_read (with the bytes read) and weight_postprocess phases."""
+    startup = StartupTimes() if startup is None else startup
     if dtype not in _MODEL_DTYPES:
         raise WeightLoadError(f"dtype: expected one of {_MODEL_DTYPES}, got {dtype}")
     if load_format not in LOAD_FORMATS:
@@ -131,14 +135,21 @@ def load_model(
             model_config, params_dtype=dtype, tp=tp, with_mtp=with_mtp, quant=quant,
             deterministic=deterministic,
         )  # fmt: skip
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    built = time.perf_counter()
+    startup.add("model_construction", built - start)
     # What this rank read (None: dummy weights), for the engine's per-rank GB/s line.
     model.checkpoint_reads = None
     if dummy:
         fill_dummy_weights(model, seed)
     else:
         model.checkpoint_reads = load_weights(model, path, index, tp=tp)
+        startup.weight_bytes += model.checkpoint_reads.bytes
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)  # the fill is asynchronous: time it done
+    read = time.perf_counter()
+    startup.add("weight_read", read - built)
     size = sum(p.nbytes for p in model.parameters())  # tied ones once
     logger.info(
         "weights: load format %r, %.2f GB (%s%s) in %.2f s",
@@ -146,6 +157,9 @@ def load_model(
         time.perf_counter() - start,
     )  # fmt: skip
     model.process_weights_after_loading()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    startup.add("weight_postprocess", time.perf_counter() - read)
     return model.eval().requires_grad_(False)
 
 

@@ -63,6 +63,7 @@ class MetricFamilies:
         self._declare_token_counters()
         self._declare_spec_decode()
         self._declare_cuda_graphs()
+        self._declare_startup()
 
     def create_series(self, model_name: str) -> None:
         """Create the labelled series, so they read 0 rather than being absent."""
@@ -210,6 +211,16 @@ class MetricFamilies:
         self.compiles_while_serving = self._counter(
             "compiles_while_serving",
             "JIT compilations (Triton kernels, torch.compile graphs) after warm-up; expected 0.",
+        )
+
+    def _declare_startup(self) -> None:
+        """Where the engine's start-up went (set once, when the engine is ready)."""
+        self.startup_duration = self._gauge(
+            "startup_duration_seconds",
+            "Engine start-up, seconds per phase (process_start, torch_import, tokenizer, "
+            "tp_start, device_init, model_construction, weight_read, weight_postprocess, "
+            "kv_pool, warmup, capture, other); the phases sum to the process's age at ready.",
+            "phase",
         )
 
     # ----- constructors: `model_name` first, then the family's own labels -----

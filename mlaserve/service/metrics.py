@@ -177,6 +177,8 @@ class Metrics(MetricFamilies):
             if total > self._seen[key]:
                 counter.labels(model).inc(total - self._seen[key])
                 self._seen[key] = total
+        for phase, seconds in stats.startup_seconds.items():
+            self.startup_duration.labels(model, phase).set(seconds)
         for reason, total in stats.num_eager_steps.items():
             seen = self._seen_eager.get(reason, 0)
             if total > seen:

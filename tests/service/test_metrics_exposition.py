@@ -44,7 +44,8 @@ def test_exposition_is_unchanged() -> None:
     m.on_outputs([_output("a", 100.0, 101.0, 102.25, 6, 1, finished="length")], now=102.25)
     m.on_outputs([_output("b", 100.0, 100.5, 103.0, 3, 2, finished="stop")], now=103.0)
     m.on_aborted(["c", "never-added"])
-    m.on_stats(_stats(3, (16, 16, 16)))  # after warm-up: a baseline only
+    # after warm-up: a baseline only, and the start-up phases
+    m.on_stats(_stats(3, (16, 16, 16), startup_seconds={"weight_read": 0.5, "other": 0.25}))
     totals = dict(
         num_graph_replays=4, num_piecewise_replays=1, num_eager_steps={"extend": 2, "graphs_off": 1},
         num_compiles_while_serving=1, num_preemptions=2, spec_num_drafts=5,
