@@ -1,4 +1,5 @@
 """`mlaserve serve [MODEL]`: resolve the options, start uvicorn and the engine process, stop cleanly.
+`mlaserve precompile [MODEL]`: the same engine options, warm-up only (`precompile.py`).
 
 vLLM's command lines work: the model may be given positionally, and `--gpu-memory-utilization`,
 `--tensor-parallel-size`/`-tp` (N), `--enforce-eager`, `--max-logprobs`, `--chat-template`,
@@ -47,10 +48,20 @@ from mlaserve.service.settings import (
 )
 from mlaserve.service.version import server_version
 
+# The precompile command's --help text (its module imports the engine only when it runs).
+PRECOMPILE_DESCRIPTION = (
+    "Build the engine with the given engine options (the same as `mlaserve serve`'s, from the "
+    "command line, MLASERVE_* variables or --config), run its warm-up (every JIT compilation "
+    "and CUDA-graph capture a server start runs) and exit 0, printing the cache folder, the "
+    "number of compilations and the start-up phases. With --cache-dir (MLASERVE_CACHE_DIR) the "
+    "compiled kernels land there, so that `mlaserve serve` started later with the same options "
+    "and folder compiles nothing: run it in an image build or an init container."
+)
+
 if TYPE_CHECKING:
     import uvicorn
 
-__all__ = ["build_parser", "main", "resolve_torch_threads", "serve"]
+__all__ = ["PRECOMPILE_DESCRIPTION", "build_parser", "main", "resolve_torch_threads", "serve"]
 
 logger = logging.getLogger("mlaserve.service")
 
@@ -89,22 +100,39 @@ def build_parser() -> argparse.ArgumentParser:
         "variable (shown with each option) or in a YAML/JSON file given with --config; the "
         "command line wins over the environment, which wins over the file.",
     )
-    serve_parser.add_argument(
+    _add_options(serve_parser, with_server=True)
+    precompile_parser = commands.add_parser(
+        "precompile",
+        help="fill the JIT cache for a configuration, without serving",
+        description=PRECOMPILE_DESCRIPTION,
+    )
+    _add_options(precompile_parser, with_server=False, extra=("log_level", "torch_threads"))
+    return parser
+
+
+def _add_options(
+    parser: argparse.ArgumentParser, *, with_server: bool, extra: tuple[str, ...] = ()
+) -> None:
+    """MODEL, --config and the options: the engine's, and the server's (`with_server`; else
+    only those named in `extra`)."""
+    parser.add_argument(
         "model_tag",
         nargs="?",
         metavar="MODEL",
         default=argparse.SUPPRESS,
         help="checkpoint folder, as vLLM takes it (the same as --model)",
     )
-    serve_parser.add_argument(
+    parser.add_argument(
         "--config",
         metavar="FILE",
         default=argparse.SUPPRESS,
         help=f"YAML or JSON file of options, keys as the option names (env {CONFIG_ENV})",
     )
-    server_group = serve_parser.add_argument_group("server options")
-    engine_group = serve_parser.add_argument_group("engine options")
+    server_group = parser.add_argument_group("server options")
+    engine_group = parser.add_argument_group("engine options")
     for opt in options():
+        if opt.target is ServerConfig and not with_server and opt.name not in extra:
+            continue
         group = server_group if opt.target is ServerConfig else engine_group
         default = "" if opt.default is None else f"default: {opt.default}; "
         text = f"{opt.help} ({default}env {opt.env})".replace("%", "%%")
@@ -129,7 +157,6 @@ def build_parser() -> argparse.ArgumentParser:
                 "--enforce-eager", dest="cuda_graph", action="store_const", const=False,
                 default=argparse.SUPPRESS, help="vLLM's name for --no-cuda-graph",
             )  # fmt: skip
-    return parser
 
 
 _ALIASES: dict[str, tuple[str, ...]] = {
@@ -143,7 +170,7 @@ _METAVARS: dict = {int: "N", float: "X", str: "TEXT", "model": "PATH", "tokenize
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
-    args.pop("command")
+    command = args.pop("command")
     config_file = args.pop("config", None)
     try:
         positional = args.pop("model_tag", None)
@@ -162,6 +189,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"mlaserve: error: {e}", file=sys.stderr)
         return 2
+    if command == "precompile":
+        from mlaserve.service.precompile import precompile
+
+        threads = resolve_torch_threads(settings.server.torch_threads, os.environ)
+        return precompile(settings, torch_threads=threads)
     try:
         sock = bind_socket(settings.server.host, settings.server.port)
     except OSError as e:

@@ -4,7 +4,8 @@ Each problem is a `ConfigError` with one line that names the option and says wha
 model path that is not a local checkpoint folder (with the hint that hub ids are not fetched),
 a model type or config.json this server cannot run, a max_model_len beyond the model's, a
 tokenizer folder without tokenizer files, a CUDA device that is not there, a chat template
-file that cannot be read. Cheap: config.json and a few file names, never the weights.
+file that cannot be read. Cheap: config.json and a few file names, never the weights; torch
+is imported only once the model folder is found good (for the device check).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from pathlib import Path
 
 from mlaserve.config import ConfigError, ModelConfig
 from mlaserve.service.settings import Settings
-from mlaserve.tokenizer.tokenizer import TOKENIZER_FILES
 
 __all__ = ["preflight"]
 
@@ -26,6 +26,10 @@ def preflight(settings: Settings) -> Settings:
     _check_model_folder(engine.model_path, given=engine.model is not None)
     model_config = ModelConfig.from_pretrained(engine.model_path)  # ConfigError names the key
     engine.resolved_max_model_len(model_config)  # ConfigError: longer than the model allows
+    # Here, not at the top: the tokenizer module imports transformers (and torch), which a bad
+    # model path's exit 2 need not wait for.
+    from mlaserve.tokenizer.tokenizer import TOKENIZER_FILES
+
     tokenizer = engine.tokenizer_path
     if not any((tokenizer / name).is_file() for name in TOKENIZER_FILES):
         option = "tokenizer" if engine.tokenizer else "model"

@@ -39,6 +39,8 @@ def _imported_heavy(*argv: str) -> tuple[int, list[str], str]:
     [
         (("serve", "--help"), 0),
         (("--version",), 0),
+        (("precompile", "--help"), 0),
+        (("precompile", "/no/such/model"), 2),  # preflight: no engine built
         (("serve", "--no-such-option"), 2),  # argparse's error
         (("serve", "--max-num-seqs", "many"), 2),  # a bad value: ConfigError
         (("serve", "--port", "99999"), 2),  # ServerConfig's validation
