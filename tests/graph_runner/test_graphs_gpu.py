@@ -167,7 +167,11 @@ def test_graph_memory_is_reported(caplog) -> None:
     # 0 for this small model, whose graphs fit in segments the warm-up had already reserved.
     assert 0 <= report.pool_bytes < 2**30
     assert any("graph pool" in r.getMessage() for r in caplog.records)
-    assert any("start-up: load" in r.getMessage() for r in caplog.records)
+    # the phase line (StartupTimes.describe) and the graphs' line
+    assert any(" to ready: " in r.getMessage() and "capture" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    assert any(r.getMessage().startswith("start-up: ") and "CUDA graphs" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
 
 
 def test_graphs_off_runs_eagerly() -> None:
