@@ -1,4 +1,4 @@
-"""One directory for every just-in-time compiled artefact: `--cache-dir DIR` / `MLASERVE_CACHE_DIR`.
+"""One directory for every just-in-time compiled artefact: the `--cache-dir DIR` option.
 
 Each JIT compiler this server may run keeps its own on-disk cache, named by its own environment
 variable; `JitCache(DIR)` points each of them at a folder under DIR:
@@ -25,7 +25,7 @@ every tensor-parallel worker inherits them and applies its config's first thing.
 
 Unset (the default), nothing is changed: each library keeps its own default folder (Triton's
 ~/.triton/cache, Inductor's /tmp/torchinductor_USER, ...), as before this option existed. The
-Docker image sets `MLASERVE_CACHE_DIR=/var/cache/mlaserve`, its cache volume.
+Docker image sets the option (its environment variable) to /var/cache/mlaserve, its volume.
 
 Layer 3 (README, "Layers"): nothing from mlaserve but `config/`'s `ConfigError`.
 """

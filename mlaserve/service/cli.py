@@ -53,7 +53,7 @@ PRECOMPILE_DESCRIPTION = (
     "Build the engine with the given engine options (the same as `mlaserve serve`'s, from the "
     "command line, MLASERVE_* variables or --config), run its warm-up (every JIT compilation "
     "and CUDA-graph capture a server start runs) and exit 0, printing the cache folder, the "
-    "number of compilations and the start-up phases. With --cache-dir (MLASERVE_CACHE_DIR) the "
+    "number of compilations and the start-up phases. With --cache-dir (or its variable) the "
     "compiled kernels land there, so that `mlaserve serve` started later with the same options "
     "and folder compiles nothing: run it in an image build or an init container."
 )
