@@ -42,6 +42,10 @@ class EngineStats:
     # The policy's current break-even accept length per captured batch size (its costs follow
     # the served steps); empty while unmeasured (CPU, graphs off).
     spec_break_even: dict[int, float] = field(default_factory=dict)
+    # Prefix caching running totals (zero when it is off; vLLM's semantics): prompt tokens
+    # looked up at admission, and how many of them the cache held.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -173,6 +173,9 @@ _HELP = {
     "enable_expert_parallel": "with -tp N > 1: each rank holds whole routed experts (N must "
     "divide them) instead of a slice of every expert; attention, the router and the shared "
     "experts stay tensor-parallel, one all-reduce per MoE layer as under TP (vLLM's flag)",
+    "enable_prefix_caching": "reuse the KV pages of earlier requests' identical prompt prefixes "
+    "(full pages, keyed by a hash chain of their tokens; vLLM's flag). Default off until "
+    "verified on a GPU; bypassed with speculative decoding",
     "max_logprobs": f"most logprobs (completions) / top_logprobs (chat) a request may ask for "
     f"(at most {MAX_LOGPROBS})",
     "chat_template": "chat template: a Jinja file, or the template itself; default: the "
