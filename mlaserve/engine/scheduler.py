@@ -279,7 +279,10 @@ class Scheduler:
         if self.prefix is not None:
             self.prefix.release(request)
         if request.pages:
-            self.allocator.free(request.pages)
+            # With prefix caching the last page goes first: the LRU then evicts a chain from
+            # its tail, and the prefix that stays cached keeps its head (vLLM's order).
+            pages = request.pages if self.prefix is None else request.pages[::-1]
+            self.allocator.free(pages)
             request.pages = []
 
     def _free_slot(self, request: Request) -> None:
