@@ -178,3 +178,43 @@ def test_speculative_engine_bypasses_the_cache() -> None:
     expected = [token_ids(plain.generate([p], params, use_tqdm=False))[0] for p in prompts]
     assert [token_ids(spec.generate([p], params, use_tqdm=False))[0] for p in prompts] == expected
     assert spec.engine.get_stats().prefix_cache_queries == 0
+
+
+def test_pages_are_registered_only_once_their_step_is_waited_on(path) -> None:
+    """Overlap scheduling: a launched step's pages are not findable until the host has waited
+    on it (the next step resolves it)."""
+    engine = make_llm(path, True, overlap_schedule=True).engine
+    cache = engine.allocator.cache
+    before = cache.num_cached_pages
+    engine.add_request("a", list(range(50, 63)), GREEDY)  # 13 tokens: 3 full pages
+    engine.step()  # the prefill is launched and stays in flight
+    assert engine._inflight is not None
+    assert cache.num_cached_pages == before
+    engine.step()  # launches the first decode, then resolves the prefill
+    assert cache.num_cached_pages == before + 3
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.drain()
+    engine.allocator.check()
+    assert engine.allocator.num_referenced_pages == 0
+
+
+def test_offline_cache_salt_and_structured_output(path) -> None:
+    llm = make_llm(path, True)
+    prompt = shared_prompts(seed=6)[5]
+    outs = [
+        llm.generate({"prompt_token_ids": prompt, "cache_salt": salt}, GREEDY, use_tqdm=False)[0]
+        for salt in ("x", "y", "x")
+    ]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 16]
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    pytest.importorskip("xgrammar")
+    from mlaserve.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(
+        max_tokens=12, temperature=0.0, structured_outputs=StructuredOutputsParams(json_object=True)
+    )
+    off = make_llm(path, False)
+    expected = token_ids(off.generate([prompt, prompt], params, use_tqdm=False))
+    assert token_ids(llm.generate([prompt, prompt], params, use_tqdm=False)) == expected
+    assert_no_leak(llm)
