@@ -63,7 +63,8 @@ class LLM:
         """Run every prompt to completion; results come back in prompt order.
 
         `prompts` may be one prompt or a list; a prompt is a string, a list of token ids, or a
-        vLLM prompt dict (`{"prompt": str}` or `{"prompt_token_ids": [...]}`). With `n > 1` a
+        vLLM prompt dict (`{"prompt": str}` or `{"prompt_token_ids": [...]}`, either with an
+        optional `"cache_salt"`: prefix caching shares pages only within one salt). With `n > 1` a
         result holds n completions (seeds seed, seed+1, ... when seeded). `use_tqdm` shows a
         progress bar of finished requests (or is a callable making the tqdm bar, as in vLLM).
         If anything fails or is interrupted (Ctrl-C) before the call returns, the requests it
@@ -73,6 +74,7 @@ class LLM:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
+        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
         prompts = [_prompt_of(i, p) for i, p in enumerate(prompts)]
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -85,7 +87,7 @@ class LLM:
         added: list[str] = []
         bar = None
         try:
-            for prompt, params in zip(prompts, sampling_params):
+            for prompt, params, salt in zip(prompts, sampling_params, salts):
                 ids = []
                 for i in range(params.n):
                     rid = str(next(self._ids))
@@ -96,7 +98,7 @@ class LLM:
                         seed=None if params.seed is None else params.seed + i,
                         output_kind=RequestOutputKind.FINAL_ONLY,
                     )
-                    self.engine.add_request(rid, prompt, sub)
+                    self.engine.add_request(rid, prompt, sub, cache_salt=salt)
                     added.append(rid)
                     ids.append(rid)
                 groups.append(ids)
@@ -166,14 +168,15 @@ def _prompt_of(index: int, prompt: PromptInput) -> Prompt:
     """A string or token-id list as it is; a vLLM prompt dict unwrapped; anything else refused
     (a dict is never taken for text: its keys would be generated from)."""
     if isinstance(prompt, dict):
-        keys = set(prompt)
+        keys = set(prompt) - {"cache_salt"}  # vLLM's prefix-cache salt (add_request checks it)
         if keys == {"prompt"} and isinstance(prompt["prompt"], str):
             return prompt["prompt"]
         if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], list):
             return prompt["prompt_token_ids"]
         raise ValueError(
             f"prompts[{index}]: a prompt dict must be {{'prompt': str}} or "
-            f"{{'prompt_token_ids': list[int]}}, got keys {sorted(keys)}"
+            f"{{'prompt_token_ids': list[int]}} (and optionally 'cache_salt'), got keys "
+            f"{sorted(keys)}"
         )
     if isinstance(prompt, str) or (
         isinstance(prompt, list)

@@ -30,6 +30,7 @@ from mlaserve.config import EngineConfig, ModelConfig
 from mlaserve.engine.grammar import GrammarBackend, GrammarError
 from mlaserve.engine.output_processor import OutputProcessor
 from mlaserve.engine.overlap import StepLedger
+from mlaserve.engine.prefix_sharing import PrefixSharing
 from mlaserve.engine.read_back import InFlightStep, PendingSample, StepResult
 from mlaserve.engine.request import FinishReason, Request
 from mlaserve.engine.request_validator import InvalidRequestError, RequestValidator
@@ -38,7 +39,7 @@ from mlaserve.engine.stats import STEP_HISTORY, EngineStats
 from mlaserve.engine.tp_workers import EngineDeadError, start_runner
 from mlaserve.graph_runner import CaptureReport, CompileWatch, CudaGraphRunner
 from mlaserve.jit_cache import apply_jit_cache
-from mlaserve.kv_cache import PageAllocator
+from mlaserve.kv_cache import PageAllocator, PrefixCache
 from mlaserve.outputs import RequestMetrics, RequestOutput
 from mlaserve.sampling_params import SamplingParams
 from mlaserve.spec import (
@@ -115,13 +116,28 @@ class LLMEngine:
             drafter = MTPDrafter(self.runner, spec.k)
             policy = SpecPolicy(spec.k, disable_batch_size=config.speculative_disable_batch_size)
             self.spec_decoder = SpecDecoder(self.runner, self.graphs, drafter, spec.k, policy)
-        self.allocator = PageAllocator(self.runner.num_pages)
+        # Prefix caching (kv_cache/prefix_cache.py). Not with speculation: a cached page's MTP
+        # KV at its last position was computed from the token after the page, which the key
+        # does not hold, and pages written by plain (draft-free) steps hold no MTP KV at all;
+        # outputs would stay exact (verification is lossless) but acceptance would silently
+        # drop. Bypassed there, with a warning.
+        cache = None
+        if config.enable_prefix_caching:
+            if spec is not None:
+                logger.warning(
+                    "enable_prefix_caching: bypassed with speculative decoding (the MTP "
+                    "layer's KV of a cached page is not keyed by what it was computed from)"
+                )
+            else:
+                cache = PrefixCache(config.page_size)
+        self.allocator = PageAllocator(self.runner.num_pages, cache)
         self.scheduler = Scheduler(
             self.allocator,
             page_size=config.page_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             num_lookahead_tokens=config.num_lookahead_tokens,
+            prefix=PrefixSharing(self.allocator, config.page_size) if cache else None,
         )
         self.requests: dict[str, Request] = {}
         self.validator = RequestValidator(
@@ -137,6 +153,7 @@ class LLMEngine:
         self._grammar_lock = threading.Lock()  # compile_grammar may run on another thread
         self.num_grammar_compiles_on_add = 0  # structured requests compiled inside add_request
         self.num_steps = 0  # forwards run
+        self.num_scheduled_tokens = 0  # tokens those forwards computed (prompt + decode)
         self.recent_step_num_tokens: deque[int] = deque(maxlen=STEP_HISTORY)
         self._seed_rng = random.Random(config.seed)
         self.overlap = config.resolved_overlap_schedule()
@@ -162,9 +179,15 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         grammar: Any | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """`grammar`: the matcher `compile_grammar(params)` made ahead of time for a structured
-        request (compiled here otherwise)."""
+        request (compiled here otherwise). `cache_salt` (vLLM's name): with prefix caching,
+        requests share cached pages only with requests of the same salt."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError(
+                f"cache_salt: expected a non-empty string, got {cache_salt!r}", "cache_salt"
+            )
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if isinstance(prompt, str):
@@ -187,6 +210,7 @@ class LLMEngine:
             ),
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            cache_salt=cache_salt,
         )
         if params.structured_outputs is not None:
             if grammar is None:
@@ -237,6 +261,7 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         spec = self.spec_decoder.stats if self.spec_decoder is not None else None
         policy = self.spec_decoder.policy if self.spec_decoder is not None else None
+        cache = self.allocator.cache
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -265,7 +290,15 @@ class LLMEngine:
                 if policy is not None and policy.costs is not None
                 else {}
             ),
+            prefix_cache_queries=cache.num_queried_tokens if cache is not None else 0,
+            prefix_cache_hits=cache.num_hit_tokens if cache is not None else 0,
         )
+
+    def reset_prefix_cache(self) -> int:
+        """vLLM's reset_prefix_cache: forget every cached key; the cached pages no request
+        holds become free. -> how many pages were freed (0 with prefix caching off). Pages of
+        running requests stay theirs, uncached."""
+        return self.allocator.reset_cache()
 
     # ----- the loop -----
     def step(self) -> list[RequestOutput]:
@@ -311,6 +344,7 @@ class LLMEngine:
             if r.metrics.first_scheduled_time is None:
                 r.metrics.first_scheduled_time = now
         self.num_steps += 1
+        self.num_scheduled_tokens += scheduled.num_tokens
         self.recent_step_num_tokens.append(scheduled.num_tokens)
         overlap = self.overlap and not self._needs_host_tokens(scheduled)
         spec = self.spec_decoder
@@ -398,6 +432,8 @@ class LLMEngine:
         sampled nothing) and postprocess them."""
         result = step.sample.result()
         self.ledger.waited(step.step)
+        # The step is done on the device: its full pages may now be found by others.
+        self.scheduler.commit(step.scheduled)
         for r in step.scheduled.sampled_requests:
             r.num_pending_tokens -= 1
         return self._postprocess(step.scheduled, result)

@@ -52,6 +52,9 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_preemptions: int = 0
+    # Prefix caching: prompt tokens found in the cache at the request's first admission (their
+    # KV was not computed for it). OpenAI's usage.prompt_tokens_details.cached_tokens.
+    num_cached_tokens: int = 0
     # Speculative decoding: draft tokens verified for this request, and how many were accepted
     # (what `"return_spec_stats": true` reports).
     num_draft_tokens: int = 0
@@ -78,3 +81,8 @@ class RequestOutput:
     # has no context), else {token_id: Logprob} holding the prompt token and the top-N. In the
     # first output of the request (every output for CUMULATIVE), else None.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """vLLM's name: prompt tokens the prefix cache held at the request's admission."""
+        return self.metrics.num_cached_tokens if self.metrics is not None else 0

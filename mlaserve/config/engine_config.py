@@ -127,6 +127,11 @@ class EngineConfig:
     # cache): each library's variable is pointed under it unless set (`mlaserve/jit_cache.py`).
     # None: each library's own default.
     cache_dir: str | None = None
+    # vLLM's --enable-prefix-caching: full KV pages of earlier requests are found again by their
+    # tokens (a hash chain, `kv_cache/prefix_cache.py`) and not recomputed. OFF by default in
+    # this landing: it is verified on the CPU only; it turns on by default once verified on a
+    # GPU (issue 43). Bypassed (a warning) with speculative decoding.
+    enable_prefix_caching: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ----- derived from the fields above, once, in __post_init__ (not arguments, compared or
@@ -214,6 +219,10 @@ class EngineConfig:
         spec = self._parse_speculative()
         self._check_tensor_parallel()
         self._check_deterministic()
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(
+                f"enable_prefix_caching: expected a bool, got {self.enable_prefix_caching!r}"
+            )
         if k is not None and spec is not None and spec.num_speculative_tokens != k:
             raise ConfigError(
                 f"num_speculative_tokens: {k} contradicts speculative_config."

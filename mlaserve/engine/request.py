@@ -77,6 +77,12 @@ class Request:
     # the request's draft cache goes stale and it drafts no more until a recomputation from
     # its prompt (after preemption) refills it.
     draft_cache_valid: bool = True
+    # Prefix caching (`kv_cache/prefix_cache.py`). cache_salt: mixed into the key of the first
+    # page, so requests of different salts never share a cached page (vLLM's field).
+    cache_salt: str | None = None
+    # Keys of the first len(page_keys) full pages of `pages` (cached or not: the chain the next
+    # page's key extends). Reset with the pages.
+    page_keys: list[bytes] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,6 +12,13 @@ for that many KV slots past its step (the verify and draft forwards write them),
 before the step, so nothing allocates inside it; admission counts them too. A decode is still
 scheduled as one token: the speculative decoder widens it, and `after_step` learns how many
 extra tokens each request accepted.
+
+With prefix caching (`prefix`, `engine/prefix_sharing.py`; None when off, and then nothing
+below changes) a request admitted without pages first takes the cached pages of its prefix
+and starts at num_computed_tokens = their tokens; one whose next page another running request
+is computing waits at the head of the queue for it. Freed pages go back through the
+allocator's reference counts (cached ones stay findable until evicted), and the engine calls
+`commit` once a step's results are on the host to register the full pages it computed.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from mlaserve.engine.forward_batch import ForwardMode
+from mlaserve.engine.prefix_sharing import PrefixSharing
 from mlaserve.engine.request import Request, RequestStatus
 from mlaserve.kv_cache import PageAllocator
 
@@ -35,6 +43,9 @@ class ScheduledRequest:
     # One new token after a fully computed prompt: the request is decoding. Anything else
     # (a prompt chunk, a recomputation after preemption) is prefill work.
     is_decode: bool = field(init=False)
+    # The request's num_computed_tokens once this step is accounted (`after_step`): what the
+    # step computed ends there (prefix caching commits up to it when the step resolves).
+    computed_end: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         r = self.request
@@ -89,8 +100,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         num_lookahead_tokens: int = 0,
+        prefix: PrefixSharing | None = None,
     ) -> None:
         self.allocator = allocator
+        self.prefix = prefix
         self.num_lookahead_tokens = num_lookahead_tokens
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -190,9 +203,19 @@ class Scheduler:
                 # Preempted with its last token still on the device: its recomputation needs
                 # that token on the host first (overlap rule 5, engine/overlap.py).
                 break
+            hit = None
+            if self.prefix is not None and not request.pages:
+                hit = self.prefix.lookup(request)
+                if hit is None:
+                    break  # its next page is being computed by a running request: wait
+                self.prefix.attach(request, hit)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._reserve(request, num_new):
+                if hit is not None:
+                    self.prefix.detach(request)  # type: ignore[union-attr]
                 break
+            if hit is not None:
+                self.prefix.admitted(request, hit)  # type: ignore[union-attr]
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.slot = self._free_slots.pop()
@@ -220,6 +243,22 @@ class Scheduler:
                 if num_accepted is not None and s.is_decode:
                     s.request.num_computed_tokens += num_accepted[sampled]
                 sampled += 1
+            s.computed_end = s.request.num_computed_tokens
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """Prefix caching: `out`'s step has been waited on (its results are on the host):
+        register the full pages its requests computed. Requests that ended or were preempted
+        since are skipped (their pages are gone; a preempted one's num_computed_tokens restarts
+        below computed_end). Only tokens whose ids are on the host are keyed."""
+        prefix = self.prefix
+        if prefix is None:
+            return
+        for s in out.scheduled:
+            r = s.request
+            if r.status is not RequestStatus.RUNNING:
+                continue
+            known = r.num_prompt_tokens + len(r.output_token_ids)
+            prefix.commit(r, min(s.computed_end, r.num_computed_tokens, known))
 
     # ----- pages -----
     def num_pages_for(self, num_tokens: int) -> int:
@@ -237,8 +276,13 @@ class Scheduler:
         return True
 
     def _free_pages(self, request: Request) -> None:
+        if self.prefix is not None:
+            self.prefix.release(request)
         if request.pages:
-            self.allocator.free(request.pages)
+            # With prefix caching the last page goes first: the LRU then evicts a chain from
+            # its tail, and the prefix that stays cached keeps its head (vLLM's order).
+            pages = request.pages if self.prefix is None else request.pages[::-1]
+            self.allocator.free(pages)
             request.pages = []
 
     def _free_slot(self, request: Request) -> None:

@@ -45,6 +45,10 @@ class EngineStats:
     # Start-up: seconds per phase and "other" (`StartupTimes.phase_seconds`), summing to the
     # process's age when the engine became ready; empty before that.
     startup_seconds: dict[str, float] = field(default_factory=dict)
+    # Prefix caching running totals (zero when it is off; vLLM's semantics): prompt tokens
+    # looked up at admission, and how many of them the cache held.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -6,6 +6,7 @@
     GET  /health                                  200 while the engine process lives, else 503
     GET  /ready                                   200 once loaded and warmed up, else 503
     GET  /metrics                                 Prometheus text format
+    POST /reset_prefix_cache                      drop every cached prefix page (vLLM's route)
 
 With an API key, every route but /health, /ready and /metrics needs `Authorization: Bearer`.
 """
@@ -171,6 +172,15 @@ def build_app(
             )
         text = await serving.run_tokenizer(lambda tok: tok.decode(body.tokens))
         return DetokenizeResponse(prompt=text)
+
+    @app.post("/reset_prefix_cache", responses=_ERRORS)
+    async def reset_prefix_cache() -> JSONResponse:
+        """vLLM's operator route: every prefix-cache key is dropped between two engine steps;
+        cached pages no request holds become free. 200 with the pages freed (0 when prefix
+        caching is off)."""
+        serving.require_ready()
+        freed = await engine.reset_prefix_cache()
+        return JSONResponse({"status": "ok", "num_freed_pages": freed})
 
     @app.get("/health")
     async def health() -> JSONResponse:

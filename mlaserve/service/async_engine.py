@@ -131,6 +131,7 @@ class AsyncEngine:
         self._stopping = False  # STOP sent: the process ending is no death
         self._add_ids = itertools.count()
         self._adds: dict[int, asyncio.Future[None]] = {}  # ADD sent, ADDED not yet back
+        self._resets: dict[int, asyncio.Future[int]] = {}  # RESET_PREFIX_CACHE sent, not done
         self._streams: dict[str, RequestStream] = {}  # the stream of each unfinished request
         self._metric_calls: list[tuple[Callable[[Any], None], Any]] = []
 
@@ -311,6 +312,17 @@ class AsyncEngine:
             raise
         return stream
 
+    async def reset_prefix_cache(self) -> int:
+        """Drop every prefix-cache key in the engine (between two steps); -> the pages freed.
+        Requests added after this returns find nothing cached from before."""
+        assert self._loop is not None, "start() the engine first"
+        self._check_accepting(0)
+        done: asyncio.Future[int] = self._loop.create_future()
+        reset_id = next(self._add_ids)
+        self._resets[reset_id] = done
+        self._send(core.RESET_PREFIX_CACHE, reset_id)
+        return await done
+
     def abort(self, stream: RequestStream) -> None:
         """Abort the stream's unfinished requests (a no-op once all finished)."""
         ids = [rid for rid in stream.request_ids if self._streams.get(rid) is stream]
@@ -359,6 +371,11 @@ class AsyncEngine:
                     done.set_result(None)
                 else:
                     done.set_exception(error)
+        elif tag == core.RESET_DONE:
+            _, reset_id, freed = message
+            pending = self._resets.pop(reset_id, None)
+            if pending is not None and not pending.done():
+                pending.set_result(freed)
         elif tag == core.ABORTED:
             self._metric(self.metrics.on_aborted, message[1])
         elif tag == core.STATS:
@@ -429,6 +446,10 @@ class AsyncEngine:
         self._streams.clear()
         for stream in streams.values():
             stream.put(exc)
+        resets, self._resets = self._resets, {}
+        for pending in resets.values():
+            if not pending.done():
+                pending.set_exception(exc)
 
     def _die(self, exc: BaseException, load: bool) -> None:
         """The engine is gone: fail what waits on it, once; tell the server (it exits 1)."""

@@ -262,6 +262,7 @@ class Chat:
             usage=fanout.usage(
                 sum(len(o.outputs[0].token_ids) for o in finals.values()),
                 [o.metrics for o in finals.values()] if req.return_spec_stats else None,
+                s.cached_tokens({rid: o.metrics for rid, o in finals.items()}),
             ),
             prompt_logprobs=prompt_logprobs(next(iter(finals.values())).prompt_logprobs),
         )
@@ -360,7 +361,8 @@ class Chat:
                 yield frames.choice(choice)
             if req.include_usage_in_stream:
                 spec = list(last_metrics.values()) if req.return_spec_stats else None
-                yield chunk([], usage=fanout.usage(sum(sent_tokens.values()), spec))
+                cached = self.serving.cached_tokens(last_metrics)
+                yield chunk([], usage=fanout.usage(sum(sent_tokens.values()), spec, cached))
         except STREAM_ERRORS as e:
             yield self.serving.error_frame(e)
         yield sse_frame("[DONE]")

@@ -87,6 +87,7 @@ class Completions:
             usage=fanout.usage(
                 generated,
                 [o.metrics for o in finals.values()] if req.return_spec_stats else None,
+                s.cached_tokens({rid: o.metrics for rid, o in finals.items()}),
             ),
         )
         return JSONResponse(response.model_dump(mode="json"))
@@ -229,7 +230,8 @@ class Completions:
                 yield frames.choice(choice)
             if req.include_usage_in_stream:
                 spec = list(last_metrics.values()) if req.return_spec_stats else None
-                yield chunk([], usage=fanout.usage(sum(sent_tokens.values()), spec))
+                cached = self.serving.cached_tokens(last_metrics)
+                yield chunk([], usage=fanout.usage(sum(sent_tokens.values()), spec, cached))
         except STREAM_ERRORS as e:
             yield self.serving.error_frame(e)
         yield sse_frame("[DONE]")

@@ -10,12 +10,14 @@ Wire protocol: two one-way `multiprocessing` pipes carrying pickled tuples (prot
 step is one small message, cheap to pickle and unpickle: `output_wire.py`).
 
     frontend -> engine   (ADD, add_id, [SubRequest], arrival_time) | (ABORT, [request_id]) | (STOP,)
+                         | (RESET_PREFIX_CACHE, reset_id)
     engine -> frontend   (LOADED, EngineInfo)                 weights loaded, warming up
                          (READY, EngineStats)                 warm-up and graph capture done
                          (ADDED, add_id, error | None, [request_id])
                          (STEP, [RequestOutput as a tuple], EngineStats | None)
                          (ABORTED, [request_id])              the ones the engine still held
                          (STATS, EngineStats)
+                         (RESET_DONE, reset_id, pages freed)  the prefix cache was reset
                          (FAILED, "load" | "serve", exception)  its traceback is logged here
                          (STOPPED,)
 
@@ -68,8 +70,8 @@ __all__ = ["EngineInfo", "run_engine_core"]
 logger = logging.getLogger("mlaserve.service")
 
 # Message tags (small ints: the cheapest thing to pickle and compare).
-ADD, ABORT, STOP = 0, 1, 2
-LOADED, READY, ADDED, STEP, ABORTED, STATS, FAILED, STOPPED = range(10, 18)
+ADD, ABORT, STOP, RESET_PREFIX_CACHE = 0, 1, 2, 3
+LOADED, READY, ADDED, STEP, ABORTED, STATS, FAILED, STOPPED, RESET_DONE = range(10, 19)
 
 STATS_INTERVAL_S = 0.05
 # After the frontend vanished: how long the current step may still take before the process exits.
@@ -306,6 +308,10 @@ class EngineCore:
         if command[0] == ABORT:
             self._abort(engine, command[1])
             return
+        if command[0] == RESET_PREFIX_CACHE:
+            # Between steps: every key goes, and a later ADD (queued behind) finds none.
+            self._send(RESET_DONE, command[1], engine.reset_prefix_cache())
+            return
         if command[0] == _READER_FAILED:
             cause = command[1]
             raise RuntimeError(f"the engine's command thread failed: {cause!r}") from cause
@@ -319,8 +325,9 @@ class EngineCore:
             for r in requests:
                 grammar = grammars.get(r.request_id)
                 engine.add_request(
-                    r.request_id, r.prompt_token_ids, r.params, arrival_time, grammar=grammar
-                )
+                    r.request_id, r.prompt_token_ids, r.params, arrival_time, grammar=grammar,
+                    cache_salt=r.cache_salt,
+                )  # fmt: skip
                 added.append(r.request_id)
         except Exception as e:  # a bad request must not kill the engine
             for rid in added:

@@ -76,7 +76,8 @@ class MetricFamilies:
             self.cuda_graph_replays, self.piecewise_graph_replays, self.compiles_while_serving,
             self.request_prefill_time,
             self.request_decode_time, self.request_prompt_tokens, self.request_generation_tokens,
-            self.iteration_tokens, self.num_preemptions,
+            self.iteration_tokens, self.num_preemptions, self.prefix_cache_queries,
+            self.prefix_cache_hits,
         ):  # fmt: skip
             family.labels(model_name)
         for reason in FINISH_REASONS:
@@ -154,6 +155,13 @@ class MetricFamilies:
         self.generation_tokens = self._counter("generation_tokens", "Generated tokens.")
         self.request_success = self._counter(
             "request_success", "Finished requests by finish reason.", "finished_reason"
+        )
+        # vLLM's prefix-cache counters (tokens): hits / queries is the hit rate.
+        self.prefix_cache_queries = self._counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission."
+        )
+        self.prefix_cache_hits = self._counter(
+            "prefix_cache_hits", "Prompt tokens the prefix cache held at admission."
         )
 
     def _declare_spec_decode(self) -> None:

@@ -69,7 +69,10 @@ class Metrics(MetricFamilies):
         self._model_name: str | None = None
         self._tracked: dict[str, _Tracked] = {}
         # The engine's running totals at the last `on_stats` call: counters advance by the rest.
-        self._seen = {"replays": 0, "piecewise": 0, "compiles": 0, "preemptions": 0, "steps": -1}
+        self._seen = {
+            "replays": 0, "piecewise": 0, "compiles": 0, "preemptions": 0, "steps": -1,
+            "pc_queries": 0, "pc_hits": 0,
+        }  # fmt: skip
         self._seen_eager: dict[str, int] = {}
         self._seen_spec = _SpecSeen(0, 0, [], {})
         self._seen_decisions: dict[str, int] = {}
@@ -173,6 +176,8 @@ class Metrics(MetricFamilies):
             ("piecewise", stats.num_piecewise_replays, self.piecewise_graph_replays),
             ("compiles", stats.num_compiles_while_serving, self.compiles_while_serving),
             ("preemptions", stats.num_preemptions, self.num_preemptions),
+            ("pc_queries", stats.prefix_cache_queries, self.prefix_cache_queries),
+            ("pc_hits", stats.prefix_cache_hits, self.prefix_cache_hits),
         ):
             if total > self._seen[key]:
                 counter.labels(model).inc(total - self._seen[key])

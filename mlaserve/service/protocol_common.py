@@ -27,6 +27,7 @@ __all__ = [
     "FiniteFloat",
     "PromptLogprob",
     "PromptLogprobs",
+    "PromptTokensDetails",
     "RequestBody",
     "ResponseFormat",
     "SamplingRequest",
@@ -109,6 +110,11 @@ class SamplingRequest(RequestBody):
     return_spec_stats: bool = Field(
         False, description="Add speculative-decoding draft/accept counts to `usage`."
     )
+    cache_salt: Annotated[str, Field(min_length=1), AfterValidator(_encodable)] | None = Field(
+        None,
+        description="vLLM: prefix caching shares cached KV pages only among requests of the "
+        "same salt (tenant isolation).",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -179,17 +185,26 @@ class SpecStatsInfo(BaseModel):
     num_accepted_tokens: int = 0
 
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's usage.prompt_tokens_details: prompt tokens the prefix cache held."""
+
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     spec_stats: SpecStatsInfo | None = None  # only with "return_spec_stats": true
+    # With prefix caching on (absent when it is off).
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @model_serializer(mode="wrap")
     def _omit_absent_spec_stats(self, handler: SerializerFunctionWrapHandler) -> dict:
         data = handler(self)
-        if data.get("spec_stats") is None:
-            data.pop("spec_stats", None)
+        for key in ("spec_stats", "prompt_tokens_details"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 

@@ -38,6 +38,7 @@ class SubRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None  # prefix caching: shares cached pages only with this salt
 
 
 class DeltaAccumulator:

@@ -53,6 +53,7 @@ from mlaserve.service.protocol import (
     MAX_PROMPT_TOKENS,
     MAX_PROMPTS,
     MAX_SEED,
+    PromptTokensDetails,
     SamplingRequest,
     SpecStatsInfo,
     UsageInfo,
@@ -92,11 +93,24 @@ class Fanout:
         return int(engine_request_id.rsplit("-", 1)[1])
 
     def usage(
-        self, completion_tokens: int, spec_metrics: Iterable[RequestMetrics] | None = None
+        self,
+        completion_tokens: int,
+        spec_metrics: Iterable[RequestMetrics] | None = None,
+        cached: dict[str, int] | None = None,
     ) -> UsageInfo:
         """spec_metrics: the final metrics of every choice when the request asked for
-        `return_spec_stats` (their draft/accept counts are summed), else None."""
+        `return_spec_stats` (their draft/accept counts are summed), else None. cached: engine
+        request id -> prompt tokens the prefix cache held for it; per prompt the fewest among
+        its n choices count (prompt_tokens counts each prompt once: the one prefill paid)."""
         prompt_tokens = sum(len(p) for p in self.prompts)
+        details = None
+        if cached is not None:
+            per_prompt: dict[int, int] = {}
+            n = max(len(self.subrequests) // max(len(self.prompts), 1), 1)
+            for rid, num in cached.items():
+                p = self.index_of(rid) // n
+                per_prompt[p] = min(per_prompt.get(p, num), num)
+            details = PromptTokensDetails(cached_tokens=sum(per_prompt.values()))
         spec = None
         if spec_metrics is not None:
             ms = list(spec_metrics)
@@ -109,6 +123,7 @@ class Fanout:
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             spec_stats=spec,
+            prompt_tokens_details=details,
         )
 
 
@@ -244,6 +259,13 @@ class Serving:
         for field, why in req.unsupported():
             self.reject_unsupported(field, True, why)
 
+    def cached_tokens(self, metrics: dict[str, RequestMetrics | None]) -> dict[str, int] | None:
+        """Per engine request, the prompt tokens the prefix cache held (for usage's
+        prompt_tokens_details); None with prefix caching off (the field is then absent)."""
+        if not self.engine.config.enable_prefix_caching:
+            return None
+        return {rid: m.num_cached_tokens if m is not None else 0 for rid, m in metrics.items()}
+
     # ----- fan-out -----
     def fan_out(
         self,
@@ -282,7 +304,9 @@ class Serving:
                 params.max_tokens = limit
                 params.seed = None if req.seed is None else (req.seed + i) % (MAX_SEED + 1)
                 index = p * req.n + i
-                subrequests.append(SubRequest(f"{request_id}-{index}", prompt, params))
+                subrequests.append(
+                    SubRequest(f"{request_id}-{index}", prompt, params, req.cache_salt)
+                )
         return Fanout(request_id, prompts, subrequests, int(time.time()))
 
     def sampling_params(

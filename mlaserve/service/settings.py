@@ -177,6 +177,9 @@ _HELP = {
     "DSL, the CUDA driver's PTX cache): their cache variables point under it, in the engine and "
     "every tensor-parallel worker, unless set; a second start with it compiles nothing "
     "(default: unset, each library's own folder)",
+    "enable_prefix_caching": "reuse the KV pages of earlier requests' identical prompt prefixes "
+    "(full pages, keyed by a hash chain of their tokens; vLLM's flag). Default off until "
+    "verified on a GPU; bypassed with speculative decoding",
     "max_logprobs": f"most logprobs (completions) / top_logprobs (chat) a request may ask for "
     f"(at most {MAX_LOGPROBS})",
     "chat_template": "chat template: a Jinja file, or the template itself; default: the "

@@ -37,6 +37,8 @@ ZERO_OR_EMPTY_HERE = {
     "Acceptance rate by draft position / all positions": SPEC,
     "Graph replays vs eager steps / graph replays": "no CUDA graphs on a CPU server",
     "Compiles while serving / compiles": "expected 0 everywhere: it is an alarm",
+    "Prefix cache hit rate / hit rate (tokens)": "prefix caching is off by default and this "
+    "server runs without --enable-prefix-caching: 0 tokens queried, the ratio is NaN",
 }
 # Zero is a valid answer for these, but they must answer (the series exist).
 MUST_ANSWER = {"Compiles while serving / compiles", "Graph replays vs eager steps / graph replays"}

@@ -1,0 +1,185 @@
+"""Prefix caching, cache on against cache off, on the issue's two workloads (issue 43).
+
+    shared   U users share one system prompt of S tokens, each asks a question of Q tokens
+             (all at once, `--concurrency` in flight)
+    chat     U users each hold a T-turn conversation; every turn appends about A new tokens
+             to the conversation so far (and the previous answer's length in filler tokens:
+             the completions endpoint returns text, so the answer is stood in for by a fixed
+             token run; the cached prefix is the previous turn's prompt, as in a real chat
+             whose answer re-tokenizes differently)
+
+For each mode the script starts a server (like bench/soak.py: `python -m mlaserve serve`, the
+options after `--` passed through), runs both workloads with streaming token-id completions
+(greedy, ignore_eos, `--max-tokens` each), and reads TTFT per request (first streamed chunk),
+output tok/s (completion tokens / the workload's wall time), and the hit rate from the
+server's `mlaserve:prefix_cache_hits_total / prefix_cache_queries_total`. Prints a table and
+one JSON line.
+
+GPU (V3-lite), the issue's sizes (the defaults):
+    python3 bench/prefix_cache.py --model /models/DeepSeek-V2-Lite -- --max-num-seqs 64
+CPU smoke (tests/bench/test_prefix_cache_bench.py):
+    python3 bench/prefix_cache.py --device cpu --users 4 --system-tokens 48 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.soak import Target, quantile
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10, 1000) for _ in range(n)]
+
+
+async def _one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
+    body = {
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    t0 = time.perf_counter()
+    ttft, usage = None, None
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and ttft is None:
+                ttft = time.perf_counter() - t0
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    return {"ttft": ttft, "tokens": usage["completion_tokens"] if usage else 0}
+
+
+async def shared_workload(url: str, args: argparse.Namespace) -> tuple[list[dict], float]:
+    rng = random.Random(args.seed)
+    system = _tokens(rng, args.system_tokens)
+    prompts = [system + _tokens(rng, args.question_tokens) for _ in range(args.users)]
+    sem = asyncio.Semaphore(args.concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=args.timeout_s) as client:
+
+        async def run(p: list[int]) -> dict:
+            async with sem:
+                return await _one(client, p, args.max_tokens)
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(run(p) for p in prompts))
+        return list(results), time.perf_counter() - t0
+
+
+async def chat_workload(url: str, args: argparse.Namespace) -> tuple[list[dict], float]:
+    rng = random.Random(args.seed + 1)
+    sem = asyncio.Semaphore(args.concurrency)
+    answer = [7] * args.max_tokens  # stands in for the previous answer (see the docstring)
+    async with httpx.AsyncClient(base_url=url, timeout=args.timeout_s) as client:
+
+        async def user(u: int) -> list[dict]:
+            history: list[int] = _tokens(random.Random(args.seed * 1000 + u), 8)
+            out = []
+            for _ in range(args.turns):
+                history = history + _tokens(rng, args.turn_tokens)
+                async with sem:
+                    out.append(await _one(client, history, args.max_tokens))
+                history = history + answer
+            return out
+
+        t0 = time.perf_counter()
+        per_user = await asyncio.gather(*(user(u) for u in range(args.users)))
+        return [r for rs in per_user for r in rs], time.perf_counter() - t0
+
+
+def _summary(results: list[dict], wall: float, before: dict, after: dict) -> dict:
+    ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
+    queries = after.get("mlaserve:prefix_cache_queries_total", 0) - before.get(
+        "mlaserve:prefix_cache_queries_total", 0
+    )
+    hits = after.get("mlaserve:prefix_cache_hits_total", 0) - before.get(
+        "mlaserve:prefix_cache_hits_total", 0
+    )
+    p50, p99 = quantile(ttfts, 0.5), quantile(ttfts, 0.99)
+    return {
+        "requests": len(results),
+        "ttft_p50_ms": None if p50 is None else round(p50 * 1e3, 2),
+        "ttft_p99_ms": None if p99 is None else round(p99 * 1e3, 2),
+        "output_tok_s": round(sum(r["tokens"] for r in results) / wall, 2) if wall else None,
+        "hit_rate": round(hits / queries, 4) if queries else 0.0,
+    }
+
+
+def run_mode(cache: bool, args: argparse.Namespace, options: list[str]) -> dict:
+    flag = "--enable-prefix-caching" if cache else "--no-enable-prefix-caching"
+    opts = ["--device", args.device, flag, *options]
+    log = Path(tempfile.mkdtemp()) / f"server-{'on' if cache else 'off'}.log"
+    target = Target.start(args.model, log, opts, args.startup_timeout_s)
+    # The metrics arrive with the engine's stats, sent at most every 50 ms while busy and
+    # always when it goes idle: wait for the idle stats before reading the counters.
+    out = {}
+    try:
+        for name, workload in (("shared", shared_workload), ("chat", chat_workload)):
+            before = target.metrics()
+            results, wall = asyncio.run(workload(target.url, args))
+            time.sleep(0.5)
+            out[name] = _summary(results, wall, before, target.metrics())
+    finally:
+        target.stop()
+    return out
+
+
+def print_table(report: dict) -> None:
+    cols = ("requests", "ttft_p50_ms", "ttft_p99_ms", "output_tok_s", "hit_rate")
+    print(f"{'workload':<8} {'cache':<5} " + " ".join(f"{c:>13}" for c in cols))
+    for workload in ("shared", "chat"):
+        for mode in ("off", "on"):
+            row = report[mode][workload]
+            print(f"{workload:<8} {mode:<5} " + " ".join(f"{row[c]!s:>13}" for c in cols))
+    for workload in ("shared", "chat"):
+        off, on = report["off"][workload]["ttft_p50_ms"], report["on"][workload]["ttft_p50_ms"]
+        if off and on:
+            print(f"{workload}: TTFT p50 {off / on:.2f}x lower with the cache")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the shipped model)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--users", type=int, default=64)
+    p.add_argument("--system-tokens", type=int, default=2048)
+    p.add_argument("--question-tokens", type=int, default=64)
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--turn-tokens", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--startup-timeout-s", type=float, default=600.0)
+    p.add_argument("--modes", default="off,on", help="which of off,on to run")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    options = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser().parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    report: dict = {"config": {k: v for k, v in vars(args).items()}, "options": options}
+    for mode in args.modes.split(","):
+        report[mode] = run_mode(mode == "on", args, options)
+    if "off" in report and "on" in report:
+        print_table(report)
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Prefix caching through the whole engine on the CPU: greedy outputs with the cache equal those
+without it (page boundaries, n > 1, preemption, chunked prefill, concurrent writers, overlap
+scheduling), hits are real (fewer tokens computed), speculation bypasses it, and no page leaks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mlaserve import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def path(checkpoint):
+    return str(checkpoint("v3_moe"))
+
+
+def make_llm(path: str, cache: bool, **kw) -> LLM:
+    kw.setdefault("page_size", PAGE)
+    return LLM(
+        path, device="cpu", dtype="float32", kv_cache_dtype="auto",
+        enable_prefix_caching=cache, max_model_len=128, **kw,
+    )  # fmt: skip
+
+
+def token_ids(outs) -> list[list[int]]:
+    return [c.token_ids for o in outs for c in o.outputs]
+
+
+def assert_no_leak(llm: LLM) -> None:
+    alloc = llm.engine.allocator
+    alloc.check()
+    assert alloc.num_referenced_pages == 0
+    assert alloc.num_free_pages == alloc.num_usable_pages
+
+
+def shared_prompts(seed: int = 0, prefix_len: int = 12) -> list[list[int]]:
+    """One prefix of 3 pages, then suffixes so that prompts end at, just under and just over
+    page boundaries (12, 11 via a shorter prefix, 13, 15, 16, 17)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1, 250) for _ in range(prefix_len)]
+    out = [prefix, prefix[:-1]]
+    for extra in (1, 3, 4, 5):
+        out.append(prefix + [rng.randrange(1, 250) for _ in range(extra)])
+    return out
+
+
+def one_by_one(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    return [token_ids(llm.generate([p], params, use_tqdm=False))[0] for p in prompts]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_equal_at_page_boundaries_and_hits_are_real(path, overlap: bool) -> None:
+    prompts = shared_prompts()
+    off = make_llm(path, False, overlap_schedule=overlap)
+    on = make_llm(path, True, overlap_schedule=overlap)
+    expected = one_by_one(off, prompts)
+    assert one_by_one(on, prompts) == expected
+    assert on.engine.num_scheduled_tokens < off.engine.num_scheduled_tokens
+    # The same prompt again: cached_tokens reported, fewer tokens computed.
+    before = on.engine.num_scheduled_tokens
+    out = on.generate([prompts[3]], GREEDY, use_tqdm=False)[0]
+    assert token_ids([out])[0] == expected[3]
+    hit = (len(prompts[3]) - 1) // PAGE * PAGE
+    assert out.num_cached_tokens == hit == 12
+    # prefill: 16 - 12 prompt tokens, then 5 decodes (the 6th token is sampled, not computed)
+    assert on.engine.num_scheduled_tokens - before == len(prompts[3]) - hit + 5
+    stats = on.engine.get_stats()
+    assert 0 < stats.prefix_cache_hits < stats.prefix_cache_queries
+    assert off.engine.get_stats().prefix_cache_queries == 0
+    assert_no_leak(on)
+
+
+def test_n_siblings_share_one_prefill(path) -> None:
+    prompt = shared_prompts(seed=1)[5]  # 17 tokens: 4 full pages
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, n=4)
+    off, on = make_llm(path, False), make_llm(path, True)
+    start_off, start_on = off.engine.num_scheduled_tokens, on.engine.num_scheduled_tokens
+    expected = token_ids(off.generate([prompt], params, use_tqdm=False))
+    assert token_ids(on.generate([prompt], params, use_tqdm=False)) == expected
+    # Off: 4 x 17 prompt tokens. On: 17 once, then 1 per sibling over the shared 16 (plus
+    # 4 decodes per sibling either way).
+    prefill_off = off.engine.num_scheduled_tokens - start_off - 4 * 4
+    prefill_on = on.engine.num_scheduled_tokens - start_on - 4 * 4
+    assert (prefill_off, prefill_on) == (4 * 17, 17 + 3 * 1)
+    assert_no_leak(on)
+
+
+def test_concurrent_writers_chunked_prefill_and_preemption(path) -> None:
+    """All shared-prefix prompts at once (their prefix being written while they arrive), in
+    8-token chunks, in a pool too small for all of them (preemption)."""
+    prompts = shared_prompts(seed=2) + shared_prompts(seed=3, prefix_len=20)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    kw = dict(max_num_batched_tokens=8, num_pages=16, max_num_seqs=6)
+    off, on = make_llm(path, False, **kw), make_llm(path, True, **kw)
+    expected = token_ids(off.generate(prompts, params, use_tqdm=False))
+    assert token_ids(on.generate(prompts, params, use_tqdm=False)) == expected
+    assert on.engine.get_stats().num_preemptions > 0
+    assert on.engine.get_stats().prefix_cache_hits > 0
+    assert_no_leak(on)
+
+
+def test_staggered_churn_equals_cache_off(path) -> None:
+    """Requests arriving every other step, random shared prefixes, a small pool, some with
+    prompt_logprobs (they bypass the lookup) and aborts."""
+    rng = random.Random(4)
+    prefixes = [[rng.randrange(1, 250) for _ in range(rng.randrange(3, 25))] for _ in range(4)]
+    jobs = []
+    for i in range(40):
+        prompt = rng.choice(prefixes) + [rng.randrange(1, 250) for _ in range(rng.randrange(4))]
+        logprobs = 1 if i % 7 == 0 else None
+        jobs.append((prompt, SamplingParams(
+            max_tokens=rng.randrange(1, 8), temperature=0.0, ignore_eos=True,
+            prompt_logprobs=logprobs,
+        )))  # fmt: skip
+
+    def run(cache: bool) -> dict[str, list[int]]:
+        engine = make_llm(path, cache, num_pages=20, max_num_seqs=5).engine
+        pending, done, step = list(enumerate(jobs)), {}, 0
+        while pending or engine.has_unfinished_requests():
+            if pending and step % 2 == 0:
+                i, (prompt, params) = pending.pop(0)
+                engine.add_request(str(i), prompt, params)
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            step += 1
+        engine.drain()
+        alloc = engine.allocator
+        alloc.check()
+        assert alloc.num_referenced_pages == 0
+        if cache:
+            assert engine.get_stats().prefix_cache_hits > 0
+        return done
+
+    assert run(True) == run(False)
+
+
+def test_cache_salt_isolates_and_reset_forgets(path) -> None:
+    llm = make_llm(path, True)
+    engine = llm.engine
+    prompt = shared_prompts(seed=5)[5]
+
+    def cached(rid: str, salt: str | None) -> int:
+        engine.add_request(rid, prompt, GREEDY, cache_salt=salt)
+        final = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                final = out if out.finished else final
+        return final.num_cached_tokens
+
+    assert cached("a", "tenant-a") == 0
+    assert cached("b", "tenant-b") == 0  # same prompt, another salt: no hit
+    assert cached("c", None) == 0
+    assert cached("d", "tenant-a") == 16
+    assert engine.reset_prefix_cache() > 0
+    assert engine.allocator.cache.num_cached_pages == 0
+    assert cached("e", "tenant-a") == 0
+    assert_no_leak(llm)
+    with pytest.raises(ValueError, match="cache_salt"):
+        engine.add_request("f", prompt, GREEDY, cache_salt=3)  # type: ignore[arg-type]
+
+
+def test_speculative_engine_bypasses_the_cache() -> None:
+    """The MTP layer's KV lives in the same pages (layer id num_hidden_layers of the pool), but
+    a cached page's MTP KV at its last position was computed from the token after the page,
+    which its key does not hold: a speculating engine keeps the flag but caches nothing, and
+    its outputs are those of plain decoding."""
+    prompts = ["def fibonacci(n):", "def fibonacci(n):\n    if n"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    plain = LLM(device="cpu")
+    spec = LLM(device="cpu", num_speculative_tokens=2, enable_prefix_caching=True)
+    assert spec.engine.allocator.cache is None and spec.engine.scheduler.prefix is None
+    expected = [token_ids(plain.generate([p], params, use_tqdm=False))[0] for p in prompts]
+    assert [token_ids(spec.generate([p], params, use_tqdm=False))[0] for p in prompts] == expected
+    assert spec.engine.get_stats().prefix_cache_queries == 0
+
+
+def test_pages_are_registered_only_once_their_step_is_waited_on(path) -> None:
+    """Overlap scheduling: a launched step's pages are not findable until the host has waited
+    on it (the next step resolves it)."""
+    engine = make_llm(path, True, overlap_schedule=True).engine
+    cache = engine.allocator.cache
+    before = cache.num_cached_pages
+    engine.add_request("a", list(range(50, 63)), GREEDY)  # 13 tokens: 3 full pages
+    engine.step()  # the prefill is launched and stays in flight
+    assert engine._inflight is not None
+    assert cache.num_cached_pages == before
+    engine.step()  # launches the first decode, then resolves the prefill
+    assert cache.num_cached_pages == before + 3
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.drain()
+    engine.allocator.check()
+    assert engine.allocator.num_referenced_pages == 0
+
+
+def test_offline_cache_salt_and_structured_output(path) -> None:
+    llm = make_llm(path, True)
+    prompt = shared_prompts(seed=6)[5]
+    outs = [
+        llm.generate({"prompt_token_ids": prompt, "cache_salt": salt}, GREEDY, use_tqdm=False)[0]
+        for salt in ("x", "y", "x")
+    ]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 16]
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    pytest.importorskip("xgrammar")
+    from mlaserve.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(
+        max_tokens=12, temperature=0.0, structured_outputs=StructuredOutputsParams(json_object=True)
+    )
+    off = make_llm(path, False)
+    expected = token_ids(off.generate([prompt, prompt], params, use_tqdm=False))
+    assert token_ids(llm.generate([prompt, prompt], params, use_tqdm=False)) == expected
+    assert_no_leak(llm)
