@@ -69,6 +69,11 @@ def parse_compiles(log: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def parse_cache_loads(log: str) -> int | None:
+    m = re.search(r"(\d+) kernels loaded from the on-disk cache", log)
+    return int(m.group(1)) if m else None
+
+
 def _env(cache_dir: Path) -> dict[str, str]:
     # The folder decides, not variables of this shell (which would win over it).
     env = {k: v for k, v in os.environ.items() if k not in JitCache(cache_dir).variables()}
@@ -101,8 +106,10 @@ def serve_once(label: str, cache_dir: Path, args: list[str], log_path: Path) -> 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    return {"run": label, "ready_s": round(ready_s, 2), "compiles": parse_compiles(
-        log_path.read_text()), "phases": {k: round(v, 3) for k, v in phases.items()}}  # fmt: skip
+    log = log_path.read_text()
+    return {"run": label, "ready_s": round(ready_s, 2), "compiles": parse_compiles(log),
+            "cache_loads": parse_cache_loads(log),
+            "phases": {k: round(v, 3) for k, v in phases.items()}}  # fmt: skip
 
 
 def precompile(cache_dir: Path, args: list[str], log_path: Path) -> dict:
@@ -144,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         split = ", ".join(f"{k} {v:.2f}" for k, v in row.get("phases", {}).items())
         when = row.get("ready_s", row.get("wall_s"))
-        print(f"  {row['run']:<10} {when:>7.2f} s  compiles {row['compiles']}  {split}")
+        loads = f" (cache loads {row['cache_loads']})" if row.get("cache_loads") is not None else ""
+        print(f"  {row['run']:<10} {when:>7.2f} s  compiles {row['compiles']}{loads}  {split}")
     for row in rows:
         print(json.dumps({"scenario": opts.scenario, **row}))
     return 0

@@ -472,7 +472,7 @@ class LLMEngine:
         self.startup.add("warmup", t1 - t0 + eager_s)
         self.startup.add("capture", t2 - t1 - eager_s)
         self.compile_watch.mark_ready()
-        self.startup.mark_ready(num_compiles=self.compile_watch.total)
+        self.startup.mark_ready(num_compiles=self.compile_watch.compiled)
         logger.info("%s", self.startup.describe())
         logger.info(
             "start-up: %s",

@@ -8,6 +8,12 @@ Sources:
   triggered it paid for it.
 - torch.compile graphs: dynamo's `unique_graphs` counter.
 
+Of the Triton kernels, those Triton compiled (a miss of its on-disk cache, `TRITON_CACHE_DIR`:
+`--cache-dir`) and those it loaded from that cache are told apart through Triton's compilation
+listener (`triton.knobs.compilation.listener`, its `cache_hit` argument; Triton >= 3.4), chained
+to any listener already installed: `num_compiled` and `num_cache_loads`. A start on a filled
+cache loads every kernel and compiles none (issue 44: "the compile watch logs 0").
+
 Warm-up before `/ready` exists to make every compilation happen at start-up; `mark_ready()`
 takes the baseline and `compiles_since_ready` should stay 0 while serving.
 """
@@ -31,6 +37,9 @@ class CompileWatch:
         CompileWatch._newest = self
         self._lock = threading.Lock()
         self._triton = 0
+        self.num_compiled = 0  # Triton kernels compiled (cache misses); torch.compile graphs too
+        self.num_cache_loads = 0  # Triton kernels loaded from the on-disk cache
+        self._listening = False  # whether Triton reports cache hits (its listener knob)
         self._baseline = 0
         self._ready = False
         self.sources: list[str] = ["torch.compile"]
@@ -55,6 +64,37 @@ class CompileWatch:
 
         knobs.runtime.jit_post_compile_hook = hook
         self.sources.append("triton")
+        self._listen(knobs)
+
+    def _listen(self, knobs: Any) -> None:
+        """Count compiles and cache loads apart, where Triton has a compilation listener."""
+        compilation = getattr(knobs, "compilation", None)
+        if compilation is None or not hasattr(compilation, "listener"):
+            return
+        previous = compilation.listener
+
+        def listener(**kwargs: Any) -> None:
+            self.record_build(cache_hit=bool(kwargs.get("cache_hit")))
+            if previous is not None:
+                previous(**kwargs)
+
+        compilation.listener = listener
+        self._listening = True
+
+    def record_build(self, cache_hit: bool) -> None:
+        """One Triton kernel built: loaded from the on-disk cache (`cache_hit`) or compiled."""
+        with self._lock:
+            if cache_hit:
+                self.num_cache_loads += 1
+            else:
+                self.num_compiled += 1
+
+    @property
+    def compiled(self) -> int:
+        """JIT compilations proper: Triton cache misses (every Triton build where Triton does
+        not say which) and torch.compile graphs."""
+        triton = self.num_compiled if self._listening else self._triton
+        return triton + _dynamo_graphs()
 
     @property
     def total(self) -> int:
@@ -64,9 +104,12 @@ class CompileWatch:
         self._baseline = self.total
         self._ready = True
         logger.info(
-            "compile watch: %d JIT compilations during start-up (%s)",
-            self._baseline,
+            "compile watch: %d JIT compilations during start-up (%s)%s",
+            self.compiled,
             ", ".join(self.sources),
+            f"; {self.num_cache_loads} kernels loaded from the on-disk cache"
+            if self._listening
+            else "",
         )
 
     @property

@@ -62,5 +62,6 @@ def precompile(
         file=out,
     )
     print(f"  JIT compilations during warm-up: {engine.startup.num_compiles}", file=out)
+    print(f"  kernels loaded from the cache: {engine.compile_watch.num_cache_loads}", file=out)
     print(f"  {engine.startup.describe()}", file=out)
     return 0

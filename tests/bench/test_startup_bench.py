@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from bench.startup import main, parse_compiles, parse_phases
+from bench.startup import main, parse_cache_loads, parse_compiles, parse_phases
 
 
 def test_parsers() -> None:
@@ -20,6 +20,7 @@ def test_parsers() -> None:
     assert parse_phases(text) == {"weight_read": 0.5, "other": 0.25}
     log = "x INFO: compile watch: 122 JIT compilations during start-up (torch.compile, triton)"
     assert parse_compiles(log) == 122 and parse_compiles("nothing") is None
+    assert parse_cache_loads(log + "; 7 kernels loaded from the on-disk cache") == 7
 
 
 def test_precompiled_scenario_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
