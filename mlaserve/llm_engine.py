@@ -435,6 +435,9 @@ class LLMEngine:
         t1 = time.perf_counter()
         if self.spec_decoder is not None:
             self.spec_decoder.reset_stats()  # the throwaway request is not served traffic
+        if self.allocator.cache is not None:  # nor are its cached pages and counts
+            self.allocator.reset_cache()
+            self.allocator.cache.reset_stats()
         # Capture runs collectives with the workers outside a step: watched like one.
         workers = self.tp_workers
         with contextlib.nullcontext() if workers is None else workers.busy():
