@@ -38,7 +38,6 @@ from mlaserve.engine.scheduler import Scheduler, SchedulerOutput
 from mlaserve.engine.stats import STEP_HISTORY, EngineStats
 from mlaserve.engine.tp_workers import EngineDeadError, start_runner
 from mlaserve.graph_runner import CaptureReport, CompileWatch, CudaGraphRunner
-from mlaserve.kv_cache import PageAllocator, PrefixCache
 from mlaserve.outputs import RequestMetrics, RequestOutput
 from mlaserve.sampling_params import SamplingParams
 from mlaserve.spec import (
@@ -96,28 +95,15 @@ class LLMEngine:
             drafter = MTPDrafter(self.runner, spec.k)
             policy = SpecPolicy(spec.k, disable_batch_size=config.speculative_disable_batch_size)
             self.spec_decoder = SpecDecoder(self.runner, self.graphs, drafter, spec.k, policy)
-        # Prefix caching (kv_cache/prefix_cache.py). Not with speculation: a cached page's MTP
-        # KV at its last position was computed from the token after the page, which the key
-        # does not hold, and pages written by plain (draft-free) steps hold no MTP KV at all;
-        # outputs would stay exact (verification is lossless) but acceptance would silently
-        # drop. Bypassed there, with a warning.
-        cache = None
-        if config.enable_prefix_caching:
-            if spec is not None:
-                logger.warning(
-                    "enable_prefix_caching: bypassed with speculative decoding (the MTP "
-                    "layer's KV of a cached page is not keyed by what it was computed from)"
-                )
-            else:
-                cache = PrefixCache(config.page_size)
-        self.allocator = PageAllocator(self.runner.num_pages, cache)
+        # Prefix caching (None when off, and bypassed with speculation: `PrefixSharing.build`).
+        self.allocator, prefix = PrefixSharing.build(config, self.runner.num_pages)
         self.scheduler = Scheduler(
             self.allocator,
             page_size=config.page_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             num_lookahead_tokens=config.num_lookahead_tokens,
-            prefix=PrefixSharing(self.allocator, config.page_size) if cache else None,
+            prefix=prefix,
         )
         self.requests: dict[str, Request] = {}
         self.validator = RequestValidator(
