@@ -11,7 +11,8 @@
 For each mode the script starts a server (like bench/soak.py: `python -m mlaserve serve`, the
 options after `--` passed through), runs both workloads with streaming token-id completions
 (greedy, ignore_eos, `--max-tokens` each), and reads TTFT per request (first streamed chunk),
-output tok/s (completion tokens / the workload's wall time), and the hit rate from the
+TPOT per request ((last chunk - first chunk) / (tokens - 1); the issue's decode-TPOT target
+compares it at the same concurrency, cache on vs off), output tok/s (completion tokens / the workload's wall time), and the hit rate from the
 server's `mlaserve:prefix_cache_hits_total / prefix_cache_queries_total`. Prints a table and
 one JSON line.
 
@@ -49,18 +50,22 @@ async def _one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) ->
         "stream": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
     t0 = time.perf_counter()
-    ttft, usage = None, None
+    ttft, last, usage = None, None, None
     async with client.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk.get("choices") and ttft is None:
-                ttft = time.perf_counter() - t0
+            if chunk.get("choices"):
+                last = time.perf_counter() - t0
+                ttft = last if ttft is None else ttft
             if chunk.get("usage"):
                 usage = chunk["usage"]
-    return {"ttft": ttft, "tokens": usage["completion_tokens"] if usage else 0}
+    tokens = usage["completion_tokens"] if usage else 0
+    # TPOT: the decode's mean time per token after the first (streamed chunks carry >= 1).
+    tpot = (last - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None
+    return {"ttft": ttft, "tpot": tpot, "tokens": tokens}
 
 
 async def shared_workload(url: str, args: argparse.Namespace) -> tuple[list[dict], float]:
@@ -109,10 +114,12 @@ def _summary(results: list[dict], wall: float, before: dict, after: dict) -> dic
         "mlaserve:prefix_cache_hits_total", 0
     )
     p50, p99 = quantile(ttfts, 0.5), quantile(ttfts, 0.99)
+    tpot = quantile([r["tpot"] for r in results if r["tpot"] is not None], 0.5)
     return {
         "requests": len(results),
         "ttft_p50_ms": None if p50 is None else round(p50 * 1e3, 2),
         "ttft_p99_ms": None if p99 is None else round(p99 * 1e3, 2),
+        "tpot_p50_ms": None if tpot is None else round(tpot * 1e3, 3),
         "output_tok_s": round(sum(r["tokens"] for r in results) / wall, 2) if wall else None,
         "hit_rate": round(hits / queries, 4) if queries else 0.0,
     }
@@ -138,7 +145,7 @@ def run_mode(cache: bool, args: argparse.Namespace, options: list[str]) -> dict:
 
 
 def print_table(report: dict) -> None:
-    cols = ("requests", "ttft_p50_ms", "ttft_p99_ms", "output_tok_s", "hit_rate")
+    cols = ("requests", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "output_tok_s", "hit_rate")
     print(f"{'workload':<8} {'cache':<5} " + " ".join(f"{c:>13}" for c in cols))
     for workload in ("shared", "chat"):
         for mode in ("off", "on"):

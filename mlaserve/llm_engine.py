@@ -39,7 +39,6 @@ from mlaserve.engine.stats import STEP_HISTORY, EngineStats
 from mlaserve.engine.tp_workers import EngineDeadError, start_runner
 from mlaserve.graph_runner import CaptureReport, CompileWatch, CudaGraphRunner
 from mlaserve.jit_cache import apply_jit_cache
-from mlaserve.kv_cache import PageAllocator, PrefixCache
 from mlaserve.outputs import RequestMetrics, RequestOutput
 from mlaserve.sampling_params import SamplingParams
 from mlaserve.spec import (
@@ -116,28 +115,15 @@ class LLMEngine:
             drafter = MTPDrafter(self.runner, spec.k)
             policy = SpecPolicy(spec.k, disable_batch_size=config.speculative_disable_batch_size)
             self.spec_decoder = SpecDecoder(self.runner, self.graphs, drafter, spec.k, policy)
-        # Prefix caching (kv_cache/prefix_cache.py). Not with speculation: a cached page's MTP
-        # KV at its last position was computed from the token after the page, which the key
-        # does not hold, and pages written by plain (draft-free) steps hold no MTP KV at all;
-        # outputs would stay exact (verification is lossless) but acceptance would silently
-        # drop. Bypassed there, with a warning.
-        cache = None
-        if config.enable_prefix_caching:
-            if spec is not None:
-                logger.warning(
-                    "enable_prefix_caching: bypassed with speculative decoding (the MTP "
-                    "layer's KV of a cached page is not keyed by what it was computed from)"
-                )
-            else:
-                cache = PrefixCache(config.page_size)
-        self.allocator = PageAllocator(self.runner.num_pages, cache)
+        # Prefix caching (None when off, and bypassed with speculation: `PrefixSharing.build`).
+        self.allocator, prefix = PrefixSharing.build(config, self.runner.num_pages)
         self.scheduler = Scheduler(
             self.allocator,
             page_size=config.page_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             num_lookahead_tokens=config.num_lookahead_tokens,
-            prefix=PrefixSharing(self.allocator, config.page_size) if cache else None,
+            prefix=prefix,
         )
         self.requests: dict[str, Request] = {}
         self.validator = RequestValidator(
@@ -456,6 +442,9 @@ class LLMEngine:
         t1 = time.perf_counter()
         if self.spec_decoder is not None:
             self.spec_decoder.reset_stats()  # the throwaway request is not served traffic
+        if self.allocator.cache is not None:  # nor are its cached pages and counts
+            self.allocator.reset_cache()
+            self.allocator.cache.reset_stats()
         # Capture runs collectives with the workers outside a step: watched like one.
         workers = self.tp_workers
         with contextlib.nullcontext() if workers is None else workers.busy():

@@ -23,12 +23,16 @@ requests:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
+from mlaserve.config import EngineConfig
 from mlaserve.engine.request import Request
 from mlaserve.kv_cache import PageAllocator, PageKey, PrefixCache, page_keys
 
 __all__ = ["Hit", "PrefixSharing"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +52,28 @@ class PrefixSharing:
         self.allocator = allocator
         self.cache: PrefixCache = allocator.cache
         self.page_size = page_size
+
+    @classmethod
+    def build(
+        cls, config: EngineConfig, num_pages: int
+    ) -> tuple[PageAllocator, PrefixSharing | None]:
+        """The engine's allocator, and its prefix sharing when `enable_prefix_caching` is on.
+
+        Bypassed (None, with a warning) under speculative decoding: the MTP layer's KV lives in
+        the same pages (layer id num_hidden_layers of the pool), but its KV at a page's last
+        position was computed from the token after the page, which the page's key does not
+        hold, and pages written by plain (draft-free) steps hold no MTP KV at all. Outputs
+        would stay exact (verification is lossless) while acceptance silently dropped."""
+        if not config.enable_prefix_caching:
+            return PageAllocator(num_pages), None
+        if config.speculative is not None:
+            logger.warning(
+                "enable_prefix_caching: bypassed with speculative decoding (the MTP layer's KV "
+                "of a cached page is not keyed by what it was computed from)"
+            )
+            return PageAllocator(num_pages), None
+        allocator = PageAllocator(num_pages, PrefixCache(config.page_size))
+        return allocator, cls(allocator, config.page_size)
 
     def lookup(self, request: Request) -> Hit | None:
         """The request's cached prefix (maybe empty), or None when it should wait for a page

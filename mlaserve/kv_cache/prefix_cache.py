@@ -118,6 +118,9 @@ class PrefixCache:
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += num_hit_tokens
 
+    def reset_stats(self) -> None:
+        self.num_queried_tokens = self.num_hit_tokens = 0
+
     # ----- registration -----
     def register(self, key: PageKey, page: int) -> bool:
         """Cache `page` (referenced by its writer) under `key`; False when the key is already

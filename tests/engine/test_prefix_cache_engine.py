@@ -58,6 +58,9 @@ def test_greedy_equal_at_page_boundaries_and_hits_are_real(path, overlap: bool) 
     prompts = shared_prompts()
     off = make_llm(path, False, overlap_schedule=overlap)
     on = make_llm(path, True, overlap_schedule=overlap)
+    # The warm-up request is not served traffic: nothing cached or counted from it.
+    assert on.engine.allocator.cache.num_cached_pages == 0
+    assert on.engine.get_stats().prefix_cache_queries == 0
     expected = one_by_one(off, prompts)
     assert one_by_one(on, prompts) == expected
     assert on.engine.num_scheduled_tokens < off.engine.num_scheduled_tokens

@@ -52,6 +52,7 @@ def test_exposition_is_unchanged() -> None:
         spec_num_draft_tokens=10, spec_accepted_per_pos=[4, 2],
         spec_accept_lengths={1: 1, 2: 2, 3: 2}, spec_decisions={"on:pays": 3, "off:cap": 1},
         spec_accept_length_estimate=2.25, spec_break_even={1: 1.5, 4: 2.5},
+        prefix_cache_queries=48, prefix_cache_hits=32,
     )  # fmt: skip
     m.on_stats(_stats(6, (16, 16, 16, 40, 2, 2), **totals))
     m.on_spec_decode(2, 4, [1, 1], [2, 3])
