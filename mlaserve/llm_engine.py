@@ -16,7 +16,6 @@ Not thread-safe: one thread owns an engine (the HTTP service runs it in its own 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import threading
@@ -37,6 +36,7 @@ from mlaserve.engine.request_validator import InvalidRequestError, RequestValida
 from mlaserve.engine.scheduler import Scheduler, SchedulerOutput
 from mlaserve.engine.stats import STEP_HISTORY, EngineStats
 from mlaserve.engine.tp_workers import EngineDeadError, start_runner
+from mlaserve.engine_warmup import release_graphs, warm_up
 from mlaserve.graph_runner import CaptureReport, CompileWatch, CudaGraphRunner
 from mlaserve.jit_cache import apply_jit_cache
 from mlaserve.outputs import RequestMetrics, RequestOutput
@@ -47,7 +47,6 @@ from mlaserve.spec import (
     SpecDecoder,
     SpecPolicy,
     StepCosts,
-    measure_engine_step_costs,
 )
 from mlaserve.startup_times import StartupTimes
 from mlaserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -306,13 +305,8 @@ class LLMEngine:
             self.tp_workers.stop()
 
     def release_graphs(self) -> None:
-        """Destroy every CUDA graph this engine captured (target, draft, prefill pieces) once
-        the device is done with them; later steps run eagerly."""
-        if self.runner.device.type == "cuda":
-            torch.cuda.synchronize(self.runner.device)
-        if self.spec_decoder is not None and isinstance(self.spec_decoder.drafter, MTPDrafter):
-            self.spec_decoder.drafter.release()
-        self.graphs.release()
+        """Destroy every CUDA graph this engine captured (`engine_warmup.release_graphs`)."""
+        release_graphs(self)
 
     def _step(self) -> list[RequestOutput]:
         """schedule -> (draft) run (verify, accept) -> postprocess. With overlap scheduling the
@@ -430,77 +424,9 @@ class LLMEngine:
         return self._resolve(prev) if prev is not None else []
 
     def warmup(self) -> None:
-        """Everything that compiles or allocates lazily happens here, before serving: a
-        throwaway request (prefill + decode + sampling), then every graph shape eagerly and its
-        capture. Ends the start-up times (`self.startup`) and logs them, phase by phase."""
-        t0 = time.perf_counter()
-        prompt = list(range(min(16, self.model_config.vocab_size)))[: self.max_model_len - 2]
-        self.add_request("__warmup__", prompt, SamplingParams(max_tokens=2, temperature=0.0))
-        while self.requests.get("__warmup__") is not None:
-            self.step()
-        self.drain()
-        t1 = time.perf_counter()
-        if self.spec_decoder is not None:
-            self.spec_decoder.reset_stats()  # the throwaway request is not served traffic
-        if self.allocator.cache is not None:  # nor are its cached pages and counts
-            self.allocator.reset_cache()
-            self.allocator.cache.reset_stats()
-        # Capture runs collectives with the workers outside a step: watched like one.
-        workers = self.tp_workers
-        with contextlib.nullcontext() if workers is None else workers.busy():
-            report = self.graphs.capture() if self.graphs.batch_sizes else None
-            if self.spec_decoder is not None and report is not None:
-                self._capture_spec()
-        t2 = time.perf_counter()
-        self.graph_report = report
-        pw = report.piecewise if report else None
-        # The graphs' eager runs before their capture are warm-up (they compile); the rest of
-        # the block (capture, the MTP draft's graphs and step costs) is capture.
-        eager_s = report.warmup_s + (pw.warmup_s if pw else 0.0) if report else 0.0
-        eager_s = min(eager_s, t2 - t1)
-        self.startup.add("warmup", t1 - t0 + eager_s)
-        self.startup.add("capture", t2 - t1 - eager_s)
-        self.compile_watch.mark_ready()
-        self.startup.mark_ready(num_compiles=self.compile_watch.compiled)
-        logger.info("%s", self.startup.describe())
-        logger.info(
-            "start-up: %s",
-            f"{report.num_graphs} CUDA graphs"
-            + (f" + {pw.num_graphs} prefill pieces" if pw else "")
-            + f", pools {(report.pool_bytes + (pw.pool_bytes if pw else 0)) / 2**20:.1f} MiB"
-            if report
-            else "CUDA graphs off",
-        )
-        if self.spec_decoder is not None:
-            logger.info(
-                "speculative decoding: MTP chain draft, k=%d (verify q_len %d)",
-                self.spec_decoder.k,
-                self.spec_decoder.k + 1,
-            )
-
-    def _capture_spec(self) -> None:
-        """The draft's graphs (after, and into the pool of, the target's), then the measured
-        step costs the policy decides from."""
-        dec = self.spec_decoder
-        if dec is None or not isinstance(dec.drafter, MTPDrafter):
-            return
-        t0 = time.perf_counter()
-        num = dec.drafter.capture(self.graphs, (1, dec.k + 1))
-        t1 = time.perf_counter()
-        costs = measure_engine_step_costs(self)
-        dec.reset_stats()  # the measurement's requests are not served traffic
-        dec.policy.costs = costs
-        self.spec_costs = costs
-        logger.info(
-            "speculative decoding: %d draft graphs in %.2f s; break-even accept length per "
-            "batch size (speculative / plain engine step, wall time): %s; draft-cache refresh "
-            "overhead: %s; prior %.2f",
-            num,
-            t1 - t0,
-            {b: round(costs.break_even(b), 2) for b in costs.plain_s} if costs else "unmeasured",
-            {b: f"{costs.refresh_overhead(b):+.1%}" for b in costs.plain_s} if costs else "-",
-            dec.policy.prior,
-        )
+        """Everything that compiles or allocates lazily happens here, before serving
+        (`engine_warmup.warm_up`): a throwaway request, every graph shape and its capture."""
+        warm_up(self)
 
     def _postprocess(self, scheduled: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         return self.output.process(scheduled, result)
