@@ -34,6 +34,7 @@ from mlaserve.engine.token_rows import TokenRows
 from mlaserve.kernels_adapter import get_backend_class, resolve_backend_name
 from mlaserve.kv_cache import MLAKVPool
 from mlaserve.model import load_kv_scales, load_model
+from mlaserve.model.checkpoint_tensor import log_rank_reads
 from mlaserve.sampling import GreedyRows, Sampler, SamplerOutput, SamplingBatch, SamplingSlots
 from mlaserve.startup_times import StartupTimes
 from mlaserve.tensor_parallel import NO_TP, TensorParallel
@@ -119,7 +120,7 @@ class ModelRunner:
         loaded = time.perf_counter()
 
         if tp.size > 1:
-            _log_rank_reads(self.model.checkpoint_reads, tp, control_group)
+            log_rank_reads(self.model.checkpoint_reads, tp, control_group)
         # With speculation the MTP layer(s) cache latents under layer ids N.. of the same pool.
         self.num_kv_layers = model_config.num_hidden_layers
         if self.spec is not None:
@@ -436,19 +437,3 @@ class ModelRunner:
         out = self.sampler(logits, sb, mask, greedy)
         slots.record(sb.slots, out.token_ids)
         return sb, out
-
-
-def _log_rank_reads(reads: object, tp: TensorParallel, group: object) -> None:
-    """Rank 0 logs every rank's checkpoint bytes and GB/s (the workers log at WARNING only);
-    every rank calls this (an all-gather over the control group)."""
-    import torch.distributed as dist
-
-    mine = torch.tensor([getattr(reads, "bytes", 0), int(getattr(reads, "seconds", 0.0) * 1e6)])
-    parts = [torch.zeros_like(mine) for _ in range(tp.size)]
-    dist.all_gather(parts, mine, group=group)
-    if tp.rank == 0 and reads is not None:
-        logger.info("weights per rank: %s", ", ".join(
-            f"rank {r} {int(b) / 1e9:.2f} GB in {int(us) / 1e6:.2f} s "
-            f"({int(b) / 1e3 / max(int(us), 1):.2f} GB/s)"
-            for r, (b, us) in enumerate(p.tolist() for p in parts)
-        ))  # fmt: skip

@@ -26,6 +26,7 @@ from it). `CheckpointTensor.from_tensor` wraps an in-memory tensor (tests, re-ex
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,8 +34,11 @@ from typing import Any
 import torch
 
 from mlaserve.ops.fp8_quant import dequantize_weight_block
+from mlaserve.tensor_parallel import TensorParallel
 
-__all__ = ["CheckpointTensor", "ReadStats"]
+__all__ = ["CheckpointTensor", "ReadStats", "log_rank_reads"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -196,3 +200,20 @@ class CheckpointTensor:
     def __repr__(self) -> str:
         kind = "fp8 block" if self.is_fp8 else "tensor"
         return f"CheckpointTensor({self.name}, {kind}, region {list(self._region)})"
+
+
+def log_rank_reads(reads: ReadStats | None, tp: TensorParallel, group: object) -> None:
+    """Rank 0 logs every rank's checkpoint bytes and GB/s (the workers log at WARNING only);
+    every rank of `tp` calls this: an all-gather over `group`, the control
+    group."""
+    import torch.distributed as dist
+
+    mine = torch.tensor([getattr(reads, "bytes", 0), int(getattr(reads, "seconds", 0.0) * 1e6)])
+    parts = [torch.zeros_like(mine) for _ in range(tp.size)]
+    dist.all_gather(parts, mine, group=group)
+    if tp.rank == 0 and reads is not None:
+        logger.info("weights per rank: %s", ", ".join(
+            f"rank {r} {int(b) / 1e9:.2f} GB in {int(us) / 1e6:.2f} s "
+            f"({int(b) / 1e3 / max(int(us), 1):.2f} GB/s)"
+            for r, (b, us) in enumerate(p.tolist() for p in parts)
+        ))  # fmt: skip
