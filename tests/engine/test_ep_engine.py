@@ -39,7 +39,7 @@ def test_ep2_greedy_equals_tp1(caplog: pytest.LogCaptureFixture) -> None:
     shape = (whole.num_experts, whole.gate_up_proj.shape[1])
     del tp1, whole
     gc.collect()
-    with caplog.at_level(logging.INFO, logger="mlaserve.engine.model_runner"):
+    with caplog.at_level(logging.INFO, logger="mlaserve"):  # the engine's and the loader's
         ep2 = LLM(device="cpu", tensor_parallel_size=2, enable_expert_parallel=True)
     try:
         # rank 0 logs both ranks' checkpoint reads (each reads its half of the experts)
