@@ -291,8 +291,9 @@ class Chat:
             message = _message(parts)
             finish_reason = _finish_reason(finish_reason, parser, mode)
         return ChatChoice(
-            index=index, message=message, logprobs=logprobs, finish_reason=finish_reason
-        )
+            index=index, message=message, logprobs=logprobs, finish_reason=finish_reason,
+            stop_reason=c.stop_reason,
+        )  # fmt: skip
 
     async def _frames(
         self,
@@ -349,15 +350,18 @@ class Chat:
                     has_news = bool(parts)
                 if not (has_news or out.finished or (want_logprobs and c.token_ids)):
                     continue  # e.g. a token that ends inside a multi-byte character
-                if parser is None and (num_logprobs is None or c.logprobs is None):
+                stop_reason = c.stop_reason if out.finished else None
+                plain = parser is None and (num_logprobs is None or c.logprobs is None)
+                if plain and stop_reason is None:
                     yield frames.text(index, text, finish_reason)  # plain content: preformatted
                     continue
                 logprobs = None
                 if num_logprobs is not None and c.logprobs is not None:
                     logprobs = chat_logprobs(c.token_ids, c.logprobs, num_logprobs)
                 choice = ChatChunkChoice(
-                    index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
-                )
+                    index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+                    stop_reason=stop_reason,
+                )  # fmt: skip
                 yield frames.choice(choice)
             if req.include_usage_in_stream:
                 spec = list(last_metrics.values()) if req.return_spec_stats else None

@@ -151,6 +151,7 @@ class Completions:
             text=text,
             logprobs=logprobs,
             finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
             prompt_logprobs=(
                 prompt_logprobs(out.prompt_logprobs) if req.prompt_logprobs is not None else None
             ),
@@ -218,7 +219,8 @@ class Completions:
                     if logprobs.tokens:
                         text_offsets[rid] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                 finish_reason = c.finish_reason if out.finished else None
-                if logprobs is None:
+                stop_reason = c.stop_reason if out.finished else None
+                if logprobs is None and stop_reason is None:
                     yield frames.text(index, text, finish_reason)
                     continue
                 choice = CompletionChoice(
@@ -226,6 +228,7 @@ class Completions:
                     text=text,
                     logprobs=logprobs,
                     finish_reason=finish_reason,
+                    stop_reason=stop_reason,
                 )
                 yield frames.choice(choice)
             if req.include_usage_in_stream:

@@ -8,6 +8,7 @@ from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_seri
 
 from mlaserve.service.protocol_common import (
     MAX_LOGPROBS,
+    STOP_REASON_DOC,
     PromptLogprobs,
     RequestBody,
     SamplingRequest,
@@ -214,6 +215,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = Field(None, description="stop, length or tool_calls")
+    stop_reason: int | str | None = Field(None, description=STOP_REASON_DOC)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -265,6 +267,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = Field(None, description="stop, length or tool_calls")
+    stop_reason: int | str | None = Field(None, description=STOP_REASON_DOC)
 
 
 class ChatCompletionChunk(BaseModel):

@@ -24,6 +24,7 @@ __all__ = [
     "MAX_PROMPT_TOKENS",
     "MAX_SEED",
     "MAX_STOP_STRINGS",
+    "STOP_REASON_DOC",
     "FiniteFloat",
     "PromptLogprob",
     "PromptLogprobs",
@@ -40,6 +41,11 @@ __all__ = [
     "Unsupported",
     "UsageInfo",
 ]
+
+# A choice's `stop_reason` (vLLM's field), in completions and chat alike.
+STOP_REASON_DOC = (
+    "the stop string or stop token id that ended the choice (vLLM's field); null otherwise"
+)
 
 MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20  # top-logprobs per token (OpenAI's limit)

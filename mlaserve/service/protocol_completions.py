@@ -17,6 +17,7 @@ from mlaserve.service.protocol_common import (
     MAX_LOGPROBS,
     MAX_PROMPT_TOKENS,
     MAX_PROMPTS,
+    STOP_REASON_DOC,
     PromptLogprobs,
     SamplingRequest,
     Text,
@@ -104,6 +105,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = Field(None, description="stop or length")
+    stop_reason: int | str | None = Field(None, description=STOP_REASON_DOC)
     prompt_logprobs: PromptLogprobs | None = None
 
     @model_serializer(mode="wrap")

@@ -141,12 +141,35 @@ def test_stop_string_cuts_the_text(openai_client, model_name, stream) -> None:
     if stream:
         chunks = list(openai_client.completions.create(stop=[stop], stream=True, **kwargs))
         text = "".join(c.choices[0].text for c in chunks if c.choices)
-        reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        last = [c.choices[0] for c in chunks if c.choices][-1]
+        reason, stop_reason = last.finish_reason, last.model_extra["stop_reason"]
+        # only the last chunk names it: the others carry null
+        assert all(c.choices[0].model_extra["stop_reason"] is None for c in chunks[:-2])
     else:
         out = openai_client.completions.create(stop=stop, **kwargs).choices[0]
-        text, reason = out.text, out.finish_reason
+        text, reason, stop_reason = out.text, out.finish_reason, out.model_extra["stop_reason"]
     assert text == full[:cut]
     assert reason == "stop"
+    assert stop_reason == stop  # vLLM's field: the stop string that ended the choice
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_stop_reason(openai_client, model_name, stream) -> None:
+    kwargs = {"model": model_name, "max_tokens": 16, "temperature": 0.0,
+              "extra_body": {"ignore_eos": True},
+              "messages": [{"role": "user", "content": "The answer is"}]}  # fmt: skip
+    full = openai_client.chat.completions.create(**kwargs).choices[0]
+    assert full.model_extra["stop_reason"] is None  # ended by max_tokens
+    text = full.message.content
+    cut = next(i for i in range(2, len(text) - 2)
+               if "\ufffd" not in text[i : i + 2] and text.find(text[i : i + 2]) == i)  # fmt: skip
+    stop = text[cut : cut + 2]
+    if stream:
+        chunks = list(openai_client.chat.completions.create(stop=[stop], stream=True, **kwargs))
+        last = [c.choices[0] for c in chunks if c.choices][-1]
+    else:
+        last = openai_client.chat.completions.create(stop=[stop], **kwargs).choices[0]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == stop
 
 
 def test_completion_logprobs(openai_client, model_name) -> None:
