@@ -13,8 +13,6 @@ import logging
 import time
 from typing import Any
 
-import torch
-
 from mlaserve.sampling_params import SamplingParams
 from mlaserve.spec import MTPDrafter, measure_engine_step_costs
 
@@ -101,8 +99,6 @@ def release_graphs(engine: Any) -> None:
     """Destroy every CUDA graph `engine` captured (target, draft, prefill pieces) once the device
     is done with them; later steps run eagerly. Under TP this comes before the group is left: a
     graph holding NCCL collectives blocks the communicator's teardown (pytorch/pytorch#115388)."""
-    if engine.runner.device.type == "cuda":
-        torch.cuda.synchronize(engine.runner.device)
     if engine.spec_decoder is not None and isinstance(engine.spec_decoder.drafter, MTPDrafter):
         engine.spec_decoder.drafter.release()
     engine.graphs.release()

@@ -93,7 +93,6 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         eos_token_ids = sorted(eos)
         self.compile_watch = CompileWatch()
-        t0 = time.perf_counter()
         device = config.resolved_device()
         if device.type == "cuda":  # the CUDA context, on its own (else in model construction)
             with self.startup.phase("device_init"):
@@ -104,7 +103,6 @@ class LLMEngine:
         self.runner, self.tp_workers = start_runner(
             config, self.model_config, eos_token_ids, startup=self.startup
         )
-        self.load_time_s = time.perf_counter() - t0
         self.graph_report: CaptureReport | None = None
         self.spec_costs: StepCosts | None = None
         spec = config.speculative

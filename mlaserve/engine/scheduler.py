@@ -203,19 +203,19 @@ class Scheduler:
                 # Preempted with its last token still on the device: its recomputation needs
                 # that token on the host first (overlap rule 5, engine/overlap.py).
                 break
-            hit = None
-            if self.prefix is not None and not request.pages:
-                hit = self.prefix.lookup(request)
+            hit, prefix = None, self.prefix
+            if prefix is not None and not request.pages:
+                hit = prefix.lookup(request)
                 if hit is None:
                     break  # its next page is being computed by a running request: wait
-                self.prefix.attach(request, hit)
+                prefix.attach(request, hit)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._reserve(request, num_new):
-                if hit is not None:
-                    self.prefix.detach(request)  # type: ignore[union-attr]
+                if prefix is not None and hit is not None:
+                    prefix.detach(request)
                 break
-            if hit is not None:
-                self.prefix.admitted(request, hit)  # type: ignore[union-attr]
+            if prefix is not None and hit is not None:
+                prefix.admitted(request, hit)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.slot = self._free_slots.pop()

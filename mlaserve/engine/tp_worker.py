@@ -25,8 +25,9 @@ exits 1; rank 0's next collective then fails (the peer's sockets closed) and it 
 dead, with that traceback. The control group waits for the next step without a deadline (an idle
 engine is not a failure); if rank 0 dies, its sockets close and the wait raises here, and a
 thread that watches the parent exits the process even where it sits in a collective
-(`engine/tp_watchdog.py`), so a worker never outlives its engine. The model group's eager collectives have `timeout_s` (collectives
-replayed from a CUDA graph are not watched by torch's NCCL watchdog).
+(`engine/tp_watchdog.py`), so a worker never outlives its engine. The model group's eager
+collectives have `timeout_s` (collectives replayed from a CUDA graph are not watched by torch's
+NCCL watchdog).
 """
 
 from __future__ import annotations
@@ -139,10 +140,6 @@ class Follower:
 
     def release(self) -> None:
         """Destroy this rank's CUDA graphs (`LLMEngine.release_graphs`, rank 0's twin)."""
-        import torch
-
-        if self.runner.device.type == "cuda":
-            torch.cuda.synchronize(self.runner.device)
         if self.drafter is not None:
             self.drafter.release()
         if self.graphs is not None:

@@ -161,7 +161,9 @@ class CudaGraphRunner:
         """Destroy every captured graph (and the piecewise runner's): the engine's shutdown,
         before a tensor-parallel group is left. A graph that captured NCCL collectives keeps the
         communicator busy, and destroying or aborting it then hangs (pytorch/pytorch#115388).
-        Steps after this run eagerly."""
+        Steps after this run eagerly. Waits for the device first: no replay may be in flight."""
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
         for entry in self.graphs.values():
             if entry.graph is not None:
                 entry.graph.reset()

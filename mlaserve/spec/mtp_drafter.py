@@ -304,7 +304,9 @@ class MTPDrafter:
         self.accept.fill_(1)
 
     def release(self) -> None:
-        """Destroy the draft's graphs (`CudaGraphRunner.release`)."""
+        """Destroy the draft's graphs (`CudaGraphRunner.release`), once the device is done."""
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
         for entry in self.graphs.values():
             entry.graph.reset()
         self.graphs.clear()
