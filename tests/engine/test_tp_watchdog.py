@@ -13,16 +13,9 @@ import time
 from pathlib import Path
 
 from mlaserve.engine.tp_watchdog import STUCK_GRACE_S, StepWatch
+from tests.service.server_process import pid_alive
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
 
 
 def _python(code: str, timeout: float) -> subprocess.CompletedProcess:
@@ -72,7 +65,7 @@ def test_rank0_stuck_after_a_worker_died_exits_and_leaves_no_worker() -> None:
     assert "step returned" not in done.stdout
     assert "stuck" in done.stderr and "exiting this process" in done.stderr, done.stderr[-3000:]
     pid = int(done.stdout.split("worker", 1)[1].split()[0])
-    assert not _alive(pid)
+    assert not pid_alive(pid)
     assert took < 120, f"exited after {took:.0f} s, not within the {STUCK_GRACE_S} s grace"
 
 
@@ -103,9 +96,9 @@ def test_worker_exits_when_its_parent_dies_even_inside_a_wait(tmp_path: Path) ->
     child = int(parent.stdout.readline())
     parent.wait(timeout=60)
     deadline = time.monotonic() + 10.0
-    while _alive(child) and time.monotonic() < deadline:
+    while pid_alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    alive = _alive(child)
+    alive = pid_alive(child)
     if alive:
         os.kill(child, 9)
     assert not alive, "the worker outlived its parent"

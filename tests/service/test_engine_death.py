@@ -60,6 +60,13 @@ class _HealthPoller(threading.Thread):
                 return
             time.sleep(0.005)
 
+    def codes_never_up_again(self) -> list[int | None]:
+        """The statuses seen; asserts that once /health was not 200 it stayed 503 or refused."""
+        codes = [code for code, _ in self.seen]
+        first_down = next((i for i, c in enumerate(codes) if c != 200), len(codes))
+        assert all(c in (503, None) for c in codes[first_down:]), codes
+        return codes
+
 
 def _stream_until_error(server: ServerProcess, on_first_frame) -> dict:
     """Streams LONG; calls `on_first_frame()` once generation has started; returns the error
@@ -92,9 +99,7 @@ def test_killed_engine_turns_health_503_ends_the_stream_and_exits_1(tmp_path) ->
         assert server.proc.wait(EXIT_WAIT_S) == 1
         poller.stop.set()
         poller.join()
-        codes = [code for code, _ in poller.seen]
-        first_down = next((i for i, c in enumerate(codes) if c != 200), len(codes))
-        assert all(c in (503, None) for c in codes[first_down:]), codes
+        codes = poller.codes_never_up_again()
         assert all("SIGKILL" in b["error"] or "not running" in b["error"]
                    for c, b in poller.seen if c == 503), poller.seen  # fmt: skip
         print(f"/health after the kill: {codes.count(200)} x 200, {codes.count(503)} x 503, "

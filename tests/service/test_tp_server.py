@@ -20,36 +20,17 @@ import torch
 from openai import OpenAI
 
 from mlaserve import LLM, SamplingParams
-from tests.service.server_process import start_server
+from tests.service.server_process import descendants, pid_alive, start_server
 from tests.service.test_engine_death import EXIT_WAIT_S, _HealthPoller, _stream_until_error
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n"]
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+def _assert_all_exit(pids: set[int], within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if pid_alive(p)], "a process outlived the server"
 
 
 def test_tp2_server_serves_tp1_text_and_stops_cleanly(tmp_path: Path) -> None:
@@ -61,7 +42,7 @@ def test_tp2_server_serves_tp1_text_and_stops_cleanly(tmp_path: Path) -> None:
     server = start_server(None, tmp_path / "server.log", "-tp", "2")
     try:
         server.wait_ready()
-        below = _descendants(server.proc.pid)
+        below = descendants(server.proc.pid)
         assert len(below) >= 2, f"engine and worker processes expected, got {below}"
         client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
         model = client.models.list().data[0].id
@@ -78,10 +59,7 @@ def test_tp2_server_serves_tp1_text_and_stops_cleanly(tmp_path: Path) -> None:
     assert code == 0, logs
     # the engine stopped its worker and exited, not killed past the shutdown timeout
     assert "did not stop" not in logs, logs
-    deadline = time.monotonic() + 10.0
-    while any(_alive(p) for p in below) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [p for p in below if _alive(p)], "a process outlived the server"
+    _assert_all_exit(below)
 
 
 def _gpu_pids() -> set[int]:
@@ -101,7 +79,7 @@ def test_a_killed_rank_fails_the_open_stream_and_leaves_no_process(
     server = start_server(None, tmp_path / "server.log", "-tp", "2", "--device", device)
     try:
         server.wait_ready(timeout=600)
-        below = _descendants(server.proc.pid)
+        below = descendants(server.proc.pid)
         match = re.search(r"tensor parallel: 2 ranks \(\w+\), workers \[(\d+)\]", server.logs())
         assert match, server.logs()
         worker = int(match.group(1))
@@ -122,16 +100,11 @@ def test_a_killed_rank_fails_the_open_stream_and_leaves_no_process(
         poller.join()
     finally:
         server.stop(signal.SIGKILL)
-    codes = [code for code, _ in poller.seen]
-    first_down = next((i for i, c in enumerate(codes) if c != 200), len(codes))
-    assert all(c in (503, None) for c in codes[first_down:]), codes
+    codes = poller.codes_never_up_again()
     print(
         f"{device}: the stream failed {failed_after:.2f} s after the kill: {error['message']!r}"
         f"; /health: {codes.count(200)} x 200, {codes.count(503)} x 503, then refused"
     )
-    deadline = time.monotonic() + 10.0
-    while any(_alive(p) for p in below) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [p for p in below if _alive(p)], "a process outlived the server"
+    _assert_all_exit(below)
     if device == "cuda" and shutil.which("nvidia-smi"):
         assert not _gpu_pids() & (below | {server.proc.pid}), "a process still holds a GPU"
