@@ -10,6 +10,8 @@
     model_construction  the modules built on the device, weights uninitialised
     weight_read         the checkpoint read into them (its bytes and GB/s); dummy weights: filled
     weight_postprocess  `process_weights_after_loading` (fused and transposed copies)
+    kernel_warmup       the decode GEMV and MoE kernels run once per token count they take (their
+                        JIT compiles, or their loads from the on-disk cache)
     kv_pool             the KV pool sized and allocated, the attention backend, the buffers
     warmup              the throwaway request (every JIT compile) and the graphs' eager runs
     capture             the CUDA graphs' capture (decode, prefill pieces, MTP draft)
@@ -42,6 +44,7 @@ PHASES = (
     "model_construction",
     "weight_read",
     "weight_postprocess",
+    "kernel_warmup",
     "kv_pool",
     "warmup",
     "capture",
@@ -54,6 +57,7 @@ _LABELS = {
     "model_construction": "model construction",
     "weight_read": "weight read",
     "weight_postprocess": "weight post-processing",
+    "kernel_warmup": "kernel warm-up",
     "kv_pool": "KV pool",
     "warmup": "warm-up",
 }

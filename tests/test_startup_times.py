@@ -66,7 +66,7 @@ def test_a_real_engine_start_fills_its_phases(
     seconds = times.seconds()
     # On the CPU: no CUDA context, no TP workers; torch came before the engine (this process).
     ran = {"process_start", "tokenizer", "model_construction", "weight_read",
-           "weight_postprocess", "kv_pool", "warmup", "capture"}  # fmt: skip
+           "weight_postprocess", "kernel_warmup", "kv_pool", "warmup", "capture"}  # fmt: skip
     assert set(seconds) == ran and ran <= set(PHASES)
     assert all(s >= 0.0 for s in seconds.values())
     assert times.total_s is not None and sum(seconds.values()) <= times.total_s

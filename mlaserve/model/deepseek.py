@@ -142,10 +142,12 @@ class DeepseekForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (MLAAttention, DeepseekMoE)):
                 module.process_weights_after_loading()
-        # Compile the decode GEMVs and the grouped MoE kernels for every token count they take
-        # (not only the captured batch sizes that warm-up runs), so none compiles while serving.
-        # Modules of one type and parameter shapes take the same compiled variants, so each such
-        # kind is warmed once (one MoE layer of V2-Lite's 26, not all of them).
+
+    def warm_up_decode_kernels(self) -> None:
+        """Compile the decode GEMVs and the grouped MoE kernels for every token count they take
+        (not only the captured batch sizes that warm-up runs), so none compiles while serving.
+        Modules of one type and parameter shapes take the same compiled variants, so each such
+        kind is warmed once (one MoE layer of V2-Lite's 26, not all of them)."""
         warmed = set()
         for module in self.modules():
             hooks = [getattr(module, h, None) for h in ("warm_up_gemv", "warm_up_kernels")]

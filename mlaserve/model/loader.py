@@ -111,7 +111,8 @@ def load_model(
     runs the emulated FP8 math (tests). `load_format` "dummy": no checkpoint read, random weights
     from `seed` (the MTP module whenever the config asks for one). `deterministic`: build the
     batch-invariant layers (`EngineConfig.deterministic_inference`). `startup`: gets the
-    model_construction, weight_read (with the bytes read) and weight_postprocess phases."""
+    model_construction, weight_read (with the bytes read), weight_postprocess and kernel_warmup
+    phases."""
     startup = StartupTimes() if startup is None else startup
     if dtype not in _MODEL_DTYPES:
         raise WeightLoadError(f"dtype: expected one of {_MODEL_DTYPES}, got {dtype}")
@@ -159,7 +160,12 @@ def load_model(
     model.process_weights_after_loading()
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
-    startup.add("weight_postprocess", time.perf_counter() - read)
+    processed = time.perf_counter()
+    startup.add("weight_postprocess", processed - read)
+    model.warm_up_decode_kernels()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    startup.add("kernel_warmup", time.perf_counter() - processed)
     return model.eval().requires_grad_(False)
 
 

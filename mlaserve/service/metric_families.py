@@ -227,7 +227,8 @@ class MetricFamilies:
             "startup_duration_seconds",
             "Engine start-up, seconds per phase (process_start, torch_import, tokenizer, "
             "tp_start, device_init, model_construction, weight_read, weight_postprocess, "
-            "kv_pool, warmup, capture, other); the phases sum to the process's age at ready.",
+            "kernel_warmup, kv_pool, warmup, capture, other); the phases sum to the process's age "
+            "at ready.",
             "phase",
         )
 

@@ -17,7 +17,7 @@ from tests.service.server_process import start_server
 FAMILY = "mlaserve:startup_duration_seconds"
 # On the CPU: no CUDA context and no TP workers; the engine process imports torch itself.
 CPU_PHASES = {"process_start", "torch_import", "tokenizer", "model_construction", "weight_read",
-              "weight_postprocess", "kv_pool", "warmup", "capture", "other"}  # fmt: skip
+              "weight_postprocess", "kernel_warmup", "kv_pool", "warmup", "capture", "other"}  # fmt: skip
 
 
 def _children(pid: int) -> list[int]:
