@@ -24,16 +24,11 @@ other way, and the engine process exits by itself when this process vanishes.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import enum
 import itertools
 import logging
-import multiprocessing
-import signal
 from collections.abc import Callable
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
 from mlaserve.service import engine_core as core
@@ -43,7 +38,7 @@ from mlaserve.service.engine_errors import (
     QueueFullError,
     ServerShutdownError,
 )
-from mlaserve.service.engine_inbox import EngineInbox
+from mlaserve.service.engine_process import EngineProcess
 from mlaserve.service.metrics import Metrics
 from mlaserve.service.output_wire import decode_outputs
 from mlaserve.service.request_stream import RequestStream, SubRequest
@@ -67,8 +62,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("mlaserve.service")
-
-_KILL_WAIT_S = 5.0
 
 
 class EngineState(enum.StrEnum):
@@ -125,9 +118,7 @@ class AsyncEngine:
         self._engine_warm = False
         self._tokenizer_loaded = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._proc: BaseProcess | None = None
-        self._commands: Connection | None = None  # to the engine process
-        self._inbox: EngineInbox | None = None  # its messages, read on the loop
+        self._process: EngineProcess | None = None  # None before start()
         self._stopping = False  # STOP sent: the process ending is no death
         self._add_ids = itertools.count()
         self._adds: dict[int, asyncio.Future[None]] = {}  # ADD sent, ADDED not yet back
@@ -141,7 +132,7 @@ class AsyncEngine:
         """Liveness: the engine process is running (or has not been started yet)."""
         if self.state in (EngineState.DEAD, EngineState.STOPPED):
             return False
-        return self._proc is None or self._proc.is_alive()
+        return self._process is None or self._process.is_alive()
 
     @property
     def is_ready(self) -> bool:
@@ -157,7 +148,7 @@ class AsyncEngine:
     @property
     def pid(self) -> int | None:
         """The engine process's id (None before `start`)."""
-        return None if self._proc is None else self._proc.pid
+        return None if self._process is None else self._process.pid
 
     # ----- lifecycle -----
     def start(self) -> None:
@@ -165,27 +156,10 @@ class AsyncEngine:
         meanwhile. Call from the event loop."""
         loop = self._loop = asyncio.get_running_loop()
         self.state = EngineState.LOADING
-        ctx = multiprocessing.get_context("spawn")
-        commands_rx, self._commands = ctx.Pipe(duplex=False)
-        outputs, outputs_tx = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(
-            target=core.run_engine_core,
-            args=(
-                self.config,
-                commands_rx,
-                outputs_tx,
-                self._engine_factory,
-                self.torch_threads,
-                logging.getLogger("mlaserve").getEffectiveLevel(),
-            ),
-            name="mlaserve-engine",
-        )
-        self._proc.start()
-        commands_rx.close()  # the child's ends: its exit must read as EOF here
-        outputs_tx.close()
-        atexit.register(self._kill)
-        self._inbox = EngineInbox(loop, outputs, self._handle, self._on_eof)
-        logger.info("engine process started (pid %d)", self._proc.pid)
+        self._process = EngineProcess(
+            loop, self.config, self._handle, self._on_eof,
+            engine_factory=self._engine_factory, torch_threads=self.torch_threads,
+        )  # fmt: skip
         task = loop.create_task(asyncio.to_thread(self._load_tokenizer))
         task.add_done_callback(self._tokenizer_done)
 
@@ -225,8 +199,8 @@ class AsyncEngine:
         self.begin_drain()
         if self._drain_deadline is not None:
             self._drain_deadline.cancel()
-        proc = self._proc
-        if proc is not None:
+        process = self._process
+        if process is not None:
             self._stopping = True
             # Serving, STOP makes it abort what runs and exit. Otherwise it is killed at once:
             # still loading (commands wait until warm-up ends) there is nothing to save, and a
@@ -234,30 +208,15 @@ class AsyncEngine:
             # hold up the exit that an orchestrator waits for.
             if self._engine_warm and self.state is not EngineState.DEAD:
                 self._send(core.STOP)
-                await asyncio.to_thread(proc.join, timeout)
-                if proc.is_alive():
+                if not await process.join(timeout):
                     logger.warning("the engine process did not stop in %.0f s: killing it", timeout)
-            await asyncio.to_thread(self._kill)
-            self._close()
-            atexit.unregister(self._kill)
+            await asyncio.to_thread(process.kill)
+            process.close()
+            process.forget()
         if self.state is not EngineState.DEAD:
             self.state = EngineState.STOPPED
         self._fail_all(ServerShutdownError("the server is shutting down"))
         self.tokenizer_worker.shutdown()
-
-    def _kill(self) -> None:
-        proc = self._proc
-        if proc is not None and proc.is_alive():
-            proc.kill()
-            proc.join(_KILL_WAIT_S)
-
-    def _close(self) -> None:
-        if self._inbox is not None:
-            self._inbox.close()
-            self._inbox = None
-        if self._commands is not None:
-            self._commands.close()
-            self._commands = None
 
     # ----- tokenizer (loaded here, in a thread, while the engine process loads weights) -----
     def _load_tokenizer(self) -> Tokenizer:
@@ -273,7 +232,8 @@ class AsyncEngine:
         exc = task.exception()
         if exc is not None:
             logger.error("the tokenizer failed to load: %r", exc)
-            self._kill()
+            if self._process is not None:
+                self._process.kill()
             self._die(exc, load=True)
             return
         self.tokenizer = task.result()
@@ -346,10 +306,8 @@ class AsyncEngine:
     def _send(self, *message: Any) -> None:
         """A command to the engine process; dropped once it is dead or stopping (a dead process
         is reported by its pipe's EOF, not here)."""
-        if self._commands is None or self.state is EngineState.DEAD:
-            return
-        with contextlib.suppress(OSError):  # a broken pipe: its EOF is on its way here
-            self._commands.send_bytes(core.dumps(message))
+        if self._process is not None and self.state is not EngineState.DEAD:
+            self._process.send(*message)
 
     # ----- messages from the engine process (on the event loop) -----
     def _handle(self, message: tuple) -> None:
@@ -415,19 +373,14 @@ class AsyncEngine:
 
     def _on_eof(self) -> None:
         """The engine process closed its end: it exited (or is about to)."""
-        proc = self._proc
-        self._close()
-        if self._stopping or self.state is EngineState.DEAD or proc is None:
+        process = self._process
+        if process is None:
             return
-        proc.join(1.0)
-        code = proc.exitcode
-        how = (
-            f"was killed by {signal.Signals(-code).name}"
-            if code is not None and code < 0 and -code in signal.Signals._value2member_map_
-            else f"exited with code {code}"
-        )
+        process.close()
+        if self._stopping or self.state is EngineState.DEAD:
+            return
         self._die(
-            RuntimeError(f"the engine process {how}"),
+            RuntimeError(f"the engine process {process.exit_description()}"),
             load=self.state in (EngineState.LOADING, EngineState.WARMING_UP),
         )
 

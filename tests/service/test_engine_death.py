@@ -185,9 +185,9 @@ def test_a_dead_command_thread_fails_the_engine(model_dir) -> None:
             assert engine.state is not EngineState.DEAD, engine.error
             assert time.monotonic() < deadline, "the engine did not start"
             await asyncio.sleep(0.02)
-        proc = engine._proc
-        assert engine._commands is not None and proc is not None
-        engine._commands.send_bytes(b"not a pickle")
+        assert engine._process is not None and engine._process.commands is not None
+        proc = engine._process.proc
+        engine._process.commands.send_bytes(b"not a pickle")
         deadline = time.monotonic() + EXIT_WAIT_S  # was: the loop waited for commands forever
         while engine.state is not EngineState.DEAD:
             assert time.monotonic() < deadline, "the engine did not fail"
