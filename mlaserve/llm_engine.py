@@ -112,7 +112,7 @@ class LLMEngine:
             drafter = MTPDrafter(self.runner, spec.k)
             policy = SpecPolicy(spec.k, disable_batch_size=config.speculative_disable_batch_size)
             self.spec_decoder = SpecDecoder(self.runner, self.graphs, drafter, spec.k, policy)
-        # Prefix caching (None when off, and bypassed with speculation: `PrefixSharing.build`).
+        # Prefix caching (None when off: `PrefixSharing.build`).
         self.allocator, prefix = PrefixSharing.build(config, self.runner.num_pages)
         self.scheduler = Scheduler(
             self.allocator,
@@ -367,6 +367,7 @@ class LLMEngine:
         if not scheduled.sampled_requests:
             return [], InFlightStep(scheduled, PendingSample(None, None, self.runner.fence()), step)
         self.ledger.waited(step)
+        self.scheduler.commit(scheduled)  # its read-back came after its MTP KV writes
         return self._postprocess(scheduled, result), None
 
     @staticmethod

@@ -130,7 +130,7 @@ class EngineConfig:
     # vLLM's --enable-prefix-caching: full KV pages of earlier requests are found again by their
     # tokens (a hash chain, `kv_cache/prefix_cache.py`) and not recomputed. OFF by default in
     # this landing: it is verified on the CPU only; it turns on by default once verified on a
-    # GPU (issue 43). Bypassed (a warning) with speculative decoding.
+    # GPU (issue 43). With speculative decoding the MTP layer's KV is cached with the pages.
     enable_prefix_caching: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 

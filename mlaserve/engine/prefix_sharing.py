@@ -16,6 +16,10 @@ requests:
   * `commit` registers the full pages of the tokens a resolved step computed (called by the
     engine once the host has waited on that step, never for one in flight; only tokens whose ids
     are on the host).
+  * under speculative decoding page keys hold the token after the page (`lookahead` 1) and
+    `commit` registers nothing while the request's draft cache is stale: a cached page carries
+    the MTP layer's KV whole (`kv_cache/prefix_cache.py`), and `attach` marks the request's
+    draft cache valid.
   * `release` when the request's pages go (finish, abort, preemption): its pending keys are
     dropped; the pages themselves return through `PageAllocator.free` (cached ones become
     evictable and a preempted request finds them again when readmitted).
@@ -23,7 +27,6 @@ requests:
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from mlaserve.config import EngineConfig
@@ -31,8 +34,6 @@ from mlaserve.engine.request import Request
 from mlaserve.kv_cache import PageAllocator, PageKey, PrefixCache, page_keys
 
 __all__ = ["Hit", "PrefixSharing"]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +43,9 @@ class Hit:
 
 
 class PrefixSharing:
-    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+    def __init__(self, allocator: PageAllocator, page_size: int, lookahead: int = 0) -> None:
+        """`lookahead`: 1 under speculative decoding (page keys hold the token after the page:
+        `kv_cache/prefix_cache.py`), else 0."""
         if allocator.cache is None:
             raise ValueError("PrefixSharing: the allocator has no prefix cache")
         if allocator.cache.page_size != page_size:
@@ -52,34 +55,27 @@ class PrefixSharing:
         self.allocator = allocator
         self.cache: PrefixCache = allocator.cache
         self.page_size = page_size
+        self.lookahead = lookahead
 
     @classmethod
     def build(
         cls, config: EngineConfig, num_pages: int
     ) -> tuple[PageAllocator, PrefixSharing | None]:
-        """The engine's allocator, and its prefix sharing when `enable_prefix_caching` is on.
-
-        Bypassed (None, with a warning) under speculative decoding: the MTP layer's KV lives in
-        the same pages (layer id num_hidden_layers of the pool), but its KV at a page's last
-        position was computed from the token after the page, which the page's key does not
-        hold, and pages written by plain (draft-free) steps hold no MTP KV at all. Outputs
-        would stay exact (verification is lossless) while acceptance silently dropped."""
+        """The engine's allocator, and its prefix sharing when `enable_prefix_caching` is on
+        (under speculative decoding with one token of lookahead in the page keys)."""
         if not config.enable_prefix_caching:
             return PageAllocator(num_pages), None
-        if config.speculative is not None:
-            logger.warning(
-                "enable_prefix_caching: bypassed with speculative decoding (the MTP layer's KV "
-                "of a cached page is not keyed by what it was computed from)"
-            )
-            return PageAllocator(num_pages), None
         allocator = PageAllocator(num_pages, PrefixCache(config.page_size))
-        return allocator, cls(allocator, config.page_size)
+        lookahead = 0 if config.speculative is None else 1
+        return allocator, cls(allocator, config.page_size, lookahead)
 
     def lookup(self, request: Request) -> Hit | None:
         """The request's cached prefix (maybe empty), or None when it should wait for a page
         another running request is computing."""
         ps = self.page_size
-        keys = page_keys(request.tokens(0, request.num_tokens), ps, None, request.cache_salt)
+        keys = page_keys(
+            request.tokens(0, request.num_tokens), ps, None, request.cache_salt, self.lookahead
+        )
         if request.params.prompt_logprobs is not None:
             return Hit([], keys)
         cap = (request.num_tokens - 1) // ps
@@ -97,6 +93,9 @@ class PrefixSharing:
         request.pages = list(hit.pages)
         request.page_keys = hit.keys[: len(hit.pages)]
         request.num_computed_tokens = len(hit.pages) * self.page_size
+        # Cached pages were registered only with their MTP KV whole, and the rest is computed
+        # from here: the draft cache is as valid as a fresh request's (also after preemption).
+        request.draft_cache_valid = True
 
     def detach(self, request: Request) -> None:
         """Undo `attach` (the rest of the request did not fit)."""
@@ -119,13 +118,18 @@ class PrefixSharing:
     def commit(self, request: Request, num_tokens: int) -> None:
         """Register the full pages among the request's first `num_tokens` tokens (computed by
         steps the host has waited on, their ids on the host) not registered yet."""
-        ps = self.page_size
-        full = min(num_tokens // ps, len(request.pages))
+        ps, ahead = self.page_size, self.lookahead
+        if ahead and not request.draft_cache_valid:  # a plain step left MTP rows unwritten
+            return
+        # Under speculation a page's key needs the token after it (on the host by now: the
+        # step that computed the page's last position also emitted or read it).
+        full = min(num_tokens // ps, len(request.pages), (request.num_tokens - ahead) // ps)
         done = len(request.page_keys)
         if full <= done:
             return
         parent = request.page_keys[-1] if done else None
-        keys = page_keys(request.tokens(done * ps, full * ps), ps, parent, request.cache_salt)
+        tokens = request.tokens(done * ps, full * ps + ahead)
+        keys = page_keys(tokens, ps, parent, request.cache_salt, ahead)
         for i, key in enumerate(keys, done):
             self.cache.register(key, request.pages[i])
         request.page_keys.extend(keys)

@@ -15,6 +15,14 @@ the cache maps keys to page ids. Why a chain:
 The cached prefix ends at a page boundary (no copy-on-write of a partial page): a partial last
 page is recomputed.
 
+Speculative decoding: the MTP layer's KV lives in the same pages (layer id num_hidden_layers of
+the pool), so a cached page brings it along; no MTP KV is rebuilt, so a hit costs the draft
+nothing. Its row at position p was computed from the target's hidden state at p AND the token
+at p + 1, so under speculation a page's key also holds the first token after the page
+(`lookahead`): a request whose next token differs does not match that page (its last MTP row
+would be another request's), and a page is registered only once that token is known and while
+its request's draft cache is valid (`Request.draft_cache_valid`: a plain step wrote no MTP KV).
+
 Which pages are registered (`register`): full pages whose tokens are all committed, i.e. their
 KV was written by a step the host has already waited on (`LLMEngine._resolve`), never one still
 in flight; with a key already cached (two requests computed the same prefix at once) the newer
@@ -60,13 +68,20 @@ def _key(parent: PageKey | None, tokens: Sequence[int], salt: str | None) -> Pag
 
 
 def page_keys(
-    tokens: Sequence[int], page_size: int, parent: PageKey | None, salt: str | None = None
+    tokens: Sequence[int],
+    page_size: int,
+    parent: PageKey | None,
+    salt: str | None = None,
+    lookahead: int = 0,
 ) -> list[PageKey]:
     """Keys of the full pages of `tokens`, which start at a page boundary: the page after the
-    one keyed `parent` (None: page 0, whose key mixes in `salt`). A partial last page has none."""
+    one keyed `parent` (None: page 0, whose key mixes in `salt`). A partial last page has none.
+    `lookahead` > 0: each key also holds the page's next `lookahead` tokens, and a page without
+    them in `tokens` has no key (speculation: the MTP layer's KV at a page's last position was
+    computed from the token after the page)."""
     keys: list[PageKey] = []
-    for i in range(len(tokens) // page_size):
-        parent = _key(parent, tokens[i * page_size : (i + 1) * page_size], salt)
+    for i in range((len(tokens) - lookahead) // page_size):
+        parent = _key(parent, tokens[i * page_size : (i + 1) * page_size + lookahead], salt)
         keys.append(parent)
     return keys
 

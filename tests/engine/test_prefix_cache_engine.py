@@ -1,12 +1,14 @@
 """Prefix caching through the whole engine on the CPU: greedy outputs with the cache equal those
 without it (page boundaries, n > 1, preemption, chunked prefill, concurrent writers, overlap
-scheduling), hits are real (fewer tokens computed), speculation bypasses it, and no page leaks."""
+scheduling, speculation with the MTP layer's KV in the cached pages), hits are real (fewer
+tokens computed), and no page leaks."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
 from mlaserve import LLM, SamplingParams
 
@@ -168,19 +170,69 @@ def test_cache_salt_isolates_and_reset_forgets(path) -> None:
         engine.add_request("f", prompt, GREEDY, cache_salt=3)  # type: ignore[arg-type]
 
 
-def test_speculative_engine_bypasses_the_cache() -> None:
-    """The MTP layer's KV lives in the same pages (layer id num_hidden_layers of the pool), but
-    a cached page's MTP KV at its last position was computed from the token after the page,
-    which its key does not hold: a speculating engine keeps the flag but caches nothing, and
-    its outputs are those of plain decoding."""
-    prompts = ["def fibonacci(n):", "def fibonacci(n):\n    if n"]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    plain = LLM(device="cpu")
-    spec = LLM(device="cpu", num_speculative_tokens=2, enable_prefix_caching=True)
-    assert spec.engine.allocator.cache is None and spec.engine.scheduler.prefix is None
-    expected = [token_ids(plain.generate([p], params, use_tqdm=False))[0] for p in prompts]
-    assert [token_ids(spec.generate([p], params, use_tqdm=False))[0] for p in prompts] == expected
-    assert spec.engine.get_stats().prefix_cache_queries == 0
+@pytest.mark.parametrize("overlap", [False, True])
+def test_speculative_engine_caches_and_stays_exact(overlap: bool) -> None:
+    """MTP k = 2 on the default model: greedy outputs with the cache equal those without it
+    (speculation is lossless either way), hits are real, and the drafts are as good: the cached
+    pages carry their MTP KV, so the accepted drafts match one for one."""
+    head = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+    prompts = [head + "    return fib", head + "    return fibonacci(n - 1) +", head]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    kw = {"num_speculative_tokens": 2, "overlap_schedule": overlap, "page_size": 16}
+    off = LLM(device="cpu", **kw)
+    on = LLM(device="cpu", enable_prefix_caching=True, **kw)
+    assert on.engine.scheduler.prefix is not None and on.engine.scheduler.prefix.lookahead == 1
+
+    def run(llm: LLM) -> tuple[list[list[int]], list[int]]:
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        return token_ids(outs), [o.metrics.num_accepted_tokens for o in outs]
+
+    expected, accepted_off = run(off)
+    got, accepted_on = run(on)
+    assert got == expected
+    assert accepted_on == accepted_off
+    assert on.engine.num_scheduled_tokens < off.engine.num_scheduled_tokens
+    assert on.engine.get_stats().prefix_cache_hits > 0
+    assert_no_leak(on)
+
+
+def _mtp_rows(engine, request_id: str) -> torch.Tensor:
+    """The MTP layer's KV rows [num_computed, dim] of a running request, read from its pages."""
+    request = next(r for r in engine.scheduler.running if r.request_id == request_id)
+    pool = engine.runner.kv_pool
+    rows = pool.kv_buffers[-1][request.pages]  # the MTP layer's: id num_hidden_layers, the last
+    return rows.reshape(-1, pool.dim)[: request.num_computed_tokens].clone()
+
+
+@pytest.mark.parametrize("same_next_token", [False, True])
+def test_a_hit_brings_exact_mtp_kv(checkpoint, same_next_token: bool) -> None:
+    """The MTP row at a page's last position was computed from the token after the page. A
+    request that shares two pages with an earlier one but not the token after them hits one
+    page; sharing that token too, it hits both. Either way the MTP KV it runs on equals that of
+    a fresh prefill of its prompt (fp32, no overlap: same kernels up to the batch's shape)."""
+    path = str(checkpoint("v3_mtp"))
+    kw = {"num_speculative_tokens": 2, "overlap_schedule": False}
+    on = make_llm(path, True, **kw)
+    off = make_llm(path, False, **kw)
+    rng = random.Random(3)
+    first = [rng.randrange(3, 250) for _ in range(13)]
+    second = [*first[:8], first[8] if same_next_token else first[8] % 240 + 5]
+    second += [rng.randrange(3, 250) for _ in range(4)]
+    on.generate([first], GREEDY, use_tqdm=False)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    rows = {}
+    for name, llm in (("on", on), ("off", off)):
+        llm.engine.add_request("b", second, params)
+        llm.engine.step()  # the prefill and the MTP's pass over it
+        rows[name] = _mtp_rows(llm.engine, "b")
+        cached = llm.engine.scheduler.running[0].metrics.num_cached_tokens
+        if name == "on":
+            assert cached == (8 if same_next_token else 4)
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    assert rows["on"].shape == rows["off"].shape == (len(second), rows["on"].shape[1])
+    torch.testing.assert_close(rows["on"], rows["off"], rtol=1e-5, atol=1e-5)
+    assert_no_leak(on)
 
 
 def test_pages_are_registered_only_once_their_step_is_waited_on(path) -> None:

@@ -78,3 +78,22 @@ def test_cuda_default_path_preemption_and_concurrency(checkpoint) -> None:
     assert on.engine.get_stats().num_preemptions > 0
     on.engine.allocator.check()
     assert on.engine.allocator.num_referenced_pages == 0
+
+
+def test_cuda_speculation_caches_mtp_kv_exactly(checkpoint) -> None:
+    """MTP k = 2 in the deterministic mode (batch-invariant kernels): greedy outputs and the
+    accepted drafts are equal with the cache on and off, and hits are real."""
+    path = str(checkpoint("v3_mtp"))
+    kw = {"deterministic_inference": True, "num_speculative_tokens": 2}
+    off = LLM(path, device="cuda", **kw)
+    on = LLM(path, device="cuda", enable_prefix_caching=True, **kw)
+    ps = prompts(off.engine.model_config.vocab_size)
+
+    def run(llm: LLM) -> tuple[list[list[int]], list[int]]:
+        outs = [llm.generate([p], PARAMS, use_tqdm=False)[0] for p in ps]
+        return [o.outputs[0].token_ids for o in outs], [o.metrics.num_accepted_tokens for o in outs]
+
+    assert run(on) == run(off)
+    assert on.engine.get_stats().prefix_cache_hits > 0
+    on.engine.allocator.check()
+    assert on.engine.allocator.num_referenced_pages == 0

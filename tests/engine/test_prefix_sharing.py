@@ -73,6 +73,32 @@ def test_hit_starts_at_the_cached_pages_and_leaves_a_token_to_compute() -> None:
     assert alloc.num_referenced_pages == 0 and alloc.num_free_pages == alloc.num_usable_pages
 
 
+def test_speculation_registers_pages_only_with_their_next_token_and_a_whole_draft_cache() -> None:
+    """lookahead 1: a page is registered once the token after it is on the host, a request whose
+    draft cache went stale (a plain step: no MTP KV written) registers nothing more, and a hit
+    makes the request's draft cache whole again."""
+    alloc = PageAllocator(64, PrefixCache(4))
+    sched = Scheduler(alloc, 4, prefix=PrefixSharing(alloc, 4, lookahead=1), max_num_seqs=8,
+                      max_num_batched_tokens=64)  # fmt: skip
+    base = list(range(100, 108))  # 2 full pages
+    a = make("a", base, max_tokens=2)
+    sched.add(a)
+    run_step(sched)
+    # Page 1's next token is a's first output, not on the host when its step was committed.
+    assert len(a.page_keys) == 1 and alloc.cache.num_cached_pages == 1
+    a.draft_cache_valid = False  # a plain step came next
+    run_step(sched)
+    assert a.is_finished and alloc.cache.num_cached_pages == 1
+    # With a's first output (7) after page 1, b would hit both pages had a stayed whole.
+    b = make("b", [*base, 7, 1])
+    b.draft_cache_valid = False
+    sched.add(b)
+    out = run_step(sched)
+    assert first_chunk(out, "b") == (4, 6) and b.draft_cache_valid
+    drain(sched)
+    assert alloc.num_referenced_pages == 0 and alloc.num_free_pages == alloc.num_usable_pages
+
+
 def test_siblings_wait_for_the_first_to_compute_the_shared_prompt() -> None:
     sched = scheduler()
     prompt = list(range(200, 218))  # 4 full pages + 2

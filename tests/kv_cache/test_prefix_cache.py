@@ -18,6 +18,19 @@ def test_keys_chain_over_full_pages_only_and_depend_on_the_prefix() -> None:
     assert page_keys([5, 6, 7, 8], 4, a[0]) == a[1:]
 
 
+def test_lookahead_keys_hold_the_token_after_each_page() -> None:
+    """Speculation: a page's key also holds the first token after it, and a page without that
+    token in the sequence has no key."""
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    a = page_keys(tokens, 4, None, lookahead=1)
+    assert len(a) == 2
+    assert len(page_keys(tokens[:8], 4, None, lookahead=1)) == 1  # token 8 unknown: page 1 waits
+    assert a[0] != page_keys(tokens, 4, None)[0]
+    other = page_keys([1, 2, 3, 4, 0, 6, 7, 8, 9], 4, None, lookahead=1)
+    assert other[0] != a[0]  # same first page, another token after it: no match
+    assert page_keys(tokens[4:], 4, a[0], lookahead=1) == a[1:]
+
+
 def test_cache_salt_changes_every_key() -> None:
     tokens = list(range(12))
     plain, salted, other = (page_keys(tokens, 4, None, s) for s in (None, "t1", "t2"))
