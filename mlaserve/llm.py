@@ -12,12 +12,15 @@ Example::
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from mlaserve.config import EngineConfig
+from mlaserve.config.model_folder import check_model_folder
+from mlaserve.config.vllm_flags import engine_options
 from mlaserve.llm_engine import LLMEngine
 from mlaserve.outputs import RequestOutput
 from mlaserve.sampling_params import RequestOutputKind, SamplingParams
@@ -25,19 +28,26 @@ from mlaserve.tokenizer import Tokenizer
 
 __all__ = ["LLM"]
 
+logger = logging.getLogger(__name__)
+
 Prompt = str | list[int]
 PromptInput = Prompt | dict[str, Any]  # vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}
 
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
-        unknown = set(engine_kwargs) - set(EngineConfig.field_names())
-        if unknown:
-            raise TypeError(
-                f"LLM: unknown engine option(s) {sorted(unknown)}; "
-                f"valid: {EngineConfig.field_names()}"
-            )
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        """`engine_kwargs`: EngineConfig's fields, and vLLM's engine keywords with the meaning
+        their `mlaserve serve` flags have (one table, `config/vllm_flags.py`):
+        `enforce_eager=True` turns CUDA graphs off, `trust_remote_code` is accepted (no
+        checkpoint code runs), `speculative_config={"method": "deepseek_mtp", ...}` is MTP;
+        a refused one (`data_parallel_size=8`) raises ConfigError saying what to use instead."""
+        options, notes = engine_options(engine_kwargs, EngineConfig.field_names())
+        for note in notes:
+            logger.info("vLLM keyword %s", note)
+        config = EngineConfig(model=model, **options)
+        # The CLI's check and words: a hub id is not downloaded; here is the command that does.
+        check_model_folder(config.model_path, given=config.model is not None)
+        self.engine = LLMEngine(config)
         self.engine.warmup()  # JIT and CUDA-graph capture now, not in the first generate()
         self._ids = itertools.count()
 

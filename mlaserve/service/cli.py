@@ -1,11 +1,13 @@
 """`mlaserve serve [MODEL]`: resolve the options, start uvicorn and the engine process, stop cleanly.
 `mlaserve precompile [MODEL]`: the same engine options, warm-up only (`precompile.py`).
 
-vLLM's command lines work: the model may be given positionally, and `--gpu-memory-utilization`,
-`--tensor-parallel-size`/`-tp` (N), `--enforce-eager`, `--max-logprobs`, `--chat-template`,
-`--disable-log-requests`, `--disable-uvicorn-access-log`, `--trust-remote-code`,
-`--tool-call-parser`, `--enable-auto-tool-choice` and `--reasoning-parser` mean what they mean
-there.
+vLLM's command lines work: the model may be given positionally, and the vLLM flags DeepSeek users
+pass are answered by one table (`mlaserve/config/vllm_flags.py`, docs/vllm_flags.md): each is
+one of our options under the same name (`--max-model-len`, `-tp`), mapped to one of ours
+(`--block-size` is `--page-size`, `--enforce-eager` is `--no-cuda-graph`; logged at start-up),
+accepted with no effect where the behaviour is already ours (`--trust-remote-code`,
+`--disable-log-stats`; the log says why), or refused with exit 2 and a line naming the flag, the
+reason and what to use instead (`--data-parallel-size 8`).
 
 Before anything starts, the options are checked, the model folder is looked at (config.json,
 tokenizer) and the port is bound: any problem is one line on stderr and exit 2 (a bad option or
@@ -27,16 +29,18 @@ it starts the server.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mlaserve.config import ConfigError
+from mlaserve.config.vllm_flags import VLLM_FLAGS, VllmFlag, translate
 from mlaserve.jit_cache import apply_jit_cache
 from mlaserve.service.settings import (
     CHOICES,
@@ -61,7 +65,14 @@ PRECOMPILE_DESCRIPTION = (
 if TYPE_CHECKING:
     import uvicorn
 
-__all__ = ["PRECOMPILE_DESCRIPTION", "build_parser", "main", "resolve_torch_threads", "serve"]
+__all__ = [
+    "PRECOMPILE_DESCRIPTION",
+    "build_parser",
+    "main",
+    "parse_settings",
+    "resolve_torch_threads",
+    "serve",
+]
 
 logger = logging.getLogger("mlaserve.service")
 
@@ -152,11 +163,55 @@ def _add_options(
             group.add_argument(
                 *flags, dest=opt.name, metavar=metavar, default=argparse.SUPPRESS, help=text
             )
-        if opt.name == "cuda_graph":
-            group.add_argument(
-                "--enforce-eager", dest="cuda_graph", action="store_const", const=False,
-                default=argparse.SUPPRESS, help="vLLM's name for --no-cuda-graph",
+    vllm_group = parser.add_argument_group(
+        "vLLM flags", "taken as the given option, accepted with no effect (logged), or refused "
+        "naming what to use instead (docs/vllm_flags.md)",
+    )  # fmt: skip
+    for row in VLLM_FLAGS:
+        if row.kind != "same":
+            vllm_group.add_argument(
+                row.flag, *row.aliases, action=_VllmFlagAction, row=row, nargs=row.nargs,
+                metavar=None if row.nargs == 0 else "VALUE", default=argparse.SUPPRESS,
+                help=_vllm_help(row).replace("%", "%%"),
             )  # fmt: skip
+
+
+# Where the vLLM flags' notes collect in the parsed arguments (not an option name).
+NOTES_KEY = "vllm_flag_notes"
+
+
+def _vllm_help(row: VllmFlag) -> str:
+    if row.kind == "refused":
+        accepted = f" ({', '.join(row.noop_values)}: accepted)" if row.noop_values else ""
+        return f"not supported{accepted}: {row.why}"
+    return row.why.split(": ", 1)[-1]
+
+
+class _VllmFlagAction(argparse.Action):
+    """A vLLM flag from the table: sets the options it maps to and records its note, or ends
+    parsing as argparse does (exit 2) with the reason it is refused."""
+
+    def __init__(self, option_strings: list[str], dest: str, row: VllmFlag, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.row = row
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        value = True if self.nargs == 0 else values
+        try:
+            options, note = translate(self.row, value)
+        except ConfigError as e:
+            parser.error(str(e))
+        for name, val in options.items():
+            setattr(namespace, name, val)
+        if note:
+            notes = getattr(namespace, NOTES_KEY, [])
+            setattr(namespace, NOTES_KEY, [*notes, note])
 
 
 _ALIASES: dict[str, tuple[str, ...]] = {
@@ -168,19 +223,27 @@ _METAVARS: dict = {int: "N", float: "X", str: "TEXT", "model": "PATH", "tokenize
                    "chat_template": "FILE|TEMPLATE"}  # fmt: skip
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_settings(argv: Sequence[str] | None, environ: Mapping[str, str]) -> tuple[str, Settings]:
+    """The command and its resolved settings (command line, environment, config file), before
+    any look at the model; ConfigError for a bad value, SystemExit(2) from argparse."""
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
     config_file = args.pop("config", None)
+    notes = args.pop(NOTES_KEY, [])
+    positional = args.pop("model_tag", None)
+    if positional is not None:
+        if args.get("model", positional) != positional:
+            raise ConfigError(
+                f"model: given twice, as {positional!r} and --model {args['model']!r}"
+            )
+        args["model"] = positional
+    settings = load_settings(args, environ, config_file)
+    return command, dataclasses.replace(settings, notes=notes)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     try:
-        positional = args.pop("model_tag", None)
-        if positional is not None:
-            if args.get("model", positional) != positional:
-                raise ConfigError(
-                    f"model: given twice, as {positional!r} and --model {args['model']!r}"
-                )
-            args["model"] = positional
-        settings = load_settings(args, os.environ, config_file)
+        command, settings = parse_settings(argv, os.environ)
         # Before the engine process is spawned: it inherits the cache's variables.
         apply_jit_cache(settings.engine.cache_dir)
         from mlaserve.service.preflight import preflight  # the tokenizer's files: transformers
@@ -192,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "precompile":
         from mlaserve.service.precompile import precompile
 
+        for note in settings.notes:
+            print(f"mlaserve: {note}", file=sys.stderr)
         threads = resolve_torch_threads(settings.server.torch_threads, os.environ)
         return precompile(settings, torch_threads=threads)
     try:
@@ -254,8 +319,8 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> int:
         logger.info("  %s", line)
     for warning in settings.warnings:
         logger.warning(warning)
-    if server_cfg.trust_remote_code:
-        logger.info("--trust-remote-code: accepted; mlaserve runs no code from the checkpoint")
+    for note in settings.notes:
+        logger.info("vLLM flag %s", note)
 
     threads = resolve_torch_threads(server_cfg.torch_threads, os.environ)
     logger.info("torch intra-op threads: %s", threads if threads is not None else "OMP_NUM_THREADS")

@@ -14,6 +14,7 @@ import dataclasses
 from pathlib import Path
 
 from mlaserve.config import ConfigError, ModelConfig
+from mlaserve.config.model_folder import check_model_folder
 from mlaserve.service.settings import Settings
 
 __all__ = ["preflight"]
@@ -23,7 +24,7 @@ def preflight(settings: Settings) -> Settings:
     """Check the model, tokenizer, device and chat template; returns the settings with
     `--chat-template FILE` replaced by the template's text."""
     engine = settings.engine
-    _check_model_folder(engine.model_path, given=engine.model is not None)
+    check_model_folder(engine.model_path, given=engine.model is not None)
     model_config = ModelConfig.from_pretrained(engine.model_path)  # ConfigError names the key
     engine.resolved_max_model_len(model_config)  # ConfigError: longer than the model allows
     # Here, not at the top: the tokenizer module imports transformers (and torch), which a bad
@@ -42,21 +43,6 @@ def preflight(settings: Settings) -> Settings:
         server = dataclasses.replace(settings.server, chat_template=_read_template(template))
         settings = dataclasses.replace(settings, server=server)
     return settings
-
-
-def _check_model_folder(path: Path, given: bool) -> None:
-    if (path / "config.json").is_file():
-        return
-    if not given:
-        raise ConfigError(f"model: the shipped default model is missing from {str(path)!r}")
-    what = "does not exist" if not path.exists() else "has no config.json"
-    hint = ""
-    if not path.exists() and len(path.parts) == 2 and not path.is_absolute():
-        hint = (
-            "; mlaserve does not download from the Hugging Face hub: fetch it first, e.g. "
-            f"`hf download {path.as_posix()} --local-dir DIR`, then serve DIR"
-        )
-    raise ConfigError(f"model: {str(path)!r} {what}; expected a local checkpoint folder{hint}")
 
 
 def _read_template(value: str) -> str:

@@ -28,6 +28,7 @@ from mlaserve.config import (
     ConfigError,
     EngineConfig,
 )
+from mlaserve.config.vllm_flags import normalize_engine_values
 from mlaserve.service.parsers import REASONING_PARSERS, TOOL_PARSERS
 from mlaserve.service.protocol import MAX_LOGPROBS, MAX_PROMPT_TOKENS, MAX_PROMPTS
 
@@ -62,7 +63,6 @@ class ServerConfig:
     chat_template: str | None = None  # a Jinja file or inline template; default: the tokenizer's
     disable_log_requests: bool = False
     disable_uvicorn_access_log: bool = False
-    trust_remote_code: bool = False  # accepted; mlaserve never runs a checkpoint's code
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
@@ -144,7 +144,8 @@ _HELP = {
     "seed": "engine seed for requests that give none",
     "served_model_name": "model name in the API; default: derived from the model folder",
     "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "mtp", '
-    '"num_speculative_tokens": 3}\' (needs a checkpoint with MTP weights)',
+    '"num_speculative_tokens": 3}\' (vLLM\'s "deepseek_mtp" is the same method; needs a '
+    "checkpoint with MTP weights)",
     "num_speculative_tokens": "shorthand for speculative_config with method 'mtp' and k tokens",
     "speculative_disable_batch_size": "never speculate in decode steps of more requests than "
     "this (below it, the measured cost policy decides)",
@@ -186,8 +187,6 @@ _HELP = {
     "tokenizer's",
     "disable_log_requests": "do not log one line per request (id, prompts, tokens, sampling)",
     "disable_uvicorn_access_log": "do not log one uvicorn access line per HTTP request",
-    "trust_remote_code": "accepted for vLLM command lines; mlaserve never runs a checkpoint's "
-    "Python code (the DeepSeek models need none)",
     "tool_call_parser": "how the model writes tool calls, for tools/tool_choice on chat "
     "completions",
     "enable_auto_tool_choice": "let the model decide to call tools (tool_choice 'auto', the "
@@ -301,6 +300,8 @@ class Settings:
     server: ServerConfig
     sources: dict[str, str]  # option -> "cli" | "env MLASERVE_X" | "file PATH" | "default"
     warnings: list[str] = dataclasses.field(default_factory=list)
+    # What vLLM flags were taken as (mapped or accepted with no effect), logged at start-up.
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     def describe(self) -> list[str]:
         """One `name = value  (source)` line per option, the API key masked."""
@@ -366,7 +367,8 @@ def load_settings(
         values[opt.target][opt.name] = opt.parse(raw, source)
         sources[opt.name] = source
     try:
-        engine = EngineConfig(**values[EngineConfig])
+        # vLLM's spellings (dtype half, speculative method deepseek_mtp) from any source.
+        engine = EngineConfig(**normalize_engine_values(values[EngineConfig]))
         server = ServerConfig(**values[ServerConfig])
     except ConfigError as e:  # name where the bad value came from
         source = sources.get(str(e).split(":", 1)[0], "default")

@@ -118,12 +118,13 @@ def test_a_taken_port_exits_1_with_one_line_and_no_engine(tmp_path) -> None:
 
 
 def test_a_vllm_command_line_serves(tmp_path) -> None:
-    """`vllm serve PATH ...` habits: positional model, vLLM's flag names, `-tp 1`."""
+    """`vllm serve PATH ...` habits: positional model, vLLM's flag names, `-tp 1`, flags that
+    are no-ops here (logged with the reason)."""
     proc = start_server(
         None, tmp_path / "server.log", str(default_model_path()),
         "--gpu-memory-utilization", "0.5", "--max-model-len", "4096", "-tp", "1",
         "--enforce-eager", "--max-logprobs", "5", "--disable-log-requests",
-        "--disable-uvicorn-access-log", "--trust-remote-code",
+        "--disable-uvicorn-access-log", "--trust-remote-code", "--disable-log-stats",
         "--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}",
     )  # fmt: skip
     try:
@@ -142,6 +143,10 @@ def test_a_vllm_command_line_serves(tmp_path) -> None:
                "add_special_tokens": False}).json()["tokens"]  # fmt: skip
         log = proc.logs()
         assert "cuda_graph = False  (cli)" in log and "gpu_memory_utilization = 0.5  (cli)" in log
+        # What each vLLM flag was taken as (docs/vllm_flags.md), in the start-up log.
+        assert "vLLM flag --enforce-eager: CUDA graphs off (--no-cuda-graph)" in log
+        assert "vLLM flag --trust-remote-code: accepted; mlaserve runs no code" in log
+        assert "vLLM flag --disable-log-stats: accepted" in log
         assert "loading weights: shard 1/1 (model.safetensors)" in log
         assert "request cmpl-" not in log and '"POST /v1/completions' not in log
     finally:
