@@ -7,8 +7,10 @@ content deltas; the last one carries `finish_reason`. Usage, when asked for with
 Tools (with `--tool-call-parser`): `tools` reach the chat template; `tool_choice` is 'none' (the
 output is content), 'auto' (needs `--enable-auto-tool-choice`: the parser finds the calls the
 model writes, and `finish_reason` is "tool_calls"), 'required' or a named function (the opening
-of a call, up to the name or through it, is forced after the prompt, so the model can only
-write a call). With `--reasoning-parser`, `<think>...</think>` goes to `reasoning_content`.
+of the calls, for a named function through its name, is forced after the prompt, and xgrammar
+constrains the rest to calls in the model's own format: names among the tools, arguments valid
+against each tool's `parameters`; parsers/deepseek_v3_forced.py). With `--reasoning-parser`,
+`<think>...</think>` goes to `reasoning_content`.
 Streamed, a call arrives as `delta.tool_calls` pieces: first its index, id, type and name, then
 pieces of `function.arguments` that add up to the non-streamed arguments.
 """
@@ -25,9 +27,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlaserve.outputs import RequestMetrics, RequestOutput
+from mlaserve.sampling_params import StructuredOutputsParams
 from mlaserve.service.errors import BadRequestError
 from mlaserve.service.logprobs import chat_logprobs, prompt_logprobs
 from mlaserve.service.parsers import (
+    FORCED_TOOL_CALLS,
     REASONING_PARSERS,
     TOOL_PARSERS,
     ChatOutputParser,
@@ -123,6 +127,7 @@ class _ToolMode:
 
     parse: bool = False
     forced: str = ""  # text appended to the prompt: the opening of a call
+    grammar: StructuredOutputsParams | None = None  # what the output after `forced` must follow
     finish_reason: str = "tool_calls"  # when calls were made and generation stopped normally
 
 
@@ -159,17 +164,23 @@ class Chat:
             )
         if choice == "auto":
             return _ToolMode(parse=True)
-        if choice == "required":
-            return _ToolMode(parse=True, forced=parser.forced_prefix(None))
-        name = choice.function.name
-        if name not in {t.function.name for t in req.tools}:
+        name = None if choice == "required" else choice.function.name
+        if name is not None and name not in {t.function.name for t in req.tools}:
             raise BadRequestError(
                 f"tool_choice: function {name!r} is not among the tools",
                 param="tool_choice",
                 code="invalid_value",
             )
-        # OpenAI ends a call the client forced by name with "stop", not "tool_calls".
-        return _ToolMode(parse=True, forced=parser.forced_prefix(name), finish_reason="stop")
+        forced = FORCED_TOOL_CALLS[opts.tool_call_parser or ""]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        tag = forced.grammar(tools, name, parallel=req.parallel_tool_calls is not False)
+        return _ToolMode(
+            parse=True,
+            forced=forced.prefix(name),
+            grammar=StructuredOutputsParams(structural_tag=tag),
+            # OpenAI (and vLLM) end a call the client forced by name with "stop".
+            finish_reason="tool_calls" if name is None else "stop",
+        )
 
     def _output_parser(self, mode: _ToolMode, req: ChatCompletionRequest) -> ChatOutputParser:
         reasoning_cls = REASONING_PARSERS.get(self.options.reasoning_parser or "")
@@ -237,7 +248,9 @@ class Chat:
         def max_tokens(prompt: list[int]) -> int:
             return limit if limit is not None else max(1, max_model_len - len(prompt))
 
-        fanout = s.fan_out("chatcmpl", req, [prompt], max_tokens, num_logprobs, req.prompt_logprobs)
+        fanout = s.fan_out(
+            "chatcmpl", req, [prompt], max_tokens, num_logprobs, req.prompt_logprobs, mode.grammar
+        )
         stream = await s.submit(fanout, arrival_time, req)
 
         def new_parser() -> ChatOutputParser | None:
