@@ -159,3 +159,27 @@ def test_forced_tool_choice_errors_name_the_field(client) -> None:
         assert e.value.body["param"] == "tool_choice", case
     # The server keeps serving.
     assert client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2).choices
+
+
+def test_forced_calls_under_speculation_are_refused_naming_tool_choice(
+    checkpoint, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The speculative loop samples without the grammar mask: a forced call is refused there,
+    as structured output is, and the server keeps serving."""
+    logs = tmp_path_factory.mktemp("forced-tools-spec")
+    proc = start_server(
+        checkpoint("v3_mtp"), logs / "server.log", "--tool-call-parser", "deepseek_v3",
+        "--num-speculative-tokens", "1",
+    )  # fmt: skip
+    proc.wait_ready()
+    with openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0) as client:
+        model = client.models.list().data[0].id
+        for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(
+                    model=model, messages=MESSAGES, tools=TOOLS, tool_choice=choice, max_tokens=4
+                )
+            assert e.value.body["param"] == "tool_choice"
+            assert "speculative decoding" in e.value.body["message"]
+        assert client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+    assert proc.stop() == 0
