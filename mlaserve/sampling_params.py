@@ -51,17 +51,23 @@ class SamplingParamsError(ValueError):
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Constrain the output to a grammar (vLLM's names): `json`, a JSON schema (dict or JSON
-    text), or `json_object`, any JSON object. Decoded through xgrammar's token bitmasks
+    text), `json_object`, any JSON object, or `structural_tag`, an xgrammar structural tag (JSON
+    text; the server's forced tool calls). Decoded through xgrammar's token bitmasks
     (engine/grammar.py)."""
 
     json: str | dict | None = None
     json_object: bool = False
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
-        if (self.json is not None) == bool(self.json_object):
+        given = (self.json is not None) + bool(self.json_object) + (self.structural_tag is not None)
+        if given != 1:
             raise SamplingParamsError(
-                "structured_outputs: give exactly one of json (a schema) and json_object=True"
+                "structured_outputs: give exactly one of json (a schema), json_object=True and "
+                "structural_tag"
             )
+        if self.structural_tag is not None and not isinstance(self.structural_tag, str):
+            raise SamplingParamsError("structured_outputs: structural_tag must be JSON text")
         if self.json is not None and not isinstance(self.json, str | dict):
             raise SamplingParamsError("structured_outputs: json must be a schema dict or string")
 

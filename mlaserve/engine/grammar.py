@@ -53,12 +53,15 @@ class GrammarBackend:
     def matcher(self, so: StructuredOutputsParams) -> Any:
         """A fresh matcher for one request (compiled grammars are cached by the compiler)."""
         try:
-            if so.json_object:
-                schema = ANY_OBJECT  # OpenAI's json_object: an object, not any JSON value
+            if so.structural_tag is not None:
+                compiled = self.compiler.compile_structural_tag(so.structural_tag)
             else:
-                schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
-            # No free whitespace: a model could otherwise pad forever.
-            compiled = self.compiler.compile_json_schema(schema, any_whitespace=False)
+                if so.json_object:
+                    schema = ANY_OBJECT  # OpenAI's json_object: an object, not any JSON value
+                else:
+                    schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
+                # No free whitespace: a model could otherwise pad forever.
+                compiled = self.compiler.compile_json_schema(schema, any_whitespace=False)
         except (RuntimeError, ValueError) as e:
             # xgrammar's C++ errors start with "[time] file.cc:line: "; keep the reason.
             reason = re.sub(r"^\[[^\]]*\] \S+: ", "", str(e).strip().splitlines()[0])

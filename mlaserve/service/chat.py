@@ -7,8 +7,10 @@ content deltas; the last one carries `finish_reason`. Usage, when asked for with
 Tools (with `--tool-call-parser`): `tools` reach the chat template; `tool_choice` is 'none' (the
 output is content), 'auto' (needs `--enable-auto-tool-choice`: the parser finds the calls the
 model writes, and `finish_reason` is "tool_calls"), 'required' or a named function (the opening
-of a call, up to the name or through it, is forced after the prompt, so the model can only
-write a call). With `--reasoning-parser`, `<think>...</think>` goes to `reasoning_content`.
+of the calls, for a named function through its name, is forced after the prompt, and xgrammar
+constrains the rest to calls in the model's own format: names among the tools, arguments valid
+against each tool's `parameters`; parsers/deepseek_v3_forced.py). With `--reasoning-parser`,
+`<think>...</think>` goes to `reasoning_content`.
 Streamed, a call arrives as `delta.tool_calls` pieces: first its index, id, type and name, then
 pieces of `function.arguments` that add up to the non-streamed arguments.
 """
@@ -34,7 +36,6 @@ from mlaserve.service.parsers import (
     ChatParts,
     ToolCallDelta,
 )
-from mlaserve.service.parsers.deepseek_r1 import THINK_END, THINK_START
 from mlaserve.service.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -52,6 +53,7 @@ from mlaserve.service.protocol import (
 from mlaserve.service.request_stream import RequestStream
 from mlaserve.service.serving import STREAM_ERRORS, ClientDisconnected, Fanout, Serving, sse_frame
 from mlaserve.service.sse_chunks import ChunkFrames
+from mlaserve.service.tool_mode import ToolMode
 
 if TYPE_CHECKING:
     from mlaserve.tokenizer import Tokenizer
@@ -117,61 +119,12 @@ def render_chat(
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-@dataclass(frozen=True)
-class _ToolMode:
-    """How one request treats tools: parse the output for calls, and force a call's opening."""
-
-    parse: bool = False
-    forced: str = ""  # text appended to the prompt: the opening of a call
-    finish_reason: str = "tool_calls"  # when calls were made and generation stopped normally
-
-
 class Chat:
     def __init__(self, serving: Serving, options: ChatOptions | None = None) -> None:
         self.serving = serving
         self.options = options or ChatOptions()
 
-    def _tool_mode(self, req: ChatCompletionRequest) -> _ToolMode:
-        """Check tools/tool_choice against each other and the server's flags (400 otherwise)."""
-        choice, opts = req.tool_choice, self.options
-        if not req.tools:
-            if choice not in (None, "none"):
-                raise BadRequestError(
-                    "tool_choice: needs tools", param="tool_choice", code="invalid_value"
-                )
-            return _ToolMode()
-        choice = choice or "auto"
-        if choice == "none":
-            return _ToolMode()
-        parser = TOOL_PARSERS.get(opts.tool_call_parser or "")
-        if choice == "auto" and not (opts.enable_auto_tool_choice and parser is not None):
-            raise BadRequestError(
-                "tool_choice: 'auto' (the default when tools are given) needs the server started "
-                "with --enable-auto-tool-choice and --tool-call-parser",
-                param="tool_choice",
-                code="unsupported_parameter",
-            )
-        if parser is None:
-            raise BadRequestError(
-                "tool_choice: calling tools needs the server started with --tool-call-parser",
-                param="tool_choice",
-                code="unsupported_parameter",
-            )
-        if choice == "auto":
-            return _ToolMode(parse=True)
-        if choice == "required":
-            return _ToolMode(parse=True, forced=parser.forced_prefix(None))
-        name = choice.function.name
-        if name not in {t.function.name for t in req.tools}:
-            raise BadRequestError(
-                f"tool_choice: function {name!r} is not among the tools",
-                param="tool_choice",
-                code="invalid_value",
-            )
-        # OpenAI ends a call the client forced by name with "stop", not "tool_calls".
-        return _ToolMode(parse=True, forced=parser.forced_prefix(name), finish_reason="stop")
-
-    def _output_parser(self, mode: _ToolMode, req: ChatCompletionRequest) -> ChatOutputParser:
+    def _output_parser(self, mode: ToolMode, req: ChatCompletionRequest) -> ChatOutputParser:
         reasoning_cls = REASONING_PARSERS.get(self.options.reasoning_parser or "")
         tool_cls = TOOL_PARSERS.get(self.options.tool_call_parser or "")
         return ChatOutputParser(
@@ -181,18 +134,6 @@ class Chat:
             forced=mode.forced,
             parallel_tool_calls=req.parallel_tool_calls is not False,
         )
-
-    def _continuation(self, mode: _ToolMode) -> Callable[[str], str] | None:
-        if not mode.forced:
-            return None
-        reasoning = self.options.reasoning_parser is not None
-
-        def forced(prompt: str) -> str:
-            # R1's template opens the reasoning in the prompt; a forced call closes it first.
-            still_open = prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
-            return (THINK_END + "\n\n" if reasoning and still_open else "") + mode.forced
-
-        return forced
 
     @property
     def _parsing(self) -> bool:
@@ -205,12 +146,14 @@ class Chat:
         s = self.serving
         s.require_ready()
         model = s.check_model(req.model)
-        mode = self._tool_mode(req)
+        opts = self.options
+        mode = ToolMode.of(req, opts.tool_call_parser, opts.enable_auto_tool_choice)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         s.reject_all_unsupported(req)
         s.check_sequences(1, req.n)
         limit_tokens = min(s.engine.max_model_len - 1, s.max_prompt_tokens)
-        template, continuation = self.options.chat_template, self._continuation(mode)
+        template = opts.chat_template
+        continuation = mode.continuation(reasoning=opts.reasoning_parser is not None)
         prompt = await s.run_tokenizer(
             lambda tok: render_chat(
                 tok,
@@ -237,7 +180,9 @@ class Chat:
         def max_tokens(prompt: list[int]) -> int:
             return limit if limit is not None else max(1, max_model_len - len(prompt))
 
-        fanout = s.fan_out("chatcmpl", req, [prompt], max_tokens, num_logprobs, req.prompt_logprobs)
+        fanout = s.fan_out(
+            "chatcmpl", req, [prompt], max_tokens, num_logprobs, req.prompt_logprobs, mode.grammar
+        )
         stream = await s.submit(fanout, arrival_time, req)
 
         def new_parser() -> ChatOutputParser | None:
@@ -274,7 +219,7 @@ class Chat:
         out: RequestOutput,
         num_logprobs: int | None,
         parser: ChatOutputParser | None,
-        mode: _ToolMode,
+        mode: ToolMode,
     ) -> ChatChoice:
         c = out.outputs[0]
         logprobs = None
@@ -303,7 +248,7 @@ class Chat:
         stream: RequestStream,
         num_logprobs: int | None,
         new_parser: Callable[[], ChatOutputParser | None],
-        mode: _ToolMode,
+        mode: ToolMode,
     ) -> AsyncIterator[str]:
         sent_tokens: dict[str, int] = defaultdict(int)  # generated, per choice
         last_metrics: dict[str, RequestMetrics] = {}  # for return_spec_stats
@@ -372,7 +317,7 @@ class Chat:
         yield sse_frame("[DONE]")
 
 
-def _finish_reason(reason: str | None, parser: ChatOutputParser, mode: _ToolMode) -> str | None:
+def _finish_reason(reason: str | None, parser: ChatOutputParser, mode: ToolMode) -> str | None:
     return mode.finish_reason if reason == "stop" and parser.called_tools else reason
 
 

@@ -152,6 +152,10 @@ class ChatCompletionRequest(SamplingRequest):
             out.append(("store", "is not supported: this server stores no completions"))
         if self.service_tier not in (None, "auto", "default"):
             out.append(("service_tier", "only supports 'auto' and 'default'"))
+        fmt = self.response_format.type if self.response_format is not None else "text"
+        if self.forces_tool_call and (fmt != "text" or self.guided_json is not None):
+            out.append(("tool_choice", "'required' or a named function cannot be combined with "
+                        "response_format or guided_json (the call has its own grammar)"))  # fmt: skip
         if self.top_logprobs is not None and not self.logprobs:
             out.append(("top_logprobs", "requires logprobs=true"))
         if self.continue_final_message and self.add_generation_prompt:
@@ -168,6 +172,17 @@ class ChatCompletionRequest(SamplingRequest):
                 if getattr(m, name) is not None:
                     out.append((f"messages.{i}.{name}", "is not supported"))
         return out
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """tool_choice 'required' or a named function: the output is grammar-constrained to
+        tool calls (the server's grammar replaces response_format / guided_json)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    @property
+    def structured_output_field(self) -> str:
+        # The field a refused grammar (no xgrammar, speculative decoding) is blamed on.
+        return "tool_choice" if self.forces_tool_call else super().structured_output_field
 
 
 # Template arguments the server sets itself (the request's own fields, or how it renders).

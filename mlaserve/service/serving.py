@@ -32,7 +32,12 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from mlaserve.outputs import RequestMetrics, RequestOutput
-from mlaserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+from mlaserve.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputsParams,
+)
 from mlaserve.service.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -225,7 +230,10 @@ class Serving:
         max_tokens: Callable[[list[int]], int],
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        structured: StructuredOutputsParams | None = None,
     ) -> Fanout:
+        """`structured`: the grammar the endpoint imposes (a forced tool call), instead of the
+        request's own (`SamplingRequest.structured_outputs`)."""
         request_id = new_request_id(prefix)
         if logprobs is not None and logprobs > self.max_logprobs:
             field = "top_logprobs" if prefix == "chatcmpl" else "logprobs"
@@ -237,9 +245,8 @@ class Serving:
             )
         # Validated once per request; each choice gets a shallow copy with its own max_tokens and
         # seed (validating len(prompts) * n copies was O(n) Python work per prompt).
-        base = self.sampling_params(
-            req, max(max_tokens(p) for p in prompts), req.seed, logprobs, prompt_logprobs
-        )
+        longest = max(max_tokens(p) for p in prompts)
+        base = self.sampling_params(req, longest, req.seed, logprobs, prompt_logprobs, structured)
         subrequests = []
         for p, prompt in enumerate(prompts):
             limit = max_tokens(prompt)
@@ -266,6 +273,7 @@ class Serving:
         seed: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         vocab_size = self.engine.vocab_size
         kwargs: dict = {name: getattr(req, name) for name in _SAMPLING_FIELDS}
@@ -280,7 +288,7 @@ class Serving:
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
-                structured_outputs=req.structured_outputs(),
+                structured_outputs=structured or req.structured_outputs(),
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 output_kind=RequestOutputKind.DELTA,  # O(new tokens) per step; see request_stream

@@ -25,7 +25,10 @@ TOOLS = [
         "function": {
             "name": "get_weather",
             "description": "The weather in a city.",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+            },
         },
     },
     {"type": "function", "function": {"name": "get_time"}},

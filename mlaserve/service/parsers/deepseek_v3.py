@@ -33,6 +33,9 @@ CALL_BEGIN = "<｜tool▁call▁begin｜>"
 CALL_END = "<｜tool▁call▁end｜>"
 SEP = "<｜tool▁sep｜>"
 FENCE_OPEN = "```json\n"
+# The closing fence. JSON cannot hold it (a newline inside a string is escaped), so it ends the
+# arguments even when what follows is cut short (a length cut inside the end marker).
+FENCE_CLOSE = "\n```"
 # Whitespace and up to three backticks at the end of the arguments: maybe the closing fence.
 _FENCE_TAIL = re.compile(r"\s*`{0,3}\Z")
 
@@ -65,16 +68,11 @@ class _State(enum.Enum):
     HEAD = "head"  # after <｜tool▁call▁begin｜>: type<｜tool▁sep｜>name\n
     FENCE = "fence"  # after the name: ```json\n
     ARGUMENTS = "arguments"  # the JSON, up to \n```<｜tool▁call▁end｜>
+    CLOSING = "closing"  # after the closing fence: up to <｜tool▁call▁end｜>
 
 
 class DeepSeekV3ToolParser:
     """The state of one choice's output; one instance per choice."""
-
-    #: The text that opens a call to `name`: what a named tool_choice forces after the prompt.
-    @staticmethod
-    def forced_prefix(name: str | None) -> str:
-        head = f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}"
-        return head if name is None else f"{head}{name}\n{FENCE_OPEN}"
 
     def __init__(self) -> None:
         self._state = _State.CONTENT
@@ -102,9 +100,15 @@ class DeepSeekV3ToolParser:
         if self._state is _State.CONTENT:
             out.content = pending
         elif self._state is _State.HEAD and SEP in pending:
-            self._start_call(pending.split(SEP, 1)[1].strip(), out)
-        elif self._state is _State.ARGUMENTS and pending:
-            out.calls.append(ToolCallDelta(self._index, arguments=pending))
+            name = pending.split(SEP, 1)[1].strip()
+            if name:  # a call without a name is no call
+                self._start_call(name, out)
+        elif self._state is _State.ARGUMENTS:
+            # Held back: maybe the start of the closing fence, or of the end marker.
+            args = pending[: len(pending) - partial_marker_len(pending, CALL_END)]
+            args = args[: len(args) - len(_FENCE_TAIL.search(args).group())]  # type: ignore[union-attr]
+            if args:
+                out.calls.append(ToolCallDelta(self._index, arguments=args))
         return out
 
     # ----- one step per state: consume a prefix of `buf` (its length) or wait (None) -----
@@ -155,6 +159,13 @@ class DeepSeekV3ToolParser:
 
     def _arguments(self, buf: str, out: ToolParse) -> int | None:
         end = buf.find(CALL_END)
+        fence = buf.find(FENCE_CLOSE)
+        if fence >= 0 and (end < 0 or fence < end):
+            args = buf[:fence].rstrip()
+            if args:
+                out.calls.append(ToolCallDelta(self._index, arguments=args))
+            self._state = _State.CLOSING
+            return fence + len(FENCE_CLOSE)
         if end >= 0:
             args = buf[:end].rstrip()
             args = args.removesuffix("```").rstrip()
@@ -169,6 +180,13 @@ class DeepSeekV3ToolParser:
         out.calls.append(ToolCallDelta(self._index, arguments=buf[:ready]))
         return ready
 
+    def _closing(self, buf: str, out: ToolParse) -> int | None:
+        end = buf.find(CALL_END)
+        if end < 0:
+            return None  # dropped by `finish` if the end marker never comes
+        self._state = _State.BETWEEN
+        return end + len(CALL_END)
+
     def _start_call(self, name: str, out: ToolParse) -> None:
         self._index = self.num_calls
         self.num_calls += 1
@@ -182,4 +200,5 @@ _STEPS = {
     _State.HEAD: DeepSeekV3ToolParser._head,
     _State.FENCE: DeepSeekV3ToolParser._fence,
     _State.ARGUMENTS: DeepSeekV3ToolParser._arguments,
+    _State.CLOSING: DeepSeekV3ToolParser._closing,
 }

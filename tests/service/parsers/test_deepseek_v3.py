@@ -15,6 +15,7 @@ from mlaserve.service.parsers.deepseek_v3 import (
     DeepSeekV3ToolParser,
     ToolParse,
 )
+from mlaserve.service.parsers.deepseek_v3_forced import DeepSeekV3ForcedCall
 
 
 def _call(name: str, args: str) -> str:
@@ -62,9 +63,23 @@ def test_a_call_cut_short_keeps_what_was_written() -> None:
     assert content == "" and calls == [{"name": "get_weather", "arguments": '{"city": "Pa'}]
 
 
+@pytest.mark.parametrize(
+    "cut", ["\n", "\n``", "\n```", "\n```" + CALL_END[:5], "\n```" + CALL_END[:5] + "\ufffd"]
+)
+def test_a_call_cut_short_in_its_closing_keeps_whole_arguments(cut: str) -> None:
+    text = f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}get_time\n```json\n{{}}{cut}"
+    assert _parse(text, 1) == ("", [{"name": "get_time", "arguments": "{}"}])
+    assert _parse(text, len(text)) == ("", [{"name": "get_time", "arguments": "{}"}])
+
+
+def test_a_call_cut_short_after_its_separator_is_no_call() -> None:
+    text = f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}"
+    assert _parse(text, 1) == ("", []) and _parse(text, len(text)) == ("", [])
+
+
 def test_a_forced_opening_starts_inside_the_call() -> None:
     parser = DeepSeekV3ToolParser()
-    first = parser.feed(DeepSeekV3ToolParser.forced_prefix("get_weather"))
+    first = parser.feed(DeepSeekV3ForcedCall.prefix("get_weather"))
     assert [(c.index, c.name) for c in first.calls] == [(0, "get_weather")]
     rest = parser.feed('{"city": "Paris"}\n```' + CALL_END + CALLS_END)
     assert rest.content == "" and "".join(c.arguments for c in rest.calls) == '{"city": "Paris"}'
