@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from mlaserve.config import EngineConfig, ModelConfig
+from mlaserve.engine.gpu_only_options import ignored_gpu_options
 from mlaserve.engine.grammar import GrammarBackend, GrammarError
 from mlaserve.engine.output_processor import OutputProcessor
 from mlaserve.engine.overlap import StepLedger
@@ -94,6 +95,8 @@ class LLMEngine:
         eos_token_ids = sorted(eos)
         self.compile_watch = CompileWatch()
         device = config.resolved_device()
+        for line in ignored_gpu_options(config, device):  # taken, but only a GPU reads them
+            logger.warning("%s", line)
         if device.type == "cuda":  # the CUDA context, on its own (else in model construction)
             with self.startup.phase("device_init"):
                 torch.empty(1, device=device)

@@ -44,6 +44,7 @@ from mlaserve.service.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from mlaserve.service.refusal_counter import RefusalCounterMiddleware
 from mlaserve.service.serving import Serving
 from mlaserve.service.version import server_version
 
@@ -93,7 +94,9 @@ def build_app(
         max_json_values=max_json_values,
     )
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # outermost: before any body
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # before any body
+    # Outermost: it sees the refusals of every layer inside it, the two above included.
+    app.add_middleware(RefusalCounterMiddleware, on_refused=engine.metrics.on_refused)
     serving = Serving(
         engine,
         max_prompts_per_request=max_prompts_per_request,

@@ -64,6 +64,7 @@ class MetricFamilies:
         self._declare_spec_decode()
         self._declare_cuda_graphs()
         self._declare_startup()
+        self._declare_refusals()
 
     def create_series(self, model_name: str) -> None:
         """Create the labelled series, so they read 0 rather than being absent."""
@@ -230,6 +231,15 @@ class MetricFamilies:
             "kernel_warmup, kv_pool, warmup, capture, other); the phases sum to the process's age "
             "at ready.",
             "phase",
+        )
+
+    def _declare_refusals(self) -> None:
+        """Requests the server answered with a 4xx or 503 error body (refusal_counter.py)."""
+        self.request_refused = self._counter(
+            "request_refused",
+            "Requests refused (4xx, 503) by reason: the error body's code (invalid_value, "
+            "queue_full, not_ready, engine_dead, invalid_api_key, request_too_large, ...).",
+            "reason",
         )
 
     # ----- constructors: `model_name` first, then the family's own labels -----

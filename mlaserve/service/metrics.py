@@ -14,15 +14,17 @@ per-request bookkeeping is only touched there):
 - token, finished-request and preemption counters, and the tokens each engine step ran
   (`iteration_tokens_total`);
 - gauges from `LLMEngine.get_stats()`;
-- the speculative-decoding family, fed through `on_spec_decode` once the engine reports it.
+- the speculative-decoding family, fed through `on_spec_decode` once the engine reports it;
+- refused requests by reason, fed by the HTTP layer (`on_refused`, from refusal_counter.py).
 
 Every series carries a `model_name` label, bound once the engine has loaded; nothing is
-recorded before.
+recorded before, except refusals (503 `not_ready` while loading), held and added at binding.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -76,16 +78,29 @@ class Metrics(MetricFamilies):
         self._seen_eager: dict[str, int] = {}
         self._seen_spec = _SpecSeen(0, 0, [], {})
         self._seen_decisions: dict[str, int] = {}
+        # Refusals before the model is known (503 not_ready while loading): counted at binding.
+        self._refused_before_bind: Counter[str] = Counter()
 
     # ----- lifecycle -----
     def bind_model(self, model_name: str) -> None:
         """Label every series with the served model (before this, nothing is recorded)."""
         self._model_name = model_name
         self.create_series(model_name)
+        for reason, count in self._refused_before_bind.items():
+            self.request_refused.labels(model_name, reason).inc(count)
+        self._refused_before_bind.clear()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+    # ----- fed by the HTTP layer -----
+    def on_refused(self, reason: str) -> None:
+        """One request refused with a 4xx or 503; `reason` is its error code."""
+        if self._model_name is None:
+            self._refused_before_bind[reason] += 1
+        else:
+            self.request_refused.labels(self._model_name, reason).inc()
 
     # ----- fed from the engine process's messages -----
     def on_added(self, request_ids: Iterable[str]) -> None:

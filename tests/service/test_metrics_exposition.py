@@ -33,7 +33,10 @@ def _stats(steps: int, recent: tuple[int, ...], **totals) -> EngineStats:
 def test_exposition_is_unchanged() -> None:
     """Every family gets at least one sample (times are multiples of 1/4: exact sums)."""
     m = Metrics()
+    m.on_refused("not_ready")  # before the model is known: held, then counted at binding
     m.bind_model("m")
+    m.on_refused("queue_full")
+    m.on_refused("not_ready")
     m.on_added(["a", "b", "c"])
     m.on_outputs([_output("a", 100.0, 101.0, 101.0, 1, 1)], now=101.0)
     m.on_outputs(
