@@ -167,7 +167,11 @@ def _add_options(
         "vLLM flags", "taken as the given option, accepted with no effect (logged), or refused "
         "naming what to use instead (docs/vllm_flags.md)",
     )  # fmt: skip
+    server_only = {o.name for o in options() if o.target is ServerConfig}
     for row in VLLM_FLAGS:
+        # precompile listens on nothing: no vLLM flag that only sets a server option
+        if not with_server and row.expect and set(row.expect) <= server_only:
+            continue
         if row.kind != "same":
             vllm_group.add_argument(
                 row.flag, *row.aliases, action=_VllmFlagAction, row=row, nargs=row.nargs,

@@ -31,8 +31,11 @@ def test_unknown_model_type(tmp_path, ckpt) -> None:
 
 
 def test_missing_model_folder(tmp_path) -> None:
-    with pytest.raises(ConfigError, match=r"config\.json"):
+    with pytest.raises(ConfigError, match=r"nope' does not exist; expected a local checkpoint"):
         LLM(str(tmp_path / "nope"), device="cpu")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"empty' has no config\.json"):
+        LLM(str(tmp_path / "empty"), device="cpu")
 
 
 @pytest.mark.parametrize(

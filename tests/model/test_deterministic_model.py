@@ -20,7 +20,13 @@ from mlaserve.config.engine_config import default_model_path
 from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.kernels_adapter.invariant import InvariantBackend
 from mlaserve.model import load_model
-from tests.ops.cases import HAS_CUDA, HAS_TRITON, gpu
+from tests.ops.cases import (
+    HAS_CUDA,
+    HAS_TRITON,
+    HOST_MATMUL_ROW_INVARIANT,
+    NOT_ROW_INVARIANT_HOST,
+    gpu,
+)
 
 from .paged import PagedCache
 
@@ -32,6 +38,7 @@ VARIANTS = [
         marks=[
             pytest.mark.skipif(HAS_CUDA, reason="the GPU variant runs instead"),
             pytest.mark.skipif(not HAS_TRITON, reason="needs triton"),
+            pytest.mark.skipif(not HOST_MATMUL_ROW_INVARIANT, reason=NOT_ROW_INVARIANT_HOST),
         ],
     ),
     pytest.param("gpu", id="gpu-default-model", marks=gpu),

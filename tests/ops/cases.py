@@ -51,3 +51,24 @@ def model_dtype(device: str) -> torch.dtype:
     """bf16 on the GPU (the serving dtype). fp16 under the interpreter: it emulates bf16 casts
     in numpy by truncating (fp32 -> bf16 rounds toward zero), fp16 it rounds correctly."""
     return torch.bfloat16 if device == "cuda" else torch.float16
+
+
+def _host_matmul_row_invariant() -> bool:
+    """Whether this host's numpy float32 matmul (the Triton interpreter's `tl.dot`) gives a row
+    the same bits alone as inside 64 rows. Where it does not (a BLAS that takes another kernel
+    for one row, as this CI's AMD host from 2026-11-28 does), a bitwise batch-invariance check run
+    under the interpreter measures the host's BLAS, not the kernel: it runs on GPUs only there."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((64, 96)).astype(np.float32)
+    b = rng.standard_normal((96, 32)).astype(np.float32)
+    full = a @ b
+    return all(np.array_equal((a[i : i + 1] @ b)[0], full[i]) for i in (0, 17, 63))
+
+
+HOST_MATMUL_ROW_INVARIANT = _host_matmul_row_invariant()
+NOT_ROW_INVARIANT_HOST = (
+    "this host's numpy matmul is not row-invariant (one row alone vs in 64 differ), so the "
+    "interpreter cannot check bitwise batch invariance here; the GPU variant does"
+)
