@@ -54,21 +54,26 @@ def model_dtype(device: str) -> torch.dtype:
 
 
 def _host_matmul_row_invariant() -> bool:
-    """Whether this host's numpy float32 matmul (the Triton interpreter's `tl.dot`) gives a row
-    the same bits alone as inside 64 rows. Where it does not (a BLAS that takes another kernel
-    for one row, as this CI's AMD host from 2026-11-28 does), a bitwise batch-invariance check run
-    under the interpreter measures the host's BLAS, not the kernel: it runs on GPUs only there."""
+    """Whether this host's numpy float32 matmul (the Triton interpreter's `tl.dot`, on tiles of
+    one fixed shape) gives a row the same bits wherever it sits in the tile. Where it does not (a
+    BLAS that handles a tile's last rows apart, as this CI's AMD host from 2026-11-28 does at row
+    63 of 64), a bitwise batch-invariance check run under the interpreter measures the host's
+    BLAS, not the kernel: it runs on GPUs only there."""
     import numpy as np
 
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((64, 96)).astype(np.float32)
-    b = rng.standard_normal((96, 32)).astype(np.float32)
-    full = a @ b
-    return all(np.array_equal((a[i : i + 1] @ b)[0], full[i]) for i in (0, 17, 63))
+    row = rng.standard_normal(96).astype(np.float32)
+    b = rng.standard_normal((96, 64)).astype(np.float32)
+    got = []
+    for position in (0, 17, 63):
+        tile = rng.standard_normal((64, 96)).astype(np.float32)
+        tile[position] = row
+        got.append((tile @ b)[position])
+    return all(np.array_equal(g, got[0]) for g in got[1:])
 
 
 HOST_MATMUL_ROW_INVARIANT = _host_matmul_row_invariant()
 NOT_ROW_INVARIANT_HOST = (
-    "this host's numpy matmul is not row-invariant (one row alone vs in 64 differ), so the "
-    "interpreter cannot check bitwise batch invariance here; the GPU variant does"
+    "this host's numpy matmul gives a row other bits at another position of the same-shaped "
+    "tile, so the interpreter cannot check bitwise batch invariance here; the GPU variant does"
 )
