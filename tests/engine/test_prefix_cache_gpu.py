@@ -3,8 +3,8 @@ defaults (CUDA graphs, piecewise prefill graphs, overlap scheduling, FP8 KV), sh
 small enough to preempt. In fp32 (bf16-free KV) and in the deterministic mode the outputs must
 be equal token for token; in the default bf16 + FP8-KV path a cached-prefix prefill runs other
 kernels than a fresh one (the prefix path, not the one-graph fresh prefill), so a bf16 near-tie
-may flip: at most 2 of the 14 requests may differ there (look at any that do with
-`tests/engine/greedy_agreement.divergence_margins` before accepting it).
+may flip, and the test accepts a divergence only where cache-off's top-1 minus top-2 logprob is a
+near-tie (`tests/engine/greedy_agreement.py`).
 
 Run on the GPU host with `python -m pytest -m gpu tests/engine/test_prefix_cache_gpu.py`.
 """
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mlaserve import LLM, SamplingParams
+from tests.engine.greedy_agreement import NEAR_TIE, divergence_margins
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,20 +65,37 @@ def test_cuda_cache_on_equals_off(checkpoint, kw: dict) -> None:
     assert on.engine.allocator.num_referenced_pages == 0
 
 
-def test_cuda_default_path_preemption_and_concurrency(checkpoint) -> None:
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_cuda_preemption_and_concurrency(checkpoint, deterministic: bool) -> None:
+    """The prefix being written while its sharers arrive, in a pool that preempts. The
+    deterministic mode must give the same tokens; the default path may flip a bf16 near-tie
+    (its cached-prefix prefill runs other kernels), and only a near-tie: each continuation that
+    parts from cache-off does so where cache-off's top-1 minus top-2 is under NEAR_TIE."""
     path = str(checkpoint("v3_moe"))
-    kw = {"num_pages": 12, "max_num_seqs": 8}  # 4 pages hold the longest request
-    off = LLM(path, device="cuda", **kw)
+    kw = {"num_pages": 12, "max_num_seqs": 8, "deterministic_inference": deterministic}
+    off = LLM(path, device="cuda", **kw)  # 4 pages hold the longest request
     on = LLM(path, device="cuda", enable_prefix_caching=True, **kw)
     ps = prompts(off.engine.model_config.vocab_size)
-    batch = [*ps, *ps]  # the prefix being written while its sharers arrive
-    want = [o.outputs[0].token_ids for o in off.generate(batch, PARAMS, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in on.generate(batch, PARAMS, use_tqdm=False)]
-    same = sum(a == b for a, b in zip(got, want))
-    assert same >= len(batch) - 2, f"{same}/{len(batch)} identical (bf16 near-ties aside)"
+    batch = [*ps, *ps]
+    scored = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    want_out = [o.outputs[0] for o in off.generate(batch, scored, use_tqdm=False)]
+    want = [list(o.token_ids) for o in want_out]
+    got = [list(o.outputs[0].token_ids) for o in on.generate(batch, scored, use_tqdm=False)]
     assert on.engine.get_stats().num_preemptions > 0
+    assert on.engine.get_stats().prefix_cache_hits > 0
     on.engine.allocator.check()
     assert on.engine.allocator.num_referenced_pages == 0
+    if deterministic:
+        assert got == want
+        return
+    margins = [
+        [(lambda t: t[0] - t[1])(sorted((x.logprob for x in d.values()), reverse=True))
+         for d in o.logprobs]
+        for o in want_out
+    ]  # fmt: skip
+    ties = divergence_margins(got, want, margins)
+    print(f"{len(batch) - len(ties)}/{len(batch)} identical; margins where they part: {ties}")
+    assert all(t < NEAR_TIE for t in ties), ties
 
 
 def test_cuda_speculation_caches_mtp_kv_exactly(checkpoint) -> None:
