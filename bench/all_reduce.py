@@ -85,7 +85,10 @@ def _rank_main(rank: int, size: int, workdir: str, args: dict[str, Any]) -> None
             rank, size, backend="nccl", init_method=f"file://{out / 'store'}", timeout_s=120.0
         )
         biggest = max(args["batch_sizes"]) * max(args["widths"]) * 2
-        forced = CustomAllReduce.create(tp.group, device, AllReducePlan(biggest, biggest))
+        # Its own group: symmetric memory rendezvouses once per group name in a process, and
+        # the engine's group already did (tp.custom).
+        forced_group = dist.new_group(list(range(size)), backend="nccl")
+        forced = CustomAllReduce.create(forced_group, device, AllReducePlan(biggest, biggest))
         if forced is None:
             raise RuntimeError("symmetric memory unavailable on this host (the log says why)")
 
