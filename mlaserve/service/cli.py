@@ -256,6 +256,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"mlaserve: error: {e}", file=sys.stderr)
         return 2
+    if settings.engine.nnodes > 1 and command == "precompile":
+        print("mlaserve: error: nnodes: precompile runs on one node (run it on each node with "
+              "its own share of the ranks' options, or warm the cache on one node)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if command == "precompile":
         from mlaserve.service.precompile import precompile
 
@@ -263,6 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"mlaserve: {note}", file=sys.stderr)
         threads = resolve_torch_threads(settings.server.torch_threads, os.environ)
         return precompile(settings, torch_threads=threads)
+    if settings.engine.node_rank > 0:
+        return serve_node(settings)
     try:
         sock = bind_socket(settings.server.host, settings.server.port)
     except OSError as e:
@@ -271,6 +278,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     with sock:
         return serve(settings, sock)
+
+
+def serve_node(settings: Settings) -> int:
+    """`--node-rank R > 0`: no HTTP server, only this node's tensor-parallel ranks, until node 0
+    stops them or goes away (`engine/tp_node.py`; README, "Two nodes")."""
+    from mlaserve.engine.tp_node import run_node
+
+    _setup_logging(settings.server.log_level)
+    logger.info("mlaserve %s, node %d of %d (no HTTP server on this node)", server_version(),
+                settings.engine.node_rank, settings.engine.nnodes)  # fmt: skip
+    for line in settings.describe():
+        logger.info("  %s", line)
+    try:
+        return run_node(settings.engine)
+    except ConfigError as e:
+        print(f"mlaserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper() if level != "trace" else "DEBUG",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -314,10 +345,7 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> int:
     from mlaserve.service.chat import ChatOptions
 
     server_cfg = settings.server
-    logging.basicConfig(
-        level=server_cfg.log_level.upper() if server_cfg.log_level != "trace" else "DEBUG",
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    _setup_logging(server_cfg.log_level)
     logger.info("mlaserve %s, effective configuration:", server_version())
     for line in settings.describe():
         logger.info("  %s", line)
