@@ -19,7 +19,7 @@ __all__ = ["check_multi_node", "parse_dist_init_addr"]
 
 
 def parse_dist_init_addr(addr: str) -> tuple[str, int]:
-    """"HOST:PORT" (an IPv6 host in brackets: "[::1]:29500") -> (host, port)."""
+    """`HOST:PORT` (an IPv6 host in brackets: `[::1]:29500`) -> (host, port)."""
     host, sep, port = addr.strip().rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:

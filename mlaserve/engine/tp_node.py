@@ -103,6 +103,7 @@ def _wait(
             for p in procs:
                 p.join(max(0.0, deadline - time.monotonic()))
             if all(p.exitcode == 0 for p in procs):
+                logger.info("every rank of this node exited 0 (node 0 stopped the group)")
                 return 0
             _log_errors(conns, ranks)
             return 1
