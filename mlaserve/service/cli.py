@@ -21,6 +21,10 @@ serving: /health turns 503 at once, the open requests fail with `engine_dead`, t
 stops listening and exits 1 without waiting for the dead engine, so that an orchestrator
 restarts it (docs/api.md).
 
+With `--nnodes K --node-rank R` and R > 0 no HTTP server starts: the process is node R's
+launcher of its tensor-parallel ranks (`engine/tp_node.py`), exiting 0 when node 0 stops the
+group and 1 when node 0 goes away or a rank fails (README, "Two nodes").
+
 Parsing, `--help`, `--version` and a bad option import neither torch nor the engine, uvicorn or
 the app (`mlaserve serve --help` answers in well under two seconds): `serve` imports them when
 it starts the server.
