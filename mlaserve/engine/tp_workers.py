@@ -88,6 +88,7 @@ class _State:
     watch: StepWatch = field(default_factory=StepWatch)  # rank 0 busy (`engine/tp_watchdog.py`)
     loss: GroupLoss = field(default_factory=GroupLoss)  # a worker exited or a node went silent
     store: Any = None  # several nodes: the TCP store this process hosts
+    nnodes: int = 1
 
 
 class TPWorkers:
@@ -112,7 +113,7 @@ class TPWorkers:
         folder = tempfile.mkdtemp(prefix="mlaserve-tp-")
         rendezvous = Rendezvous.for_config(config, folder)
         ctx = mp.get_context("spawn")
-        state = _State([], [], folder)
+        state = _State([], [], folder, nnodes=rendezvous.nnodes)
         try:
             for rank in rendezvous.ranks_of(0)[1:]:
                 rx, tx = ctx.Pipe(duplex=False)
@@ -172,6 +173,12 @@ class TPWorkers:
         lines += [f"rank {r} raised:\n{tb}" for r, tb in state.errors.items()]
         if state.loss.why and state.loss.why.startswith("node"):
             lines.append(state.loss.why)
+        if not lines and state.nnodes > 1:  # the peer that closed its sockets is elsewhere
+            lines.append(
+                f"no worker of this node exited: a rank on another of the {state.nnodes} nodes "
+                f"failed or its node went away (see that node's log); rank 0's collective "
+                f"failed: {exc}"
+            )
         why = "\n".join(lines) or f"no worker exited; rank 0's collective failed: {exc}"
         return EngineDeadError(
             f"engine dead: tensor-parallel group of {self.tp.size} ranks failed "
