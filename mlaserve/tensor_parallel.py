@@ -17,7 +17,9 @@ On CUDA, `init_tensor_parallel` also sets up the custom all-reduce (custom_all_r
 symmetric memory's one-shot / two-shot kernels for decode sizes, chosen by measured byte
 thresholds); `all_reduce` gives it the CUDA tensors it takes and NCCL the rest. Where symmetric
 memory is unavailable every size goes to NCCL (the reason is logged). Both paths can be captured
-in a CUDA graph (tests/test_custom_all_reduce_gpu.py replays them against NCCL).
+in a CUDA graph (tests/test_custom_all_reduce_gpu.py replays them against NCCL). A group that
+spans nodes (`--nnodes` > 1) has no custom all-reduce: symmetric memory is within a node, so
+NCCL takes every size there.
 
 Imports only custom_all_reduce.py and switches.py from mlaserve, so every layer from config/ up
 may hold a `TensorParallel`.
@@ -137,28 +139,35 @@ def broadcast(x: torch.Tensor, tp: TensorParallel, src: int = 0) -> torch.Tensor
 
 
 def init_tensor_parallel(
-    rank: int, size: int, *, backend: str, init_method: str, timeout_s: float = 60.0
+    rank: int,
+    size: int,
+    *,
+    backend: str,
+    init_method: str | None = None,
+    timeout_s: float = 60.0,
+    store: Any = None,
+    single_node: bool = True,
 ) -> TensorParallel:
     """Join the default process group as `rank` of `size` (every process calls this) and return
-    its `TensorParallel` over it. `backend`: "gloo" (CPU) or "nccl" (CUDA); `init_method`: a
-    "tcp://host:port" or "file://path" rendezvous. `timeout_s` bounds every collective, so a
-    rank that dies makes the others raise instead of hang. With "nccl" the caller has set this
-    rank's device (`torch.cuda.set_device`) first: the custom all-reduce's symmetric buffer is
-    made there (a collective over the group; None and NCCL alone where it cannot be)."""
+    its `TensorParallel` over it. `backend`: "gloo" (CPU) or "nccl" (CUDA); the rendezvous: an
+    `init_method` ("tcp://host:port" or "file://path") or a torch.distributed `store`.
+    `timeout_s` bounds every collective, so a rank that dies makes the others raise instead of
+    hang. With "nccl" the caller has set this rank's device (`torch.cuda.set_device`) first: the
+    custom all-reduce's symmetric buffer is made there (a collective over the group; None and
+    NCCL alone where it cannot be). `single_node` False (the group spans nodes): no custom
+    all-reduce, since symmetric memory maps peers' buffers within one node only; NCCL takes
+    every size, across the nodes' network."""
     from datetime import timedelta
 
     if size == 1:
         return NO_TP
+    rendezvous = {"init_method": init_method} if store is None else {"store": store}
     dist.init_process_group(
-        backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=size,
-        timeout=timedelta(seconds=timeout_s),
+        backend, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s), **rendezvous
     )
     group = dist.group.WORLD
     custom = None
-    if backend == "nccl":
+    if backend == "nccl" and single_node:
         custom = CustomAllReduce.create(group, torch.device("cuda", torch.cuda.current_device()))
     return TensorParallel(rank, size, group, custom)
 

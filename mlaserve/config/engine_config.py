@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlaserve.backend_names import ATTENTION_BACKENDS
 from mlaserve.config.error import ConfigError
+from mlaserve.config.multi_node import check_multi_node
 from mlaserve.config.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -123,6 +124,13 @@ class EngineConfig:
     # every expert; the router, attention and shared experts stay as under TP, and the MoE's
     # all-reduce is the same (model/layers/moe.py). No effect with N = 1.
     enable_expert_parallel: bool = False
+    # Tensor parallelism over several nodes (SGLang's names; `config/multi_node.py`): node
+    # `node_rank` of `nnodes` runs tensor_parallel_size / nnodes ranks; node 0 also the server.
+    # The ranks meet at `dist_init_addr` (node 0's HOST:PORT) within `dist_timeout` seconds.
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout: float = 300.0
     # One folder for every JIT artefact (Triton, Inductor, flashinfer, CuTe DSL, CUDA's PTX
     # cache): each library's variable is pointed under it unless set (`mlaserve/jit_cache.py`).
     # None: each library's own default.
@@ -234,6 +242,7 @@ class EngineConfig:
         n = self.tensor_parallel_size
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"tensor_parallel_size: must be an integer >= 1, got {n!r}")
+        check_multi_node(self)
 
     def _check_deterministic(self) -> None:
         if not isinstance(self.deterministic_inference, bool):
@@ -375,7 +384,7 @@ class EngineConfig:
 
     def resolved_tensor_parallel_size(self, model_config: ModelConfig) -> int:
         """N, checked against the model (N divides the attention heads) and the machine (on
-        CUDA, N GPUs visible)."""
+        CUDA, N / nnodes GPUs visible)."""
         n, heads = self.tensor_parallel_size, model_config.num_attention_heads
         if heads % n:
             raise ConfigError(
@@ -391,11 +400,12 @@ class EngineConfig:
         if n > 1 and self.resolved_device().type == "cuda":
             import torch
 
-            visible = torch.cuda.device_count()
-            if n > visible:
+            visible, local = torch.cuda.device_count(), n // self.nnodes
+            if local > visible:
+                per_node = f" on each of {self.nnodes} nodes" if self.nnodes > 1 else ""
                 raise ConfigError(
-                    f"tensor_parallel_size: {n} needs {n} GPUs (one per rank), but only "
-                    f"{visible} are visible (CUDA_VISIBLE_DEVICES)"
+                    f"tensor_parallel_size: {n} needs {local} GPUs (one per rank){per_node}, but "
+                    f"only {visible} are visible (CUDA_VISIBLE_DEVICES)"
                 )
             if self.device not in ("auto", "cuda", "cuda:0"):
                 raise ConfigError(

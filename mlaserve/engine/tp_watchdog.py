@@ -6,7 +6,8 @@ pads) waits for its peers without a deadline: torch's NCCL watchdog does not see
 and a host thread waiting on the step's event never returns. Nothing can cancel such a wait, so
 the process has to go:
 
-- rank 0, `StepWatch` + `watch_workers`: a thread waits for any worker to exit. From then on, if
+- rank 0, `StepWatch` + `watch_workers`: a thread waits for any worker to exit, or for another
+  node to fall silent (`GroupLoss`, reported by `engine/tp_heartbeat.py`). From then on, if
   rank 0 is busy (in a step, loading or warming up) and that busy stretch does not end within
   `STUCK_GRACE_S` of the death, it is stuck in a collective with the dead rank: the thread kills
   the other workers and exits the process with code 1. Under `mlaserve serve` that process is
@@ -31,7 +32,14 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
-__all__ = ["PARENT_POLL_S", "STUCK_GRACE_S", "StepWatch", "exit_with_parent", "watch_workers"]
+__all__ = [
+    "PARENT_POLL_S",
+    "STUCK_GRACE_S",
+    "GroupLoss",
+    "StepWatch",
+    "exit_with_parent",
+    "watch_workers",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,31 +78,72 @@ class StepWatch:
         return time.monotonic() - max(died_at, self.began)
 
 
+class GroupLoss:
+    """The first death the group saw: a local worker that exited (`watch_workers`) or a node that
+    went silent (`engine/tp_heartbeat.py`). Set once; read by the watchdog and by
+    `TPWorkers.check` (the next step raises)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self.why: str | None = None
+        self.at = 0.0  # time.monotonic() of the report
+
+    def report(self, why: str) -> None:
+        with self._lock:
+            if self.why is None:
+                self.why, self.at = why, time.monotonic()
+                self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+
 def watch_workers(
-    procs: list[Any], watch: StepWatch, stopped: Callable[[], bool], grace_s: float = STUCK_GRACE_S
+    procs: list[Any],
+    watch: StepWatch,
+    stopped: Callable[[], bool],
+    grace_s: float = STUCK_GRACE_S,
+    loss: GroupLoss | None = None,
 ) -> threading.Thread:
-    """Start rank 0's watchdog over `procs` (multiprocessing.Process, ranks 1..N-1). `stopped()`
-    is True once the group was stopped on purpose (a normal stop, or `failed`): the thread ends."""
+    """Start rank 0's watchdog over `procs` (multiprocessing.Process, this node's ranks 1..) and
+    whatever else reports to `loss` (a remote node's silence). `stopped()` is True once the group
+    was stopped on purpose (a normal stop, or `failed`): the thread ends."""
+    loss = GroupLoss() if loss is None else loss
+    if procs:
+        threading.Thread(
+            target=_wait_for_exit, args=(procs, loss), name="mlaserve-tp-exits", daemon=True
+        ).start()
     thread = threading.Thread(
-        target=_watch, args=(procs, watch, stopped, grace_s), name="mlaserve-tp-watchdog",
+        target=_watch, args=(procs, watch, stopped, grace_s, loss), name="mlaserve-tp-watchdog",
         daemon=True,
     )  # fmt: skip
     thread.start()
     return thread
 
 
-def _watch(procs: list[Any], watch: StepWatch, stopped: Callable[[], bool], grace_s: float) -> None:
+def _wait_for_exit(procs: list[Any], loss: GroupLoss) -> None:
     wait([p.sentinel for p in procs])  # returns once any worker has exited
-    died_at = time.monotonic()
+    dead = [(rank, p.exitcode) for rank, p in enumerate(procs, 1) if not p.is_alive()]
+    loss.report(f"rank(s) {[r for r, _ in dead]} exited (code {[c for _, c in dead]})")
+
+
+def _watch(
+    procs: list[Any], watch: StepWatch, stopped: Callable[[], bool], grace_s: float, loss: GroupLoss
+) -> None:
+    while not loss.wait(1.0):
+        if stopped():
+            return
     while not stopped():
-        running = watch.stuck_since(died_at)
+        running = watch.stuck_since(loss.at)
         if running is not None and running >= grace_s:
-            dead = [(rank, p.exitcode) for rank, p in enumerate(procs, 1) if not p.is_alive()]
             logger.error(
-                "tensor parallel: rank(s) %s exited (code %s) and rank 0 has been stuck %.1f s "
-                "since in a step: its collectives wait on the device for the dead rank, which "
-                "nothing can cancel. Killing the other workers and exiting this process.",
-                [r for r, _ in dead], [c for _, c in dead], running,
+                "tensor parallel: %s and rank 0 has been stuck %.1f s since in a step: its "
+                "collectives wait on the device for the dead rank, which nothing can cancel. "
+                "Killing the other workers and exiting this process.", loss.why, running,
             )  # fmt: skip
             for p in procs:
                 if p.is_alive():

@@ -1,12 +1,14 @@
 """A tensor-parallel worker process: ranks 1..N-1 (rank 0 is the engine's own process).
 
-    worker_main(config, rank, size, init_method, timeout_s, conn)   # the spawn target
+    worker_main(config, rank, size, rendezvous, timeout_s, conn)   # the spawn target
 
-Joins the group (the model group: NCCL on CUDA, gloo on CPU; the control group: gloo), builds
-the same `ModelRunner` as rank 0 with `TensorParallel(rank, N, group)` on `cuda:rank` (CPU: all
-on cpu), (with speculation) the same MTP drafter and the graph runner rank 0 announces (GRAPHS:
-its batch sizes, shapes, prefill buckets and whether it graphs), then follows rank
-0's messages in order (`engine/step_broadcast.py`, `Follower`): a target forward by rank 0's
+Started by rank 0 (`engine/tp_workers.py`) for node 0's ranks, and by a node's launcher
+(`engine/tp_node.py`) on the other nodes. Meets the other ranks (`engine/tp_rendezvous.py`), joins
+the group (the model group: NCCL on CUDA, gloo on CPU; the control group: gloo), builds the
+same `ModelRunner` as rank 0 with `TensorParallel(rank, N, group)` on `cuda:local_rank` (its
+index on its node; CPU: all on cpu), (with speculation) the same MTP drafter and the graph
+runner rank 0 announces (GRAPHS: its batch sizes, shapes, prefill buckets and whether it
+graphs), then follows rank 0's messages in order (`engine/step_broadcast.py`, `Follower`): a target forward by rank 0's
 route (a graph replay, a piecewise prefill or an eager forward, its collectives meeting rank
 0's), the sampled ids rank 0 broadcasts on the device after it (the next step's future ids under
 overlap scheduling), the MTP's draft-extend and draft after a decode or an EXTEND forward (with
@@ -20,12 +22,12 @@ capture plan (batch sizes, shapes, prefill buckets) comes first, and a worker wh
 differs raises instead of capturing (`Follower.follow`); each replay names its graph, and a
 worker without that graph raises (`CudaGraphRunner.execute`).
 
-Failures: anything raised here is sent to rank 0 over `conn` (its traceback) and the process
-exits 1; rank 0's next collective then fails (the peer's sockets closed) and it raises the engine
+Failures: anything raised here is sent to the parent over `conn` (its traceback: rank 0 on node
+0, the launcher elsewhere, which logs it) and the process exits 1; rank 0's next collective then fails (the peer's sockets closed) and it raises the engine
 dead, with that traceback. The control group waits for the next step without a deadline (an idle
 engine is not a failure); if rank 0 dies, its sockets close and the wait raises here, and a
-thread that watches the parent exits the process even where it sits in a collective
-(`engine/tp_watchdog.py`), so a worker never outlives its engine. The model group's eager
+thread that watches the parent (rank 0, or the node's launcher) exits the process even where it
+sits in a collective (`engine/tp_watchdog.py`), so a worker never outlives its engine. The model group's eager
 collectives have `timeout_s` (collectives replayed from a CUDA graph are not watched by torch's
 NCCL watchdog).
 """
@@ -56,27 +58,35 @@ __all__ = ["IDLE_WAIT", "MULTICAST_OFF", "Follower", "init_groups", "worker_main
 
 
 def init_groups(
-    rank: int, size: int, *, device_type: str, init_method: str, timeout_s: float, idle: bool
-) -> tuple[Any, Any]:
-    """Join the model group (the default one: NCCL on CUDA, gloo on CPU, `timeout_s` per
-    collective) and make the control group (gloo; `idle`: a worker's, waiting without a deadline)
-    -> (TensorParallel, control group). Every rank calls this, in the same order."""
+    rank: int, size: int, *, device_type: str, rendezvous: Any, timeout_s: float, idle: bool
+) -> tuple[Any, Any, Any]:
+    """Meet the other ranks (`rendezvous`, an `engine/tp_rendezvous.Rendezvous`), join the model
+    group (the default one: NCCL on CUDA, gloo on CPU, `timeout_s` per collective) and make the
+    control group (gloo; `idle`: a worker's, waiting without a deadline) -> (TensorParallel,
+    control group, the TCP store or None). Every rank calls this, in the same order."""
     import torch.distributed as dist
 
     from mlaserve.tensor_parallel import init_tensor_parallel
 
     backend = "nccl" if device_type == "cuda" else "gloo"
+    joined = rendezvous.join(rank)
     tp = init_tensor_parallel(
-        rank, size, backend=backend, init_method=init_method, timeout_s=timeout_s
-    )
+        rank, size, backend=backend, timeout_s=timeout_s, single_node=rendezvous.nnodes == 1,
+        **joined.init_kwargs,
+    )  # fmt: skip
+    if rendezvous.nnodes > 1 and rank == 0:
+        logger.info(
+            "tensor parallel over %d nodes: no custom all-reduce (symmetric memory is within a "
+            "node); NCCL takes every size", rendezvous.nnodes,
+        )  # fmt: skip
     control = dist.new_group(
         backend="gloo", timeout=IDLE_WAIT if idle else timedelta(seconds=timeout_s)
     )
-    return tp, control
+    return tp, control, joined.store
 
 
 def worker_main(
-    config: Any, rank: int, size: int, init_method: str, timeout_s: float, conn: Connection
+    config: Any, rank: int, size: int, rendezvous: Any, timeout_s: float, conn: Connection
 ) -> None:
     for key, value in MULTICAST_OFF.items():
         os.environ.setdefault(key, value)
@@ -98,13 +108,14 @@ def worker_main(
     tp = None
     try:
         device = config.resolved_device()
+        local = rendezvous.local_rank(rank)  # this node's GPU (rank r on one node: cuda:r)
         if device.type == "cuda":
-            torch.cuda.set_device(rank)
-            config = config.replace(device=f"cuda:{rank}")
-        else:  # N ranks share the host's cores
-            torch.set_num_threads(max(1, torch.get_num_threads() // size))
-        tp, control = init_groups(
-            rank, size, device_type=device.type, init_method=init_method,
+            torch.cuda.set_device(local)
+            config = config.replace(device=f"cuda:{local}")
+        else:  # the node's ranks share its cores
+            torch.set_num_threads(max(1, torch.get_num_threads() // rendezvous.local_size))
+        tp, control, _ = init_groups(
+            rank, size, device_type=device.type, rendezvous=rendezvous,
             timeout_s=timeout_s, idle=True,
         )  # fmt: skip
         model_config = ModelConfig.from_pretrained(config.model_path)

@@ -13,6 +13,15 @@ the same `ModelRunner` on `cuda:rank` (CPU: cpu) and runs every forward rank 0 b
 rendezvous is a FileStore in a fresh temporary folder (no port to race for). Each child gets
 NVLink multicast off in its environment (set by default here, so they inherit it).
 
+Several nodes (`--nnodes K`): this process spawns node 0's ranks 1..N/K-1 only; each other node's
+launcher (`engine/tp_node.py`) spawns its own N/K ranks. Everyone meets at the TCP store this
+process hosts at `--dist-init-addr` (`engine/tp_rendezvous.py`: a rendezvous that does not
+complete within `--dist-timeout` fails naming the missing ranks). Remote ranks are not our
+children, so their liveness comes from their launchers' heartbeats in that store
+(`engine/tp_heartbeat.py`): a silent node counts as a dead worker (the next step raises the
+engine dead; the watchdog ends a step stuck on the device). Closing the store at `stop` (or this
+process's death) is how the other launchers learn that node 0 is gone.
+
 Who owns what: this object owns the child processes, the pipes they report failures on, the
 rendezvous folder and rank 0's membership of the groups; `stop` releases all of them, and runs
 by itself when the object is collected or the interpreter exits (a `weakref.finalize`).
@@ -42,7 +51,9 @@ from typing import Any, TypeVar
 from mlaserve.config import EngineConfig, ModelConfig
 from mlaserve.engine.model_runner import ModelRunner
 from mlaserve.engine.step_broadcast import StepSender
-from mlaserve.engine.tp_watchdog import StepWatch, watch_workers
+from mlaserve.engine.tp_heartbeat import watch_heartbeats
+from mlaserve.engine.tp_rendezvous import Rendezvous
+from mlaserve.engine.tp_watchdog import GroupLoss, StepWatch, watch_workers
 from mlaserve.engine.tp_worker import MULTICAST_OFF, init_groups, worker_main
 from mlaserve.startup_times import StartupTimes
 from mlaserve.tensor_parallel import TensorParallel, leave_process_group
@@ -75,6 +86,9 @@ class _State:
     released: bool = False  # `_stop` ended: the watchdog stands down
     errors: dict[int, str] = field(default_factory=dict)  # rank -> traceback it sent
     watch: StepWatch = field(default_factory=StepWatch)  # rank 0 busy (`engine/tp_watchdog.py`)
+    loss: GroupLoss = field(default_factory=GroupLoss)  # a worker exited or a node went silent
+    store: Any = None  # several nodes: the TCP store this process hosts
+    nnodes: int = 1
 
 
 class TPWorkers:
@@ -88,22 +102,24 @@ class TPWorkers:
 
     @classmethod
     def start(cls, config: EngineConfig, timeout_s: float | None = None) -> TPWorkers:
-        """Spawn ranks 1..N-1 and join the groups as rank 0 (N = config.tensor_parallel_size)."""
+        """Spawn this node's ranks 1..N/K-1 and join the groups as rank 0 (N =
+        config.tensor_parallel_size, K = config.nnodes; the other nodes' ranks come from their
+        launchers, `engine/tp_node.py`)."""
         size = config.tensor_parallel_size
         timeout_s = COLLECTIVE_TIMEOUT_S if timeout_s is None else timeout_s
         for key, value in MULTICAST_OFF.items():  # the children inherit these
             os.environ.setdefault(key, value)
         device_type = config.resolved_device().type
         folder = tempfile.mkdtemp(prefix="mlaserve-tp-")
-        init_method = f"file://{os.path.join(folder, 'store')}"
+        rendezvous = Rendezvous.for_config(config, folder)
         ctx = mp.get_context("spawn")
-        state = _State([], [], folder)
+        state = _State([], [], folder, nnodes=rendezvous.nnodes)
         try:
-            for rank in range(1, size):
+            for rank in rendezvous.ranks_of(0)[1:]:
                 rx, tx = ctx.Pipe(duplex=False)
                 proc = ctx.Process(
                     target=worker_main,
-                    args=(config, rank, size, init_method, timeout_s, tx),
+                    args=(config, rank, size, rendezvous, timeout_s, tx),
                     name=f"mlaserve-tp{rank}",
                     daemon=True,  # killed at the interpreter's exit if still alive
                 )
@@ -113,15 +129,26 @@ class TPWorkers:
                 state.conns.append(rx)
             logger.info("tensor parallel: %d ranks (%s), workers %s", size, device_type,
                         [p.pid for p in state.procs])  # fmt: skip
-            tp, control = init_groups(
-                0, size, device_type=device_type, init_method=init_method,
+            if rendezvous.nnodes > 1:
+                logger.info(
+                    "tensor parallel over %d nodes of %d ranks: waiting up to %g s for them at "
+                    "%s", rendezvous.nnodes, rendezvous.local_size, rendezvous.timeout_s,
+                    rendezvous.where,
+                )  # fmt: skip
+            tp, control, store = init_groups(
+                0, size, device_type=device_type, rendezvous=rendezvous,
                 timeout_s=timeout_s, idle=False,
             )  # fmt: skip
+            if store is not None:
+                state.store = store  # the other nodes' ranks and launchers hold it open
+                watch_heartbeats(
+                    rendezvous.client(timeout_s), rendezvous, state.loss, lambda: state.released
+                )
         except BaseException:
             _stop(state, graceful=False)
             raise
         state.sender = StepSender(control)
-        watch_workers(state.procs, state.watch, lambda: state.released)
+        watch_workers(state.procs, state.watch, lambda: state.released, loss=state.loss)
         return cls(state, tp, control)
 
     @property
@@ -144,6 +171,14 @@ class TPWorkers:
         _stop(state, graceful=False)
         lines = [f"rank {r}: exited with code {c}" for r, c in codes.items() if c is not None]
         lines += [f"rank {r} raised:\n{tb}" for r, tb in state.errors.items()]
+        if state.loss.why and state.loss.why.startswith("node"):
+            lines.append(state.loss.why)
+        if not lines and state.nnodes > 1:  # the peer that closed its sockets is elsewhere
+            lines.append(
+                f"no worker of this node exited: a rank on another of the {state.nnodes} nodes "
+                f"failed or its node went away (see that node's log); rank 0's collective "
+                f"failed: {exc}"
+            )
         why = "\n".join(lines) or f"no worker exited; rank 0's collective failed: {exc}"
         return EngineDeadError(
             f"engine dead: tensor-parallel group of {self.tp.size} ranks failed "
@@ -160,6 +195,8 @@ class TPWorkers:
         gone = [p for p in self._state.procs if not p.is_alive()]
         if gone:
             raise self.failed(RuntimeError(f"worker pid {gone[0].pid} exited"))
+        if self._state.loss.is_set():  # another node went silent (`engine/tp_heartbeat.py`)
+            raise self.failed(RuntimeError(self._state.loss.why))
 
     def run_step(self, step: Callable[[], T]) -> T:
         """`step()` guarded: a step that raises once its batch went to the workers (or finds a
@@ -204,7 +241,7 @@ def _stop(state: _State, graceful: bool = True) -> None:
     if state.stopped:
         return
     state.stopped = True
-    alive = all(p.is_alive() for p in state.procs)
+    alive = all(p.is_alive() for p in state.procs) and not state.loss.is_set()
     if graceful and alive and state.sender is not None:
         try:
             state.sender.stop()
@@ -225,6 +262,7 @@ def _stop(state: _State, graceful: bool = True) -> None:
             leave_process_group()
         except Exception as e:
             logger.warning("tensor parallel: leaving the group failed: %s", e)
+    state.store = None  # the TCP store closes: the other nodes' launchers see node 0's end
     shutil.rmtree(state.rendezvous_dir, ignore_errors=True)
     state.released = True
 

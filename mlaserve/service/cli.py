@@ -21,6 +21,10 @@ serving: /health turns 503 at once, the open requests fail with `engine_dead`, t
 stops listening and exits 1 without waiting for the dead engine, so that an orchestrator
 restarts it (docs/api.md).
 
+With `--nnodes K --node-rank R` and R > 0 no HTTP server starts: the process is node R's
+launcher of its tensor-parallel ranks (`engine/tp_node.py`), exiting 0 when node 0 stops the
+group and 1 when node 0 goes away or a rank fails (README, "Two nodes").
+
 Parsing, `--help`, `--version` and a bad option import neither torch nor the engine, uvicorn or
 the app (`mlaserve serve --help` answers in well under two seconds): `serve` imports them when
 it starts the server.
@@ -256,6 +260,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"mlaserve: error: {e}", file=sys.stderr)
         return 2
+    if settings.engine.nnodes > 1 and command == "precompile":
+        print("mlaserve: error: nnodes: precompile runs on one node (run it on each node with "
+              "its own share of the ranks' options, or warm the cache on one node)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if command == "precompile":
         from mlaserve.service.precompile import precompile
 
@@ -263,6 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"mlaserve: {note}", file=sys.stderr)
         threads = resolve_torch_threads(settings.server.torch_threads, os.environ)
         return precompile(settings, torch_threads=threads)
+    if settings.engine.node_rank > 0:
+        return serve_node(settings)
     try:
         sock = bind_socket(settings.server.host, settings.server.port)
     except OSError as e:
@@ -271,6 +282,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     with sock:
         return serve(settings, sock)
+
+
+def serve_node(settings: Settings) -> int:
+    """`--node-rank R > 0`: no HTTP server, only this node's tensor-parallel ranks, until node 0
+    stops them or goes away (`engine/tp_node.py`; README, "Two nodes")."""
+    from mlaserve.engine.tp_node import run_node
+
+    _setup_logging(settings.server.log_level)
+    logger.info("mlaserve %s, node %d of %d (no HTTP server on this node)", server_version(),
+                settings.engine.node_rank, settings.engine.nnodes)  # fmt: skip
+    for line in settings.describe():
+        logger.info("  %s", line)
+    try:
+        return run_node(settings.engine)
+    except ConfigError as e:
+        print(f"mlaserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper() if level != "trace" else "DEBUG",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -314,10 +349,7 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> int:
     from mlaserve.service.chat import ChatOptions
 
     server_cfg = settings.server
-    logging.basicConfig(
-        level=server_cfg.log_level.upper() if server_cfg.log_level != "trace" else "DEBUG",
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    _setup_logging(server_cfg.log_level)
     logger.info("mlaserve %s, effective configuration:", server_version())
     for line in settings.describe():
         logger.info("  %s", line)

@@ -174,6 +174,15 @@ _HELP = {
     "enable_expert_parallel": "with -tp N > 1: each rank holds whole routed experts (N must "
     "divide them) instead of a slice of every expert; attention, the router and the shared "
     "experts stay tensor-parallel, one all-reduce per MoE layer as under TP (vLLM's flag)",
+    "nnodes": "tensor parallelism over this many nodes (SGLang's name): each runs "
+    "tensor_parallel_size / nnodes ranks on its GPUs cuda:0..; node 0 also runs the HTTP server "
+    "and the scheduler (README, 'Two nodes')",
+    "node_rank": "this node's index in [0, nnodes): 0 serves HTTP; a node > 0 runs only its ranks "
+    "(global ranks node_rank * tensor_parallel_size / nnodes on) and exits when node 0 goes away",
+    "dist_init_addr": "HOST:PORT where the nodes' ranks meet (node 0's address and a free port "
+    "there; a TCP store rank 0 hosts); needed with nnodes > 1",
+    "dist_timeout": "seconds the multi-node rendezvous waits for every rank; past it the start "
+    "fails naming the ranks that did not join",
     "cache_dir": "one folder for every JIT artefact (Triton, torch Inductor, flashinfer, CuTe "
     "DSL, the CUDA driver's PTX cache): their cache variables point under it, in the engine and "
     "every tensor-parallel worker, unless set; a second start with it compiles nothing "
