@@ -1,5 +1,9 @@
 """`StartupTimes`: where an engine's start-up went, one named phase at a time.
 
+    server_start        `mlaserve serve`: the server process's start to its spawn of the engine
+                        process (the interpreter, option parsing, the model folder's checks),
+                        reported by the server; it precedes the engine process, so the total
+                        (server start -> ready) includes it
     process_start       the process's start to the engine's construction (the interpreter, the
                         imports; torch's own import is its phase when the engine process makes
                         it, as `mlaserve serve`'s does)
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field
 __all__ = ["PHASES", "StartupTimes", "process_age_s"]
 
 PHASES = (
+    "server_start",
     "process_start",
     "torch_import",
     "tokenizer",
@@ -50,6 +55,7 @@ PHASES = (
     "capture",
 )
 _LABELS = {
+    "server_start": "server start",
     "process_start": "process start",
     "torch_import": "torch import",
     "tp_start": "TP workers",
@@ -109,14 +115,16 @@ class StartupTimes:
 
     def mark_ready(self, num_compiles: int | None = None) -> None:
         """The engine is ready: total = the process's age now (else the time since this object
-        was made, where the process's start is unknown), and `process_start` is what came
-        before the engine's construction (less torch's import, its own phase)."""
+        was made, where the process's start is unknown) plus `server_start` (the server's time
+        before it spawned this process), and `process_start` is what came before the engine's
+        construction (less torch's import, its own phase)."""
         since_construction = time.perf_counter() - self._clock_start
         age = process_age_s()
-        self.total_s = since_construction if age is None else max(age, since_construction)
-        before = self.total_s - since_construction - self._seconds.get("torch_import", 0.0)
+        own = since_construction if age is None else max(age, since_construction)
+        before = own - since_construction - self._seconds.get("torch_import", 0.0)
         if age is not None and "process_start" not in self._seconds:
             self._seconds["process_start"] = max(0.0, before)
+        self.total_s = own + self._seconds.get("server_start", 0.0)  # another process's time
         # /proc's clock ticks are 10 ms: never report phases longer than their total.
         self.total_s = max(self.total_s, sum(self._seconds.values()))
         self.num_compiles = num_compiles

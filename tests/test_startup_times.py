@@ -43,6 +43,20 @@ def test_ready_sets_the_total_and_other_makes_up_the_rest() -> None:
     assert "weight read 0.25 s (1.000 GB, 4.00 GB/s)" in line and "3 JIT compilations" in line
 
 
+def test_server_start_comes_before_this_process_and_adds_to_the_total() -> None:
+    plain, served = StartupTimes(), StartupTimes()
+    served.add("server_start", 7.0)  # the server's age when it spawned this process
+    plain.mark_ready()
+    served.mark_ready()
+    assert plain.total_s is not None and served.total_s is not None
+    assert served.total_s >= plain.total_s + 7.0 - 0.5  # the two mark_ready calls are apart
+    assert served.total_s - served.seconds().get("process_start", 0.0) >= 7.0
+    shown = served.phase_seconds()
+    assert next(iter(shown)) == "server_start" and shown["server_start"] == 7.0
+    assert math.isclose(sum(shown.values()), served.total_s, rel_tol=1e-9)
+    assert "server start 7.00 s" in served.describe()
+
+
 def test_process_age_is_known_on_linux() -> None:
     if not Path("/proc/self/stat").exists():
         pytest.skip("needs Linux's /proc")

@@ -21,18 +21,27 @@ read widens to whole blocks, dequantises and trims, so at most one block per edg
 the region. The scale's values (finite, > 0) are checked where they are read.
 
 `ReadStats` counts the bytes each `load()` / `load_scale()` read (the loader logs GB/s per rank
-from it). `CheckpointTensor.from_tensor` wraps an in-memory tensor (tests, re-exports).
+from it; reader threads share one, so it counts under a lock). `CheckpointTensor.from_tensor`
+wraps an in-memory tensor (tests, re-exports).
+
+With a `stager` (`weight_stager.py`; the staged loader on CUDA) `load()` / `load_scale()`
+return device tensors whose copies are enqueued, not finished: the layer's `param.copy_` from
+them is ordered after on the same stream. Without one they return CPU tensors (a view of the
+mapped file in the staged loader: the layer copies it, never writes it). A scale's values are
+checked on the CPU either way; an FP8 weight that is dequantised is dequantised where it lands.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from mlaserve.model.weight_stager import WeightStager
 from mlaserve.ops.fp8_quant import dequantize_weight_block
 from mlaserve.tensor_parallel import TensorParallel
 
@@ -41,7 +50,7 @@ __all__ = ["CheckpointTensor", "ReadStats", "log_rank_reads"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)
 class ReadStats:
     """Bytes and tensors read from the checkpoint, summed over every `load`; `seconds`: the
     whole load's wall time (set by the loader)."""
@@ -49,14 +58,16 @@ class ReadStats:
     bytes: int = 0
     reads: int = 0
     seconds: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def gb_per_s(self) -> float:
         return self.bytes / 1e9 / max(self.seconds, 1e-9)
 
     def add(self, t: torch.Tensor) -> None:
-        self.bytes += t.numel() * t.element_size()
-        self.reads += 1
+        with self._lock:
+            self.bytes += t.numel() * t.element_size()
+            self.reads += 1
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -79,12 +90,14 @@ class CheckpointTensor:
         block: tuple[int, int] = (128, 128),
         dequantize: bool = False,
         stats: ReadStats | None = None,
+        stager: WeightStager | None = None,
     ) -> None:
         self._source, self._full = source, tuple(int(n) for n in shape)
         self.name = name
         self._scale, self._scale_name, self._block = scale, scale_name or f"{name} scale", block
         self.dequantize = dequantize
         self._stats = stats if stats is not None else ReadStats()
+        self._stager = stager
         self._region: tuple[tuple[int, int], ...] = tuple((0, n) for n in self._full)
         self._dropped: tuple[int, ...] = ()  # source dims removed by `select`
         if scale is not None and len(self._full) != 2:
@@ -161,17 +174,20 @@ class CheckpointTensor:
             t = t.squeeze(d)
         return t
 
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self._stager is None else self._stager.to_device(t)
+
     def load(self) -> torch.Tensor:
         """Read the region: the checkpoint's dtype, or fp32 for an FP8 weight `dequantize`d."""
         if not (self.is_fp8 and self.dequantize):
-            return self._drop(self._read(self._source, self._region))
+            return self._to_device(self._drop(self._read(self._source, self._region)))
         # Widen to whole blocks, dequantise, trim: any region of a float layer's weight works.
         wide = [
             (lo // blk * blk, min(_cdiv(hi, blk) * blk, n))
             for (lo, hi), blk, n in zip(self._region, self._block, self._full, strict=True)
         ]
-        w = self._read(self._source, wide)
-        s = self._read_scale(wide)
+        w = self._to_device(self._read(self._source, wide))
+        s = self._to_device(self._read_scale(wide))
         full = dequantize_weight_block(w, s)
         (r0, r1), (c0, c1) = self._region
         return full[r0 - wide[0][0] : r1 - wide[0][0], c0 - wide[1][0] : c1 - wide[1][0]]
@@ -181,7 +197,7 @@ class CheckpointTensor:
         block-aligned (`narrow` checked it)."""
         if not self.is_fp8:
             return None
-        return self._read_scale(self._region)
+        return self._to_device(self._read_scale(self._region))
 
     def _read_scale(self, region: Sequence[tuple[int, int]]) -> torch.Tensor:
         blocks = [

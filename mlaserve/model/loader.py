@@ -26,8 +26,14 @@ Each tensor reaches its parameter's `weight_loader` as a `CheckpointTensor`
 (`checkpoint_tensor.py`): a lazy view of `safe_open(...).get_slice(key)` that the layer narrows
 to this rank's shard before reading it, so a tensor-parallel rank reads only its slices (and an
 expert-parallel rank only its experts); an FP8 weight carries its block scale, sliced with it.
-The parameter dtype cast happens on copy. Every failure raises `WeightLoadError` naming the key.
-Ranks are separate processes and load at once; each logs its bytes read and GB/s.
+The parameter dtype cast happens on copy (on the device). Every failure raises `WeightLoadError`
+naming the key. Ranks are separate processes and load at once; each logs its bytes read and GB/s.
+
+Reading is staged (issue 44: weights at page-cache speed): the files are memory-mapped
+(`checkpoint_file.py`), a few reader threads run the weight loaders of one shard at once, and on
+CUDA every region goes page cache -> pinned slot -> asynchronous DMA (`weight_stager.py`, where
+the rule for reusing a slot is written). `staged=False` is the single-threaded `safe_open` path
+with pageable copies that it replaced, kept for bench/weight_load.py's comparison.
 
 `load_format="dummy"` reads no safetensors: the model (with its MTP layer when config.json has
 one) is filled with seeded random weights on its device (`dummy_weights.py`), then derived as
@@ -36,23 +42,31 @@ after a real load.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
-from contextlib import ExitStack
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from mlaserve.config import LOAD_FORMATS, ModelConfig
+from mlaserve.model.checkpoint_file import (
+    CheckpointFile,
+    IndexEntry,
+    WeightLoadError,
+    index_checkpoint,
+)
 from mlaserve.model.checkpoint_tensor import CheckpointTensor, ReadStats
 from mlaserve.model.deepseek import DeepseekForCausalLM
 from mlaserve.model.dummy_weights import fill_dummy_weights
 from mlaserve.model.layers.linear import NO_TP, TensorParallel, default_weight_loader
+from mlaserve.model.weight_stager import WeightStager
 from mlaserve.ops.fp8_quant import FP8_DTYPE, triton_available
 from mlaserve.startup_times import StartupTimes
 
@@ -60,6 +74,9 @@ __all__ = ["WeightLoadError", "fp8_runs_on", "load_kv_scales", "load_model", "lo
 
 logger = logging.getLogger(__name__)
 
+# Reader threads of the staged load: each copies a region at a time (GIL released), so a few
+# keep the page cache -> pinned copies and the DMAs busy; more only contend for memory bandwidth.
+DEFAULT_READER_THREADS = 4
 _MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 _FP8_DTYPE = "F8_E4M3"
@@ -70,18 +87,6 @@ _MTP_TIED = {
     "mtp.embed_tokens.weight": "model.embed_tokens.weight",
     "mtp.shared_head.head.weight": "lm_head.weight",
 }
-
-
-class WeightLoadError(ValueError):
-    """The checkpoint's weights cannot be loaded; the message names the key and the problem."""
-
-
-class _Entry(NamedTuple):
-    """One checkpoint tensor as its file's header describes it."""
-
-    file: Path
-    dtype: str  # safetensors' name: "BF16", "F8_E4M3", ...
-    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,7 @@ def load_model(
     seed: int = 0,
     deterministic: bool = False,
     startup: StartupTimes | None = None,
+    staged: bool = True,
 ) -> DeepseekForCausalLM:
     """Build the model on `device` in `dtype`, load the checkpoint at `path`, eval mode, no grad.
 
@@ -112,7 +118,7 @@ def load_model(
     from `seed` (the MTP module whenever the config asks for one). `deterministic`: build the
     batch-invariant layers (`EngineConfig.deterministic_inference`). `startup`: gets the
     model_construction, weight_read (with the bytes read), weight_postprocess and kernel_warmup
-    phases."""
+    phases. `staged`: see `load_weights`."""
     startup = StartupTimes() if startup is None else startup
     if dtype not in _MODEL_DTYPES:
         raise WeightLoadError(f"dtype: expected one of {_MODEL_DTYPES}, got {dtype}")
@@ -124,7 +130,7 @@ def load_model(
     path = Path(path)
     dummy = load_format == "dummy"
     start = time.perf_counter()
-    index = {} if dummy else _index_checkpoint(path)
+    index = {} if dummy else index_checkpoint(path)
     mtp_prefix = f"model.layers.{model_config.num_hidden_layers}."
     with_mtp = model_config.num_nextn_predict_layers > 0 and (
         dummy or any(key.startswith(mtp_prefix) for key in index)
@@ -145,7 +151,7 @@ def load_model(
     if dummy:
         fill_dummy_weights(model, seed)
     else:
-        model.checkpoint_reads = load_weights(model, path, index, tp=tp)
+        model.checkpoint_reads = load_weights(model, path, index, tp=tp, staged=staged)
         startup.weight_bytes += model.checkpoint_reads.bytes
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)  # the fill is asynchronous: time it done
@@ -180,14 +186,18 @@ def fp8_runs_on(device: torch.device) -> bool:
 def load_weights(
     model: DeepseekForCausalLM,
     path: Path,
-    index: dict[str, _Entry] | None = None,
+    index: dict[str, IndexEntry] | None = None,
     *,
     tp: TensorParallel = NO_TP,
+    staged: bool = True,
+    threads: int = DEFAULT_READER_THREADS,
 ) -> ReadStats:
     """Hand every checkpoint tensor to its parameter's weight loader as a `CheckpointTensor`
     (read: only the slice that loader keeps); raise on anything missing or wrong. Logs and
-    returns this rank's bytes read and time."""
-    index = _index_checkpoint(path) if index is None else index
+    returns this rank's bytes read and time. `staged` (default): memory-mapped files, `threads`
+    readers, pinned staging on CUDA (`weight_stager.py`); off: one thread through `safe_open`
+    and pageable copies (the path before; bench/weight_load.py compares the two)."""
+    index = index_checkpoint(path) if index is None else index
     config = model.config
     params = dict(model.named_parameters())
     routes: dict[str, _Route] = {}
@@ -206,6 +216,11 @@ def load_weights(
     loaded: set[str] = set()
     unexpected: list[str] = []
     stats = ReadStats()
+    device = next(iter(params.values())).device if params else torch.device("cpu")
+    stager = WeightStager(device) if staged and device.type == "cuda" else None
+    # Staged: the mapped files (zero-copy views), several readers at once; else safe_open.
+    opener = CheckpointFile if staged else partial(safe_open, framework="pt", device="cpu")
+    pool = ThreadPoolExecutor(max(1, threads), "weight-reader") if staged and threads > 1 else None
     start = time.perf_counter()
     files = sorted({entry.file for entry in index.values()})
     with ExitStack() as stack:
@@ -213,49 +228,65 @@ def load_weights(
 
         def handle(file: Path) -> Any:  # every file opened once (a scale may live in another)
             if file not in handles:
-                handles[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+                handles[file] = stack.enter_context(opener(file))
             return handles[file]
 
-        for shard, file in enumerate(files, 1):
-            # Progress per shard, as vLLM shows it: a 671B checkpoint is 163 files and minutes.
-            logger.info("loading weights: shard %d/%d (%s)", shard, len(files), file.name)
-            for key in handle(file).keys():  # noqa: SIM118 (safe_open is not a dict)
-                if key in consumed:
-                    continue
-                route = routes.get(key)
-                if route is None:
-                    unexpected.append(key)
-                    continue
-                entry = index[key]
-                if entry.dtype not in _FLOAT_DTYPES and entry.dtype != _FP8_DTYPE:
-                    raise WeightLoadError(f"{key}: unsupported weight dtype {entry.dtype}")
-                param = params[route.param_name]
-                loader = getattr(param, "weight_loader", default_weight_loader)
-                scale, scale_key = None, ""
-                if entry.dtype == _FP8_DTYPE:
-                    scale_key = scales[key]
-                    _check_block_scale(index, scale_key, entry.shape)
-                    scale = handle(index[scale_key].file).get_slice(scale_key)
-                tensor = CheckpointTensor(
-                    handle(file).get_slice(key),
-                    entry.shape,
-                    name=key,
-                    scale=scale,
-                    scale_name=scale_key,
-                    # a layer that keeps FP8 takes weight and scale; elsewhere (CPU, kv_b_proj,
-                    # eh_proj) the slice it reads is dequantised
-                    dequantize=param.dtype != FP8_DTYPE,
-                    stats=stats,
-                )
+        def load_one(job: tuple[str, Path, _Route, CheckpointTensor]) -> str:
+            key, file, route, tensor = job
+            param = params[route.param_name]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            # the reader threads place tensors on the model's device (a TP rank's own GPU)
+            with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
                 try:
                     loader(param, tensor, **route.kwargs)
                 except ValueError as e:
                     raise WeightLoadError(f"{key} in {file.name}: {e}") from None
-                loaded.add(key)
+            return key
+
+        try:
+            for shard, file in enumerate(files, 1):
+                # Progress per shard, as vLLM shows it: a 671B checkpoint is 163 files, minutes.
+                logger.info("loading weights: shard %d/%d (%s)", shard, len(files), file.name)
+                jobs = []
+                for key in handle(file).keys():  # noqa: SIM118 (safe_open is not a dict)
+                    if key in consumed:
+                        continue
+                    route = routes.get(key)
+                    if route is None:
+                        unexpected.append(key)
+                        continue
+                    entry = index[key]
+                    if entry.dtype not in _FLOAT_DTYPES and entry.dtype != _FP8_DTYPE:
+                        raise WeightLoadError(f"{key}: unsupported weight dtype {entry.dtype}")
+                    scale, scale_key = None, ""
+                    if entry.dtype == _FP8_DTYPE:
+                        scale_key = scales[key]
+                        _check_block_scale(index, scale_key, entry.shape)
+                        scale = handle(index[scale_key].file).get_slice(scale_key)
+                    tensor = CheckpointTensor(
+                        handle(file).get_slice(key),
+                        entry.shape,
+                        name=key,
+                        scale=scale,
+                        scale_name=scale_key,
+                        # a layer that keeps FP8 takes weight and scale; elsewhere (CPU,
+                        # kv_b_proj, eh_proj) the slice it reads is dequantised
+                        dequantize=params[route.param_name].dtype != FP8_DTYPE,
+                        stats=stats,
+                        stager=stager,
+                    )
+                    jobs.append((key, file, route, tensor))
+                loaded.update(map(load_one, jobs) if pool is None else pool.map(load_one, jobs))
+        finally:
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)
+            if stager is not None:
+                stager.close()
     stats.seconds = time.perf_counter() - start
     logger.info(
-        "weights: rank %d/%d read %.2f GB of the checkpoint in %.2f s (%.2f GB/s, %d reads)",
+        "weights: rank %d/%d read %.2f GB of the checkpoint in %.2f s (%.2f GB/s, %d reads, %s)",
         tp.rank, tp.size, stats.bytes / 1e9, stats.seconds, stats.gb_per_s, stats.reads,
+        f"staged, {threads} readers" if staged else "safe_open",
     )  # fmt: skip
 
     for name, source in _MTP_TIED.items():
@@ -312,7 +343,9 @@ def _checkpoint_keys(name: str, config: ModelConfig) -> tuple[list[tuple[str, di
     return [(hf, {})], None
 
 
-def _fp8_scale_keys(index: dict[str, _Entry], config: ModelConfig, path: Path) -> dict[str, str]:
+def _fp8_scale_keys(
+    index: dict[str, IndexEntry], config: ModelConfig, path: Path
+) -> dict[str, str]:
     """Every F8_E4M3 tensor's block-scale key (`X.weight_scale_inv` or `X.scale`)."""
     fp8 = [key for key, entry in index.items() if entry.dtype == _FP8_DTYPE]
     if not fp8:
@@ -339,7 +372,9 @@ def _fp8_scale_keys(index: dict[str, _Entry], config: ModelConfig, path: Path) -
     return scales
 
 
-def _check_block_scale(index: dict[str, _Entry], key: str, weight_shape: tuple[int, ...]) -> None:
+def _check_block_scale(
+    index: dict[str, IndexEntry], key: str, weight_shape: tuple[int, ...]
+) -> None:
     """The block scale `key` of a weight of `weight_shape`, checked from the header: float,
     shape [ceil(N/128), ceil(K/128)]. Its values are checked where a rank reads them
     (`CheckpointTensor`)."""
@@ -370,7 +405,7 @@ def load_kv_scales(model_config: ModelConfig, path: str | Path) -> list[float] |
     Layers without one get 1.0."""
     path = Path(path)
     found: dict[int, float] = {}
-    for key, (file, _, _) in _index_checkpoint(path).items():
+    for key, (file, _, _) in index_checkpoint(path).items():
         m = _KV_SCALE_KEY.match(key)
         if m and int(m.group(1)) < model_config.num_hidden_layers:
             with safe_open(file, framework="pt", device="cpu") as f:
@@ -390,35 +425,3 @@ def _is_ignorable(key: str, config: ModelConfig) -> bool:
         return True
     m = re.match(r"model\.layers\.(\d+)\.", key)
     return m is not None and int(m.group(1)) >= config.num_hidden_layers
-
-
-def _index_checkpoint(path: Path) -> dict[str, _Entry]:
-    """key -> (file, safetensors dtype string, shape), from the headers only."""
-    files = _checkpoint_files(path)
-    index: dict[str, _Entry] = {}
-    for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for key in f.keys():  # noqa: SIM118
-                sl = f.get_slice(key)
-                index[key] = _Entry(file, sl.get_dtype(), tuple(sl.get_shape()))
-    return index
-
-
-def _checkpoint_files(path: Path) -> list[Path]:
-    if not path.is_dir():
-        raise WeightLoadError(f"model path {str(path)!r} is not a directory")
-    index_file = path / "model.safetensors.index.json"
-    if index_file.is_file():
-        with open(index_file) as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
-        files = [path / name for name in sorted(set(weight_map.values()))]
-        absent = [p.name for p in files if not p.is_file()]
-        if absent:
-            raise WeightLoadError(f"{index_file.name} lists shards that do not exist: {absent}")
-        return files
-    if (path / "model.safetensors").is_file():
-        return [path / "model.safetensors"]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise WeightLoadError(f"no *.safetensors weights in {str(path)!r}")
-    return files

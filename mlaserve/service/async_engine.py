@@ -38,7 +38,7 @@ from mlaserve.service.engine_errors import (
     QueueFullError,
     ServerShutdownError,
 )
-from mlaserve.service.engine_process import EngineProcess
+from mlaserve.service.engine_process import EngineProcess, SpawnedEngine
 from mlaserve.service.metrics import Metrics
 from mlaserve.service.output_wire import decode_outputs
 from mlaserve.service.request_stream import RequestStream, SubRequest
@@ -93,8 +93,10 @@ class AsyncEngine:
         shutdown_timeout: float = 30.0,
         tokenizer_queue: int | None = None,
         torch_threads: int | None = None,
+        spawned: SpawnedEngine | None = None,
     ) -> None:
         self.config = config
+        self._spawned = spawned  # an engine process already started (`spawn_engine`), or None
         self.max_queue = max_queue
         self.shutdown_timeout = shutdown_timeout
         self.tokenizer_worker = TokenizerWorker(
@@ -152,14 +154,16 @@ class AsyncEngine:
 
     # ----- lifecycle -----
     def start(self) -> None:
-        """Start the engine process (it loads the weights and warms up) and load the tokenizer
-        meanwhile. Call from the event loop."""
+        """Start the engine process (it loads the weights and warms up), or adopt the one given
+        as `spawned`, and load the tokenizer meanwhile. Call from the event loop."""
         loop = self._loop = asyncio.get_running_loop()
         self.state = EngineState.LOADING
         self._process = EngineProcess(
             loop, self.config, self._handle, self._on_eof,
             engine_factory=self._engine_factory, torch_threads=self.torch_threads,
+            spawned=self._spawned,
         )  # fmt: skip
+        self._spawned = None
         task = loop.create_task(asyncio.to_thread(self._load_tokenizer))
         task.add_done_callback(self._tokenizer_done)
 

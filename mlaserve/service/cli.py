@@ -342,11 +342,7 @@ def _make_server(config: uvicorn.Config, on_exit: Callable[[], None]) -> uvicorn
 def serve(settings: Settings, sock: socket.socket | None = None) -> int:
     """Run the server until a signal stops it; returns the process exit code. `sock` is the
     bound listening socket (`bind_socket`); without it uvicorn binds host:port itself."""
-    import uvicorn
-
-    from mlaserve.service.app import build_app
-    from mlaserve.service.async_engine import AsyncEngine
-    from mlaserve.service.chat import ChatOptions
+    from mlaserve.service.engine_process import spawn_engine
 
     server_cfg = settings.server
     _setup_logging(server_cfg.log_level)
@@ -360,6 +356,15 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> int:
 
     threads = resolve_torch_threads(server_cfg.torch_threads, os.environ)
     logger.info("torch intra-op threads: %s", threads if threads is not None else "OMP_NUM_THREADS")
+    # The engine process first: its imports (torch, the kernels) and the weights' load overlap
+    # the HTTP stack's imports below (uvicorn, fastapi, transformers for the tokenizer).
+    spawned = spawn_engine(settings.engine, torch_threads=threads)
+
+    import uvicorn
+
+    from mlaserve.service.app import build_app
+    from mlaserve.service.async_engine import AsyncEngine
+    from mlaserve.service.chat import ChatOptions
 
     exit_code = 0
     server: uvicorn.Server | None = None
@@ -378,6 +383,7 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> int:
         shutdown_timeout=server_cfg.shutdown_timeout,
         tokenizer_queue=server_cfg.tokenizer_queue,
         torch_threads=threads,
+        spawned=spawned,
     )
     logger.info(
         "admission: %d sequences in flight (max_num_seqs + max_queue); tokenizer queue: %d",

@@ -102,14 +102,16 @@ def run_engine_core(
     engine_factory: Callable[[EngineConfig], LLMEngine] | None,
     torch_threads: int | None,
     log_level: int,
+    server_age_s: float | None = None,
 ) -> None:
-    """The engine process's entry point (`multiprocessing.Process(target=...)`)."""
+    """The engine process's entry point (`multiprocessing.Process(target=...)`). `server_age_s`:
+    the server process's age when it spawned this one (the `server_start` phase)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s"
     )
-    EngineCore(config, commands, outputs, engine_factory, torch_threads).run()
+    EngineCore(config, commands, outputs, engine_factory, torch_threads, server_age_s).run()
 
 
 def _freeze_heap() -> int:
@@ -133,8 +135,10 @@ class EngineCore:
         outputs: Connection,
         engine_factory: Callable[[EngineConfig], LLMEngine] | None,
         torch_threads: int | None,
+        server_age_s: float | None = None,
     ) -> None:
         self.config = config
+        self._server_age_s = server_age_s
         self._commands_conn = commands
         self._out = outputs
         self._engine_factory = engine_factory
@@ -234,6 +238,8 @@ class EngineCore:
         startup = getattr(engine, "startup", None)  # a test's scripted engine may have none
         if fresh and startup is not None:
             startup.add("torch_import", torch_import_s)
+        if startup is not None and self._server_age_s is not None:
+            startup.add("server_start", self._server_age_s)
         logger.info("weights loaded in %.1f s", t1 - t0)
         info = EngineInfo(
             model_name=engine.model_name,

@@ -2,7 +2,8 @@
 messages read on the event loop (`EngineInbox`), killed.
 
 Owned by `AsyncEngine`, which decides when each of these happens; this class holds no engine
-state. The pipes' child ends are closed here right after the spawn, so the child's exit reads
+state. `spawn_engine` starts the process without an event loop: `mlaserve serve` spawns it first
+thing, and `AsyncEngine.start` adopts it once the loop runs. The pipes' child ends are closed here right after the spawn, so the child's exit reads
 as EOF on this side (`on_eof`), however it exits. An exit hook kills the process if the server
 exits without `kill()`; the engine process also exits by itself when this process vanishes
 (engine_core's parent watch).
@@ -13,22 +14,26 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
 import logging
 import multiprocessing
 import signal
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
 from mlaserve.service import engine_core as core
 from mlaserve.service.engine_inbox import EngineInbox
+from mlaserve.startup_times import process_age_s
 
 if TYPE_CHECKING:
     from mlaserve.config import EngineConfig
     from mlaserve.llm_engine import LLMEngine
 
-__all__ = ["EngineProcess"]
+__all__ = ["EngineProcess", "SpawnedEngine", "spawn_engine"]
 
 logger = logging.getLogger("mlaserve.service")
 
@@ -47,31 +52,19 @@ class EngineProcess:
         *,
         engine_factory: Callable[[EngineConfig], LLMEngine] | None = None,
         torch_threads: int | None = None,
+        spawned: SpawnedEngine | None = None,
     ) -> None:
-        """Spawn it; from here on each of its messages goes to `on_message` on `loop`, and its
-        exit (its output pipe's EOF, after the messages sent before it) to `on_eof`."""
-        ctx = multiprocessing.get_context("spawn")
-        commands_rx, commands = ctx.Pipe(duplex=False)
-        outputs, outputs_tx = ctx.Pipe(duplex=False)
-        self.proc: BaseProcess = ctx.Process(
-            target=core.run_engine_core,
-            args=(
-                config,
-                commands_rx,
-                outputs_tx,
-                engine_factory,
-                torch_threads,
-                logging.getLogger("mlaserve").getEffectiveLevel(),
-            ),
-            name="mlaserve-engine",
-        )
-        self.proc.start()
-        commands_rx.close()  # the child's ends: its exit must read as EOF here
-        outputs_tx.close()
-        atexit.register(self.kill)
-        self.commands: Connection | None = commands  # None once closed
-        self._inbox: EngineInbox | None = EngineInbox(loop, outputs, on_message, on_eof)
-        logger.info("engine process started (pid %d)", self.proc.pid)
+        """Spawn it (or adopt `spawned`, started earlier by `spawn_engine`); from here on each of
+        its messages goes to `on_message` on `loop`, and its exit (its output pipe's EOF, after
+        the messages sent before it) to `on_eof`."""
+        if spawned is None:
+            spawned = spawn_engine(
+                config, engine_factory=engine_factory, torch_threads=torch_threads
+            )
+        self.proc: BaseProcess = spawned.proc
+        self._exit_hook = spawned.exit_hook
+        self.commands: Connection | None = spawned.commands  # None once closed
+        self._inbox: EngineInbox | None = EngineInbox(loop, spawned.outputs, on_message, on_eof)
 
     @property
     def pid(self) -> int | None:
@@ -95,9 +88,7 @@ class EngineProcess:
 
     def kill(self) -> None:
         """SIGKILL it if it runs, and reap it (blocks up to 5 s)."""
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(_KILL_WAIT_S)
+        _kill(self.proc)
 
     def close(self) -> None:
         """Close this side's pipe ends (idempotent)."""
@@ -110,7 +101,7 @@ class EngineProcess:
 
     def forget(self) -> None:
         """The process is gone or killed: no exit hook for it any more."""
-        atexit.unregister(self.kill)
+        atexit.unregister(self._exit_hook)
 
     def exit_description(self) -> str:
         """How it ended, for the death's message: "was killed by SIGKILL", "exited with code 1"
@@ -120,3 +111,77 @@ class EngineProcess:
         if code is not None and code < 0 and -code in signal.Signals._value2member_map_:
             return f"was killed by {signal.Signals(-code).name}"
         return f"exited with code {code}"
+
+
+@dataclass(frozen=True)
+class SpawnedEngine:
+    """An engine process just spawned, and this side's ends of its pipes."""
+
+    proc: BaseProcess
+    commands: Connection
+    outputs: Connection
+    server_age_s: float | None  # the server process's age when it spawned this one
+    exit_hook: Callable[[], None]  # registered with atexit: kills the process
+
+
+def spawn_engine(
+    config: EngineConfig,
+    *,
+    engine_factory: Callable[[EngineConfig], LLMEngine] | None = None,
+    torch_threads: int | None = None,
+) -> SpawnedEngine:
+    """Start the engine process now (no event loop needed: `mlaserve serve` calls this before it
+    imports the HTTP stack, so the engine's imports and the server's overlap). Its start-up
+    phases get `server_start`: this process's age at the spawn."""
+    ctx = multiprocessing.get_context("spawn")
+    commands_rx, commands = ctx.Pipe(duplex=False)
+    outputs, outputs_tx = ctx.Pipe(duplex=False)
+    age = process_age_s()
+    proc = ctx.Process(
+        target=core.run_engine_core,
+        args=(
+            config,
+            commands_rx,
+            outputs_tx,
+            engine_factory,
+            torch_threads,
+            logging.getLogger("mlaserve").getEffectiveLevel(),
+            age,
+        ),
+        name="mlaserve-engine",
+    )
+    with _main_not_reimported():
+        proc.start()
+    commands_rx.close()  # the child's ends: its exit must read as EOF here
+    outputs_tx.close()
+    hook = functools.partial(_kill, proc)
+    atexit.register(hook)
+    when = "" if age is None else f", {age:.2f} s after the server process started"
+    logger.info("engine process started (pid %d)%s", proc.pid, when)
+    return SpawnedEngine(proc, commands, outputs, age, hook)
+
+
+def _kill(proc: BaseProcess) -> None:
+    if proc.is_alive():
+        proc.kill()
+        proc.join(_KILL_WAIT_S)
+
+
+@contextlib.contextmanager
+def _main_not_reimported() -> Iterator[None]:
+    """`spawn` re-imports the parent's `__main__` in the child. When that is mlaserve's CLI
+    (`python -m mlaserve` or the `mlaserve` script) it is only the option parser and its pydantic
+    models, which the engine never uses: hide it while the child's start data is taken. Any
+    other `__main__` (a user's script, whose functions the child may need) is left as it is."""
+    main = sys.modules.get("__main__")
+    cli = sys.modules.get("mlaserve.service.cli")
+    if main is None or cli is None or getattr(main, "main", None) is not cli.main:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)

@@ -4,8 +4,9 @@ Each problem is a `ConfigError` with one line that names the option and says wha
 model path that is not a local checkpoint folder (with the hint that hub ids are not fetched),
 a model type or config.json this server cannot run, a max_model_len beyond the model's, a
 tokenizer folder without tokenizer files, a CUDA device that is not there, a chat template
-file that cannot be read. Cheap: config.json and a few file names, never the weights; torch
-is imported only once the model folder is found good (for the device check).
+file that cannot be read. Cheap: config.json and a few file names, never the weights, and no
+transformers; torch is imported only for an explicit `--device cuda...` (the device check), as
+`mlaserve serve` spawns the engine process right after this and the sooner the better.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from mlaserve.config import ConfigError, ModelConfig
 from mlaserve.config.model_folder import check_model_folder
 from mlaserve.service.settings import Settings
+from mlaserve.tokenizer.tokenizer_files import TOKENIZER_FILES
 
 __all__ = ["preflight"]
 
@@ -27,17 +29,14 @@ def preflight(settings: Settings) -> Settings:
     check_model_folder(engine.model_path, given=engine.model is not None)
     model_config = ModelConfig.from_pretrained(engine.model_path)  # ConfigError names the key
     engine.resolved_max_model_len(model_config)  # ConfigError: longer than the model allows
-    # Here, not at the top: the tokenizer module imports transformers (and torch), which a bad
-    # model path's exit 2 need not wait for.
-    from mlaserve.tokenizer.tokenizer import TOKENIZER_FILES
-
     tokenizer = engine.tokenizer_path
     if not any((tokenizer / name).is_file() for name in TOKENIZER_FILES):
         option = "tokenizer" if engine.tokenizer else "model"
         raise ConfigError(
             f"{option}: no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {str(tokenizer)!r}"
         )
-    engine.resolved_device()  # ConfigError when CUDA is asked for and absent
+    if engine.device not in ("auto", "cpu"):  # "auto" never fails; the others import torch
+        engine.resolved_device()  # ConfigError when CUDA is asked for and absent
     template = settings.server.chat_template
     if template is not None:
         server = dataclasses.replace(settings.server, chat_template=_read_template(template))

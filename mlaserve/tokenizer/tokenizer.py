@@ -21,11 +21,9 @@ import jinja2
 import tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-__all__ = ["TOKENIZER_FILES", "ChatTemplateError", "Tokenizer"]
+from mlaserve.tokenizer.tokenizer_files import TOKENIZER_FILES
 
-# A folder holding none of these has no tokenizer (e.g. a `--load-format dummy` folder of only
-# config.json); transformers' own error for it speaks of sentencepiece and slow tokenizers.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+__all__ = ["TOKENIZER_FILES", "ChatTemplateError", "Tokenizer"]
 
 
 class ChatTemplateError(ValueError):

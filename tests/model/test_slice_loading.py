@@ -1,7 +1,8 @@
 """Each tensor-parallel rank reads only its slices of the safetensors (issue 42, item 5).
 
-The loader's `safe_open` is wrapped by a recorder that counts what every read through the
-safetensors API returns (`get_slice(key)[...]` and `get_tensor(key)`), on real checkpoints the
+The loader's file reader (the staged path's memory-mapped `CheckpointFile`, and `safe_open` of
+the `staged=False` path: both are tested) is wrapped by a recorder that counts what every read
+through it returns (`get_slice(key)[...]` and `get_tensor(key)`), on real checkpoints the
 tests write: a float V3 MoE and the same in FP8 128x128 blocks with every TP2 split block-aligned.
 Per rank it shows that
 
@@ -30,6 +31,7 @@ from safetensors import safe_open as real_safe_open
 import mlaserve.model.loader as loader_module
 from mlaserve.config import ModelConfig
 from mlaserve.model import load_model
+from mlaserve.model.checkpoint_file import CheckpointFile
 from mlaserve.model.checkpoint_tensor import CheckpointTensor
 from mlaserve.ops.fp8_quant import dequantize_weight_block, quantize_weight_block
 from mlaserve.tensor_parallel import NO_TP, TensorParallel
@@ -82,8 +84,8 @@ class _Slice:
 
 
 class _File:
-    def __init__(self, path: Path, rec: _Recorder, **kw: Any) -> None:
-        self._f, self._rec = real_safe_open(path, **kw), rec
+    def __init__(self, inner: Any, rec: _Recorder) -> None:
+        self._f, self._rec = inner, rec
 
     def __enter__(self) -> _File:
         self._f.__enter__()
@@ -105,12 +107,19 @@ class _File:
 
 
 def _load(
-    path: Path, tp: TensorParallel, keep_fp8: bool, monkeypatch: pytest.MonkeyPatch
+    path: Path,
+    tp: TensorParallel,
+    keep_fp8: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    staged: bool = True,
 ) -> tuple[Any, _Recorder]:
     rec = _Recorder()
-    monkeypatch.setattr(loader_module, "safe_open", lambda p, **kw: _File(p, rec, **kw))
+    monkeypatch.setattr(
+        loader_module, "safe_open", lambda p, **kw: _File(real_safe_open(p, **kw), rec)
+    )
+    monkeypatch.setattr(loader_module, "CheckpointFile", lambda p: _File(CheckpointFile(p), rec))
     config = ModelConfig.from_pretrained(path)
-    return load_model(config, path, tp=tp, keep_fp8=keep_fp8), rec
+    return load_model(config, path, tp=tp, keep_fp8=keep_fp8, staged=staged), rec
 
 
 def _checkpoint_bytes(path: Path) -> tuple[dict[str, int], dict[str, int]]:
@@ -137,13 +146,16 @@ def _is_sharded(key: str) -> bool:
     return any(part in key for part in SHARDED) and "norm" not in key
 
 
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "safe_open"])
 @pytest.mark.parametrize("kind", ["float", "fp8"])
 def test_each_tp_rank_reads_only_its_slices(
-    kind: str, checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    kind: str, staged: bool, checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = checkpoints[kind]
     numel, nbytes = _checkpoint_bytes(path)
-    recs = [_load(path, TensorParallel(r, 2), kind == "fp8", monkeypatch)[1] for r in range(2)]
+    recs = [
+        _load(path, TensorParallel(r, 2), kind == "fp8", monkeypatch, staged)[1] for r in range(2)
+    ]
     sharded = sum(n for k, n in nbytes.items() if _is_sharded(k) and not k.endswith("scale_inv"))
     assert sharded > sum(nbytes.values()) / 2  # the test means something: most bytes split
     for rank, rec in enumerate(recs):
@@ -199,22 +211,24 @@ def _compare_to_tp1(whole: Any, part: Any, tp: TensorParallel) -> int:
     return split
 
 
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "safe_open"])
 @pytest.mark.parametrize("kind", ["float", "fp8"])
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
 def test_rank_shards_equal_slices_of_the_whole(
     kind: str,
     expert_parallel: bool,
+    staged: bool,
     checkpoints: dict[str, Path],
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     path, keep = checkpoints[kind], kind == "fp8"
-    whole, _ = _load(path, NO_TP, keep, monkeypatch)
+    whole, _ = _load(path, NO_TP, keep, monkeypatch, staged)
     numel, _ = _checkpoint_bytes(path)
     for rank in range(2):
         tp = TensorParallel(rank, 2, expert_parallel=expert_parallel)
         with caplog.at_level(logging.INFO, logger="mlaserve.model.loader"):
-            part, rec = _load(path, tp, keep, monkeypatch)
+            part, rec = _load(path, tp, keep, monkeypatch, staged)
         assert f"rank {rank}/2 read" in caplog.text and "GB/s" in caplog.text
         assert _compare_to_tp1(whole, part, tp) > 0
         if not expert_parallel:

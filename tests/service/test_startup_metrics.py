@@ -15,9 +15,11 @@ from mlaserve.jit_cache import JitCache
 from tests.service.server_process import start_server
 
 FAMILY = "mlaserve:startup_duration_seconds"
-# On the CPU: no CUDA context and no TP workers; the engine process imports torch itself.
-CPU_PHASES = {"process_start", "torch_import", "tokenizer", "model_construction", "weight_read",
-              "weight_postprocess", "kernel_warmup", "kv_pool", "warmup", "capture", "other"}  # fmt: skip
+# On the CPU: no CUDA context and no TP workers; the engine process imports torch itself, and
+# server_start is the server's time before it spawned the engine process.
+CPU_PHASES = {"server_start", "process_start", "torch_import", "tokenizer", "model_construction",
+              "weight_read", "weight_postprocess", "kernel_warmup", "kv_pool", "warmup", "capture",
+              "other"}  # fmt: skip
 
 
 def _children(pid: int) -> list[int]:
@@ -45,6 +47,7 @@ def test_startup_phases_on_metrics_and_the_cache_in_the_engine(tmp_path: Path) -
         assert set(samples) == CPU_PHASES, samples
         assert all(s >= 0.0 for s in samples.values())
         assert samples["weight_read"] > 0.0 and samples["warmup"] > 0.0
+        assert samples["server_start"] > 0.0  # the server's interpreter start, at least
 
         engines = [pid for pid in _children(server.proc.pid) if "spawn_main" in _cmd(pid)]
         assert len(engines) == 1, engines
@@ -53,7 +56,9 @@ def test_startup_phases_on_metrics_and_the_cache_in_the_engine(tmp_path: Path) -
             assert environ.get(name) == value, name
         logs = server.logs()
         assert f"JIT cache: {cache_dir}" in logs
-        assert re.search(r"start-up: [\d.]+ s to ready: .*; \d+ JIT compilations", logs), logs
+        assert re.search(r"start-up: [\d.]+ s to ready: server start [\d.]+ s, .*; \d+ JIT "
+                         r"compilations", logs), logs  # fmt: skip
+        assert re.search(r"engine process started \(pid \d+\), [\d.]+ s after the server", logs)
     finally:
         assert server.stop() == 0
 
