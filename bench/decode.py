@@ -95,6 +95,9 @@ def fake_prefill(llm: LLM, bs: int, ctx: int, new_tokens: int) -> None:
     from mlaserve import SamplingParams
 
     engine = llm.engine
+    if engine.config.enable_prefix_caching:
+        # its pages hold random KV and skip admission: registered, they would be wrong hits
+        raise SystemExit("fake_prefill: build the LLM with enable_prefix_caching=False")
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=new_tokens + 1, temperature=0.0, ignore_eos=True)
     for i in range(bs):
@@ -296,6 +299,7 @@ def bench_model(model: str | None, args: argparse.Namespace, bandwidth: float) -
         max_num_seqs=max(args.batch_sizes),
         max_model_len=max_len,
         max_num_batched_tokens=max(2048, max(args.batch_sizes)),
+        enable_prefix_caching=False,  # fake_prefill's random KV must not become cached pages
     )
     load_s = time.perf_counter() - t0
     engine = llm.engine

@@ -62,7 +62,9 @@ def prompt_logprobs(outputs) -> list[list[float | None]]:
 
 def run_variant(name: str, prompts: list[str], max_tokens: int, num_pages: int) -> dict:
     t0 = time.time()
-    llm = LLM(num_pages=num_pages, **VARIANTS[name])
+    # Cache off: the batched run must prefill what the alone run did (with it on, the second
+    # run of a prompt starts from the first's cached pages, another computation)
+    llm = LLM(num_pages=num_pages, enable_prefix_caching=False, **VARIANTS[name])
     # The engine refuses prompt logprobs under speculation: those variants report no drift.
     speculative = "num_speculative_tokens" in VARIANTS[name]
     scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)

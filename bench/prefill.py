@@ -155,6 +155,9 @@ def main() -> None:
         max_num_batched_tokens=args.max_batched_tokens,
         cuda_graph_batch_sizes=(1,),  # decode graphs are not what this measures
         piecewise_cuda_graph_max_tokens=args.piecewise_max_tokens,
+        # a full prefill is what is timed: no prompt may find cached pages (the cached-prefix
+        # prefill is bench/prefix_prefill.py's)
+        enable_prefix_caching=False,
     )
     engine, rng = llm.engine, random.Random(0)
     piecewise = engine.graphs.piecewise

@@ -45,6 +45,7 @@ def main() -> None:
         max_num_seqs=max(args.batch_size, 8),
         max_model_len=args.context + 4 * args.steps + 64,
         overlap_schedule=not args.no_overlap,
+        enable_prefix_caching=False,  # fake_prefill's random KV must not become cached pages
     )
     engine = llm.engine
     fake_prefill(llm, args.batch_size, args.context, new_tokens=3 * args.steps + 16)

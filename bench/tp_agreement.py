@@ -60,7 +60,9 @@ def _first_logits(llm: LLM) -> dict[str, torch.Tensor]:
 def run(name: str, engine_kwargs: dict, prompts: list[str], args, margins: bool) -> dict:
     t0 = time.time()
     llm = LLM(model=args.model, load_format=args.load_format, num_pages=args.num_pages,
-              max_model_len=args.max_model_len, device=args.device, **engine_kwargs)  # fmt: skip
+              max_model_len=args.max_model_len, device=args.device,
+              enable_prefix_caching=False,  # each run prefills its prompts (runs are compared)
+              **engine_kwargs)  # fmt: skip
     engine = llm.engine
     first = _first_logits(llm) if "num_speculative_tokens" not in engine_kwargs else None
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)

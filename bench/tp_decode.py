@@ -157,6 +157,7 @@ def run_depth(args: argparse.Namespace) -> dict[str, Any]:
                 max_num_seqs=max(args.batch_sizes),
                 max_model_len=args.context + new_tokens + 16,
                 max_num_batched_tokens=max(2048, max(args.batch_sizes)),
+                enable_prefix_caching=False,  # fake_prefill's random KV must not be cached
             )
         except ConfigError as exc:
             raise SystemExit(f"the engine refuses this run (--graphs needs CUDA graphs under "

@@ -52,7 +52,9 @@ def run_one(args: argparse.Namespace) -> None:
     for name in ("mlaserve.engine.model_runner", "mlaserve.model.loader"):  # the GB/s lines
         logging.getLogger(name).setLevel(logging.INFO)
     t0 = time.time()
-    llm = LLM(args.model, num_pages=args.num_pages, **EAGER, **VARIANTS[args.run])
+    # cache off: the greedy run prefills its prompts, not the scored run's cached pages
+    llm = LLM(args.model, num_pages=args.num_pages, enable_prefix_caching=False, **EAGER,
+              **VARIANTS[args.run])  # fmt: skip
     loaded = time.time() - t0
     prompts = prompts_for(args.seed, args.prompts, args.prompt_bytes)
     scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)

@@ -122,7 +122,8 @@ VLLM_KEYWORDS = {
     "dtype": ("float", ("--dtype", "float")),
     "seed": (3, ("--seed", "3")),
     "kv_cache_dtype": ("auto", ("--kv-cache-dtype", "auto")),
-    "enable_prefix_caching": (True, ("--enable-prefix-caching",)),
+    # on by default (vLLM's default too): the keyword that changes something turns it off
+    "enable_prefix_caching": (False, ("--no-enable-prefix-caching",)),
     "speculative_config": (
         {"method": "deepseek_mtp", "num_speculative_tokens": 2},
         ("--speculative-config", '{"method": "deepseek_mtp", "num_speculative_tokens": 2}'),
@@ -146,7 +147,7 @@ def test_llm_takes_vllm_engine_keywords(caplog) -> None:
         llm = LLM(str(default_model_path()), device="cpu", max_num_seqs=2, **kwargs)
     config = llm.engine.config
     assert config.cuda_graph is False and config.dtype == "float32" and config.seed == 3
-    assert config.max_model_len == 256 and config.enable_prefix_caching
+    assert config.max_model_len == 256 and not config.enable_prefix_caching
     assert config.speculative is not None and config.speculative.k == 2
     assert "vLLM keyword --trust-remote-code: accepted" in caplog.text
     out = llm.generate("def f(x):", SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)

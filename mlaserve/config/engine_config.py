@@ -135,11 +135,11 @@ class EngineConfig:
     # cache): each library's variable is pointed under it unless set (`mlaserve/jit_cache.py`).
     # None: each library's own default.
     cache_dir: str | None = None
-    # vLLM's --enable-prefix-caching: full KV pages of earlier requests are found again by their
-    # tokens (a hash chain, `kv_cache/prefix_cache.py`) and not recomputed. OFF by default in
-    # this landing: it is verified on the CPU only; it turns on by default once verified on a
-    # GPU (issue 43). With speculative decoding the MTP layer's KV is cached with the pages.
-    enable_prefix_caching: bool = False
+    # vLLM's --enable-prefix-caching / --no-enable-prefix-caching: full KV pages of earlier
+    # requests are found again by their tokens (a hash chain, `kv_cache/prefix_cache.py`) and
+    # not recomputed. On by default, as in vLLM and SGLang (issue 43: cache on == off, token for
+    # token, on the CPU and an H200). With speculative decoding the MTP layer's KV is cached too.
+    enable_prefix_caching: bool = True
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ----- derived from the fields above, once, in __post_init__ (not arguments, compared or

@@ -117,7 +117,8 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
              example=("--max-num-batched-tokens", "4096"), expect={"max_num_batched_tokens": 4096}),
     VllmFlag("--kv-cache-dtype", "same", "KV-cache dtype (auto, fp8, fp8_e4m3, bfloat16)",
              example=("--kv-cache-dtype", "fp8"), expect={"kv_cache_dtype": "fp8"}),
-    VllmFlag("--enable-prefix-caching", "same", "reuse KV pages of identical prompt prefixes",
+    VllmFlag("--enable-prefix-caching", "same", "reuse KV pages of identical prompt prefixes "
+             "(on by default; --no-enable-prefix-caching turns it off)",
              nargs=0, example=("--enable-prefix-caching",), expect={"enable_prefix_caching": True}),
     VllmFlag("--speculative-config", "same", "MTP speculation: method deepseek_mtp (or mtp) is "
              "this engine's MTP; other methods are refused",

@@ -16,7 +16,9 @@ extra tokens each request accepted.
 With prefix caching (`prefix`, `engine/prefix_sharing.py`; None when off, and then nothing
 below changes) a request admitted without pages first takes the cached pages of its prefix
 and starts at num_computed_tokens = their tokens; one whose next page another running request
-is computing waits at the head of the queue for it. Freed pages go back through the
+is computing waits for it, keeping its place in the queue, and the requests behind it are
+admitted meanwhile (an n > 1 sibling holds up nothing; FCFS is otherwise kept: a request that
+does not fit still stops admission). Freed pages go back through the
 allocator's reference counts (cached ones stay findable until evicted), and the engine calls
 `commit` once a step's results are on the host to register the full pages it computed.
 """
@@ -191,6 +193,9 @@ class Scheduler:
             break  # the request itself was preempted; nothing newer is left running
 
         # 2) Admit waiting requests while budget, slots and pages last (none were preempted).
+        # Requests waiting for a page another request is computing step aside (`parked`) and
+        # go back to the front, in order, at the end: they hold their place, not the queue.
+        parked: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if out.preempted:
                 break
@@ -206,8 +211,9 @@ class Scheduler:
             hit, prefix = None, self.prefix
             if prefix is not None and not request.pages:
                 hit = prefix.lookup(request)
-                if hit is None:
-                    break  # its next page is being computed by a running request: wait
+                if hit is None:  # its next page is being computed by a running request
+                    parked.append(self.waiting.popleft())
+                    continue
                 prefix.attach(request, hit)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._reserve(request, num_new):
@@ -223,6 +229,7 @@ class Scheduler:
             out.admitted.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(parked))
         # The same batch as the last output's: both scheduled the whole running list (no request
         # left out by the budget or a pending last token), and the list did not change since.
         whole = len(out.scheduled) == len(self.running)

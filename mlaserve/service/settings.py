@@ -188,8 +188,9 @@ _HELP = {
     "every tensor-parallel worker, unless set; a second start with it compiles nothing "
     "(default: unset, each library's own folder)",
     "enable_prefix_caching": "reuse the KV pages of earlier requests' identical prompt prefixes "
-    "(full pages, keyed by a hash chain of their tokens; vLLM's flag). Default off until "
-    "verified on a GPU; with speculative decoding the MTP layer's KV is cached too",
+    "(full pages, keyed by a hash chain of their tokens; vLLM's flag, on by default as in vLLM; "
+    "--no-enable-prefix-caching turns it off); with speculative decoding the MTP layer's KV is "
+    "cached too",
     "max_logprobs": f"most logprobs (completions) / top_logprobs (chat) a request may ask for "
     f"(at most {MAX_LOGPROBS})",
     "chat_template": "chat template: a Jinja file, or the template itself; default: the "

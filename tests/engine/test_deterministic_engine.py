@@ -72,6 +72,7 @@ def test_cpu_greedy_alone_equals_together_with_small_chunks() -> None:
         deterministic_inference=True,
         max_num_batched_tokens=16,
         page_size=4,
+        enable_prefix_caching=False,  # "together" must prefill what "alone" did, batched
     )
     _alone_vs_together(llm, PROMPTS, _greedy(16))
 
@@ -116,6 +117,7 @@ def test_gpu_greedy_alone_equals_together(options: dict) -> None:
         deterministic_inference=True,
         max_num_batched_tokens=64,  # prompts cut into chunks, mixed with decodes
         max_num_seqs=16,
+        enable_prefix_caching=False,  # "together" must prefill what "alone" did, batched
         **options,
     )
     prompts = [p * (1 + i % 4) for i, p in enumerate(PROMPTS)] * 2

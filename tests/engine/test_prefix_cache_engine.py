@@ -179,7 +179,7 @@ def test_speculative_engine_caches_and_stays_exact(overlap: bool) -> None:
     prompts = [head + "    return fib", head + "    return fibonacci(n - 1) +", head]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     kw = {"num_speculative_tokens": 2, "overlap_schedule": overlap, "page_size": 16}
-    off = LLM(device="cpu", **kw)
+    off = LLM(device="cpu", enable_prefix_caching=False, **kw)
     on = LLM(device="cpu", enable_prefix_caching=True, **kw)
     assert on.engine.scheduler.prefix is not None and on.engine.scheduler.prefix.lookahead == 1
 

@@ -51,7 +51,7 @@ def one_by_one(llm: LLM, ps: list[list[int]], params=PARAMS) -> list[list[int]]:
 )
 def test_cuda_cache_on_equals_off(checkpoint, kw: dict) -> None:
     path = str(checkpoint("v3_moe"))
-    off = LLM(path, device="cuda", **kw)
+    off = LLM(path, device="cuda", enable_prefix_caching=False, **kw)
     on = LLM(path, device="cuda", enable_prefix_caching=True, **kw)
     ps = prompts(off.engine.model_config.vocab_size)
     expected = one_by_one(off, ps)
@@ -73,7 +73,8 @@ def test_cuda_preemption_and_concurrency(checkpoint, deterministic: bool) -> Non
     parts from cache-off does so where cache-off's top-1 minus top-2 is under NEAR_TIE."""
     path = str(checkpoint("v3_moe"))
     kw = {"num_pages": 12, "max_num_seqs": 8, "deterministic_inference": deterministic}
-    off = LLM(path, device="cuda", **kw)  # 4 pages hold the longest request
+    # 4 pages hold the longest request
+    off = LLM(path, device="cuda", enable_prefix_caching=False, **kw)
     on = LLM(path, device="cuda", enable_prefix_caching=True, **kw)
     ps = prompts(off.engine.model_config.vocab_size)
     batch = [*ps, *ps]
@@ -103,7 +104,7 @@ def test_cuda_speculation_caches_mtp_kv_exactly(checkpoint) -> None:
     accepted drafts are equal with the cache on and off, and hits are real."""
     path = str(checkpoint("v3_mtp"))
     kw = {"deterministic_inference": True, "num_speculative_tokens": 2}
-    off = LLM(path, device="cuda", **kw)
+    off = LLM(path, device="cuda", enable_prefix_caching=False, **kw)
     on = LLM(path, device="cuda", enable_prefix_caching=True, **kw)
     ps = prompts(off.engine.model_config.vocab_size)
 

@@ -120,6 +120,45 @@ def test_siblings_wait_for_the_first_to_compute_the_shared_prompt() -> None:
     assert sched.allocator.num_referenced_pages == 0
 
 
+def test_a_waiting_sibling_holds_its_place_but_not_the_queue() -> None:
+    """Requests behind a sibling that waits for the shared prompt's pages are admitted meanwhile
+    (they used to wait behind it); the sibling keeps its place: admitted first once the pages
+    are registered, ahead of requests that came after it."""
+    sched = scheduler(max_num_seqs=4)
+    prompt = list(range(200, 218))  # 4 full pages + 2
+    s0, s1 = make("s0", prompt), make("s1", prompt)
+    other = make("other", list(range(500, 506)))
+    for r in (s0, s1, other):
+        sched.add(r)
+    out = run_step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["s0", "other"]  # s1 waits
+    assert [r.request_id for r in sched.waiting] == ["s1"]
+    late = make("late", list(range(600, 606)))
+    sched.add(late)
+    out = run_step(sched)
+    # s0's prompt pages are registered: s1 takes them (2 tokens left), before `late`
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("s0", 1), ("other", 1), ("s1", 2), ("late", 6),
+    ]  # fmt: skip
+    drain(sched)
+    assert sched.allocator.num_referenced_pages == 0
+    assert sched.prefix is not None and sched.prefix._keys == {}  # no key memo outlives it
+
+
+def test_requests_behind_a_waiting_sibling_keep_fcfs_among_themselves() -> None:
+    """Past a waiting sibling, the first request that does not fit still stops admission: the
+    smaller one behind it is not admitted ahead of it."""
+    sched = scheduler(num_pages=9, max_num_seqs=4)  # 8 usable pages of 4 tokens
+    prompt = list(range(200, 210))  # 2 full pages + 2: s0 takes 3 pages
+    s0, s1 = make("s0", prompt), make("s1", prompt)
+    big, small = make("big", list(range(700, 724))), make("small", [1, 2, 3])  # 6 pages, 1
+    for r in (s0, s1, big, small):
+        sched.add(r)
+    out = run_step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["s0"]
+    assert [r.request_id for r in sched.waiting] == ["s1", "big", "small"]
+
+
 def test_a_waiting_sibling_goes_ahead_when_the_writer_is_aborted() -> None:
     sched = scheduler(max_num_batched_tokens=8)
     prompt = list(range(300, 324))

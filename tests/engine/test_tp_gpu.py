@@ -47,6 +47,8 @@ SCORED = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=
 
 
 def _run(scored: bool = False, **kwargs) -> dict:
+    # cache off: the scored run below must compute what the first did (same batches: bitwise)
+    kwargs.setdefault("enable_prefix_caching", False)
     llm = LLM(device="cuda", **kwargs)
     if llm.engine.spec_decoder is not None:  # speculate every step (no cost policy in the way)
         llm.engine.spec_decoder.policy.forced = FORCED_SPEC

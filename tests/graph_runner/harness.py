@@ -20,7 +20,10 @@ FP8_NAN_BYTE = 0x7F  # float8_e4m3fn: exponent and mantissa all ones is NaN
 
 def poison_kv(engine: LLMEngine) -> None:
     """Fill every KV page with NaN. Pages a request owns get real values as it writes them; a
-    read of anything else (stale rows, other requests' pages, padding) shows up as NaN."""
+    read of anything else (stale rows, other requests' pages, padding) shows up as NaN. The
+    prefix cache is reset too: its pages hold NaN now, and a case whose prompts share a prefix
+    with an earlier case's must compute them, not read the poison as a hit."""
+    engine.reset_prefix_cache()
     pool = engine.runner.kv_pool
     for buf in pool.kv_buffers:
         if pool.is_fp8:

@@ -55,14 +55,19 @@ def test_prompt_forms(openai_client, model_name, server) -> None:
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_streamed_text_equals_non_streamed(openai_client, model_name, endpoint) -> None:
+def test_streamed_text_equals_non_streamed(openai_client, model_name, server, endpoint) -> None:
+    def reset() -> None:  # both requests start from an empty prefix cache: equal cached_tokens
+        server.post("/reset_prefix_cache").raise_for_status()
+
     if endpoint == "chat":
         create = openai_client.chat.completions.create
         kwargs = {"messages": [{"role": "user", "content": "Tell me about foxes."}]}
     else:
         create = openai_client.completions.create
         kwargs = {"prompt": "Tell me about foxes."}
+    reset()
     whole = create(model=model_name, max_tokens=24, **kwargs, **GREEDY)
+    reset()
     chunks = list(
         create(
             model=model_name,

@@ -110,8 +110,20 @@ def test_reset_prefix_cache_needs_the_key_and_forgets(client, pc_server) -> None
     assert cached(client.completions.create(model=m, prompt=p, **GREEDY).usage) == 0
 
 
-def test_cache_off_has_no_details(openai_client, model_name, server) -> None:
-    out = openai_client.completions.create(model=model_name, prompt=prompt(4), **GREEDY)
-    assert out.usage.prompt_tokens_details is None
-    r = server.post("/reset_prefix_cache")
-    assert r.status_code == 200 and r.json()["num_freed_pages"] == 0
+def test_cache_off_has_no_details(model_dir, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """--no-enable-prefix-caching (vLLM's flag; the cache is on by default): no details, and a
+    reset frees nothing."""
+    proc = start_server(
+        model_dir, tmp_path_factory.mktemp("pc-off-logs") / "server.log",
+        "--no-enable-prefix-caching", "--page-size", "4",
+    )  # fmt: skip
+    try:
+        proc.wait_ready()
+        with openai.OpenAI(base_url=f"{proc.url}/v1", api_key="x", max_retries=0) as c:
+            for _ in range(2):  # the second would hit with the cache on
+                out = c.completions.create(model=model(c), prompt=prompt(4), **GREEDY)
+                assert out.usage.prompt_tokens_details is None
+        r = proc.post("/reset_prefix_cache")
+        assert r.status_code == 200 and r.json()["num_freed_pages"] == 0
+    finally:
+        proc.stop()

@@ -86,6 +86,16 @@ def test_vllm_speculative_methods_other_than_mtp_are_refused_naming_mtp() -> Non
         _settings("--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}')
 
 
+def test_prefix_caching_is_on_by_default_and_vllms_no_flag_turns_it_off() -> None:
+    """vLLM's default and its `--no-enable-prefix-caching` spelling (issue 43)."""
+    assert _settings().engine.enable_prefix_caching is True
+    assert _settings("--enable-prefix-caching").engine.enable_prefix_caching is True
+    settings = _settings("--no-enable-prefix-caching")
+    assert settings.engine.enable_prefix_caching is False and settings.notes == []
+    env = parse_settings(["serve"], {"MLASERVE_ENABLE_PREFIX_CACHING": "0"})[1]
+    assert env.engine.enable_prefix_caching is False
+
+
 def test_flags_combine_and_notes_keep_their_order() -> None:
     settings = _settings("--trust-remote-code", "--block-size", "16", "-pp", "1")
     assert settings.engine.page_size == 16
