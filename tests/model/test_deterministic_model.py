@@ -23,9 +23,8 @@ from mlaserve.model import load_model
 from tests.ops.cases import (
     HAS_CUDA,
     HAS_TRITON,
-    HOST_MATMUL_ROW_INVARIANT,
-    NOT_ROW_INVARIANT_HOST,
     gpu,
+    row_invariant_interpreter_dot,
 )
 
 from .paged import PagedCache
@@ -38,7 +37,6 @@ VARIANTS = [
         marks=[
             pytest.mark.skipif(HAS_CUDA, reason="the GPU variant runs instead"),
             pytest.mark.skipif(not HAS_TRITON, reason="needs triton"),
-            pytest.mark.skipif(not HOST_MATMUL_ROW_INVARIANT, reason=NOT_ROW_INVARIANT_HOST),
         ],
     ),
     pytest.param("gpu", id="gpu-default-model", marks=gpu),
@@ -58,6 +56,7 @@ class Setup:
         self.kv_dtype = torch.bfloat16 if variant == "torch" else torch.float8_e4m3fn
         if variant == "interpreted":  # the CUDA path's kernels, decided at construction
             monkeypatch.setenv("MLASERVE_FUSED_OPS", "1")
+            row_invariant_interpreter_dot(monkeypatch)
         # the interpreter runs each program in numpy: a shorter prompt (still two 7-chunks)
         self.prompt = PROMPT[:12] if variant == "interpreted" else PROMPT
         self.config = ModelConfig.from_pretrained(path)

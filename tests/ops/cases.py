@@ -73,7 +73,34 @@ def _host_matmul_row_invariant() -> bool:
 
 
 HOST_MATMUL_ROW_INVARIANT = _host_matmul_row_invariant()
-NOT_ROW_INVARIANT_HOST = (
-    "this host's numpy matmul gives a row other bits at another position of the same-shaped "
-    "tile, so the interpreter cannot check bitwise batch invariance here; the GPU variant does"
-)
+
+
+def _fixed_order_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """The interpreter's `create_dot` with numpy's einsum in place of its matmul: einsum's own
+    loops reduce each output element over k in one order wherever its row sits, where a BLAS
+    may treat a tile's edge rows apart. The operands' handling is the interpreter's."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle, _convert_float
+
+    a_data, b_data = a.data, b.data
+    if (a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating()) or (
+        b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating()
+    ):
+        a_data = _convert_float(a_data, a.dtype, tl.float16, None).view(np.float16)
+        b_data = _convert_float(b_data, b.dtype, tl.float16, None).view(np.float16)
+    acc = np.einsum("...ik,...kj->...ij", a_data, b_data, dtype=d.data.dtype, casting="unsafe")
+    return TensorHandle(acc + d.data, d.dtype.scalar)
+
+
+def row_invariant_interpreter_dot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the Triton interpreter's `tl.dot` give a row the same bits wherever it sits in its
+    tile, on a host whose BLAS does not (`HOST_MATMUL_ROW_INVARIANT`; this CI's AMD host from
+    2026-11-28 differs at row 63 of 64). Without it a bitwise batch-invariance check under the
+    interpreter measures the host's BLAS, not the kernel. A no-op where the host's matmul is
+    already invariant (the interpreter's own dot is then checked)."""
+    if HOST_MATMUL_ROW_INVARIANT:
+        return
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    monkeypatch.setattr(InterpreterBuilder, "create_dot", _fixed_order_dot)

@@ -18,13 +18,7 @@ import torch
 
 from mlaserve.ops.fp8_quant import expand_scale_rows, quantize_weight_block
 from mlaserve.ops.invariant_rowwise import rowwise_head_matmul, rowwise_matmul
-from tests.ops.cases import (
-    HOST_MATMUL_ROW_INVARIANT,
-    NOT_ROW_INVARIANT_HOST,
-    cpu_case,
-    gpu_case,
-    model_dtype,
-)
+from tests.ops.cases import cpu_case, gpu_case, model_dtype, row_invariant_interpreter_dot
 
 # (N, K) at serving sizes: the default model (hidden 256, q_lora 64, latent 576, vocab 4096) and
 # V3-lite (hidden 2048, q 3072 + latent 576, experts' shared MLP, vocab 102400)
@@ -86,11 +80,11 @@ def _check_close(got, ref):
 
 
 @pytest.mark.parametrize(("shape", "weights", "device"), [*CPU_CASES, *GPU_CASES])
-def test_matches_fp32_reference_and_is_batch_invariant(shape, weights, device):
+def test_matches_fp32_reference_and_is_batch_invariant(shape, weights, device, monkeypatch):
     from mlaserve.ops.invariant_matmul import invariant_matmul
 
-    if device == "cpu" and not HOST_MATMUL_ROW_INVARIANT:
-        pytest.skip(NOT_ROW_INVARIANT_HOST)
+    if device == "cpu":
+        row_invariant_interpreter_dot(monkeypatch)
     n, k = GPU_SHAPES.get(shape, shape)
     gen = torch.Generator(device=device).manual_seed(0)
     w, scale, x_dtype, out_dtype = _weights(n, k, weights, device, gen)
