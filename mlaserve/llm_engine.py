@@ -114,7 +114,10 @@ class LLMEngine:
         if spec is not None:
             drafter = MTPDrafter(self.runner, spec.k)
             policy = SpecPolicy(spec.k, disable_batch_size=config.speculative_disable_batch_size)
-            self.spec_decoder = SpecDecoder(self.runner, self.graphs, drafter, spec.k, policy)
+            self.spec_decoder = SpecDecoder(
+                self.runner, self.graphs, drafter, spec.k, policy,
+                extend_drafts=config.enable_prefix_caching,
+            )  # fmt: skip
         # Prefix caching (None when off: `PrefixSharing.build`).
         self.allocator, prefix = PrefixSharing.build(config, self.runner.num_pages)
         self.scheduler = Scheduler(

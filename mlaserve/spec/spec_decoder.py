@@ -18,7 +18,10 @@
         target forward -> sampler -> the draft over the same rows (eager) -> [draft graph];
         with overlap scheduling, when the policy keeps the next step plain and no refresh
         pays, a plain engine's step instead (`plan`): no draft pass over the prompt, and the
-        requests' draft caches start stale
+        requests' draft caches start stale; except with prefix caching (`extend_drafts`),
+        where the draft pass over the prompt always runs (a refresh): a page registers only
+        with its MTP rows written (`engine/prefix_sharing.py`), so without it a prompt of an
+        engine whose speculation does not pay would never be cached
 
 Whether the NEXT step speculates is decided in this one (`SpecPolicy`, from the batch size, the
 number of stale caches, the running accept length and the step costs), since its drafts are
@@ -72,8 +75,13 @@ class SpecDecoder:
         drafter: Drafter,
         k: int,
         policy: SpecPolicy | None = None,
+        *,
+        extend_drafts: bool = False,
     ) -> None:
+        """`extend_drafts`: an EXTEND step never goes plain (prefix caching: the prompt's pages
+        need their MTP rows to be registered); costs the draft layer's pass over the prompt."""
         self.runner = runner
+        self.extend_drafts = extend_drafts
         self.graphs = graphs
         self.drafter = drafter
         self.k = k
@@ -138,6 +146,8 @@ class SpecDecoder:
         if decode and self._verifies(requests):
             return None
         decision = self._decide(requests, sched.batch_id)
+        if decision.plain and not decode and self.extend_drafts:
+            decision = Decision(False, decision.reason, refresh=True)
         if decision.plain:
             self._go_plain(requests, sched.batch_id if decode else None)
         return decision

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mlaserve import LLM, SamplingParams
+from mlaserve.spec.spec_policy import FORCED_PLAIN
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PAGE = 4
@@ -194,6 +195,28 @@ def test_speculative_engine_caches_and_stays_exact(overlap: bool) -> None:
     assert on.engine.num_scheduled_tokens < off.engine.num_scheduled_tokens
     assert on.engine.get_stats().prefix_cache_hits > 0
     assert_no_leak(on)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prompts_register_when_speculation_does_not_pay(overlap: bool) -> None:
+    """The cost policy keeps every step plain (speculation does not pay on this hardware): the
+    prompt's own pages still register, because an EXTEND step runs the draft over its rows
+    when the cache is on (without it a plain EXTEND leaves the MTP rows unwritten and nothing of
+    the request can be cached), and the outputs equal cache-off's."""
+    head = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+    prompts = [head + "    return fib", head + "    return fibonacci(n - 1) +"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    kw = {"num_speculative_tokens": 2, "overlap_schedule": overlap, "page_size": 16}
+    runs = {}
+    for cache in (False, True):
+        llm = LLM(device="cpu", enable_prefix_caching=cache, **kw)
+        llm.engine.spec_decoder.policy.forced = FORCED_PLAIN
+        runs[cache] = token_ids([llm.generate([p], params, use_tqdm=False)[0] for p in prompts])
+        if cache:
+            assert llm.engine.get_stats().prefix_cache_hits > 0
+            assert llm.engine.spec_decoder.stats.num_drafts == 0  # it never speculated
+            assert_no_leak(llm)
+    assert runs[True] == runs[False]
 
 
 def _mtp_rows(engine, request_id: str) -> torch.Tensor:

@@ -287,9 +287,11 @@ def test_a_prefill_the_policy_keeps_plain_runs_no_draft_pass(
     engine's, the prefill included: the draft never runs, not even over the prompts, and the
     caches are stale from the first step. Outputs are speculation-off's, no page stays held.
     Once the batch is steady, its plain steps do no per-request work in the decoder and the
-    policy repeats its decision (`SpecPolicy.repeat`), each still counted."""
+    policy repeats its decision (`SpecPolicy.repeat`), each still counted. Prefix caching off:
+    with it on the prompt's draft pass always runs (tests/engine/test_prefix_cache_engine.py)."""
     _, prompts, expected = reference
-    llm = LLM(mtp_path, num_speculative_tokens=K, max_num_seqs=4, overlap_schedule=True, **CPU)
+    llm = LLM(mtp_path, num_speculative_tokens=K, max_num_seqs=4, overlap_schedule=True,
+              enable_prefix_caching=False, **CPU)  # fmt: skip
     engine = llm.engine
     policy = engine.spec_decoder.policy
     policy.follow_served_steps = False
