@@ -17,6 +17,7 @@ import contextlib
 import functools
 import logging
 import multiprocessing
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -167,6 +168,17 @@ def _kill(proc: BaseProcess) -> None:
         proc.join(_KILL_WAIT_S)
 
 
+def _is_mlaserve_cli(main: Any) -> bool:
+    """Whether `__main__` is mlaserve's own entry point: `python -m mlaserve` (its spec names
+    the package) or the `mlaserve` console script (a file named so). A script that imports
+    `main` from the CLI and patches something first is a user's script: its module re-runs in
+    the child, so that its patches hold there too."""
+    spec = getattr(main, "__spec__", None)
+    if spec is not None:
+        return spec.name in ("mlaserve.__main__", "mlaserve.service.cli")
+    return os.path.basename(getattr(main, "__file__", None) or "") == "mlaserve"
+
+
 @contextlib.contextmanager
 def _main_not_reimported() -> Iterator[None]:
     """`spawn` re-imports the parent's `__main__` in the child. When that is mlaserve's CLI
@@ -174,8 +186,7 @@ def _main_not_reimported() -> Iterator[None]:
     models, which the engine never uses: hide it while the child's start data is taken. Any
     other `__main__` (a user's script, whose functions the child may need) is left as it is."""
     main = sys.modules.get("__main__")
-    cli = sys.modules.get("mlaserve.service.cli")
-    if main is None or cli is None or getattr(main, "main", None) is not cli.main:
+    if main is None or not _is_mlaserve_cli(main):
         yield
         return
     saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
