@@ -118,7 +118,9 @@ def test_auto_tool_call_streamed(v3) -> None:
     assert got["content"] == "Checking the weather." and got["finish_reason"] == "tool_calls"
     assert list(got["calls"]) == [0] and got["calls"][0]["name"] == "get_weather"
     pieces = got["calls"][0]["pieces"]
-    assert "".join(pieces) == ARGUMENTS and len([p for p in pieces if p]) == 3  # one per token
+    # Streamed as generated: more than one piece (3 tokens; a server running behind merges the
+    # deltas that are ready into one chunk, as vLLM's does, so 2 pieces are as right as 3)
+    assert "".join(pieces) == ARGUMENTS and len([p for p in pieces if p]) in (2, 3)
 
 
 @pytest.mark.parametrize("stream", [False, True])
