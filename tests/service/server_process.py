@@ -120,10 +120,15 @@ def start_server(
     api_key: str | None = None,
     env: dict[str, str] | None = None,
     port: int | None = None,
+    script: Path | None = None,
 ) -> ServerProcess:
-    """Launch the server; returns at once (call `wait_ready`). Output goes to `log_path`."""
+    """Launch the server; returns at once (call `wait_ready`). Output goes to `log_path`.
+
+    `script`: a Python file to run instead of `-m mlaserve`; it patches something and calls
+    `mlaserve.service.cli.main` (it re-runs in the engine process, so its patches hold there)."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "mlaserve", "serve", "--port", str(port), "--device", "cpu"]
+    entry = [str(script)] if script is not None else ["-m", "mlaserve"]
+    cmd = [sys.executable, *entry, "serve", "--port", str(port), "--device", "cpu"]
     if model_dir is not None:
         cmd += ["--model", str(model_dir)]
     if api_key:

@@ -71,14 +71,37 @@ def test_client_timing_out_a_plain_request_aborts_it(server) -> None:
     assert server.metric("mlaserve:request_success_total", finished_reason="abort") == aborted + 16
 
 
+# Runs in the server and (re-imported by `spawn`) in the engine process: a warm-up that takes
+# 2 s longer, so the probe test sees /ready's 503 however fast this machine loads the model.
+_SLOW_WARMUP_SERVER = """
+import sys, time
+from mlaserve.llm_engine import LLMEngine
+from mlaserve.service.cli import main
+
+real_warmup = LLMEngine.warmup
+
+def warmup(self):
+    time.sleep(2.0)
+    return real_warmup(self)
+
+LLMEngine.warmup = warmup
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
 # ----- a small server with an API key: 2 running + 1 waiting at most -----
 @pytest.fixture(scope="module")
 def small_server(model_dir, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("small-server")
+    script = workdir / "slow_warmup_server.py"
+    script.write_text(_SLOW_WARMUP_SERVER)
     proc = start_server(
         model_dir,
-        tmp_path_factory.mktemp("small-server") / "server.log",
+        workdir / "server.log",
         "--max-num-seqs", "2", "--max-queue", "1", "--shutdown-timeout", "30",
         api_key=API_KEY,
+        script=script,
     )  # fmt: skip
     try:
         proc.startup = proc.wait_ready()
