@@ -45,6 +45,12 @@ dims, keys = n C + n (n + 1) / 2 (each new token sees the cache and the new toke
   Not counted: the MHA form's materialised K / V (S x H x (d_n + d_r + d_v) per layer, written
   and read again: a fused kernel need not), and anything of the MTP layer.
 
+`--profile K`: after the rounds, one more hit per `--new` count runs under torch.profiler and the
+table lists its K costliest kernels by device time (CPU ops by host time on the CPU), with the
+hit's wall time against the device's busy time (the sum of kernel times: kernels of one stream do
+not overlap) and the kernel launch count: wall much above busy says the host (eager launches,
+the loop) is the bottleneck, not the kernels.
+
 On the CPU (`--device cpu`, a smoke test) the rate and bandwidth are measured with the host clock
 on small float32 operands; the numbers mean little there. Prints a table and one JSON line.
 """
@@ -149,6 +155,31 @@ def first_token_ms(llm: LLM, rid: str, prompt: list[int], device: torch.device) 
     return ttft, cached, replays
 
 
+def profile_hit(llm: LLM, prompt: list[int], rid: str, device: torch.device, top: int) -> dict:
+    """One hit (its prefix already cached) under torch.profiler: wall ms, device busy ms, the
+    kernel launch count and the `top` costliest kernels (CPU: ops by self host time)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=activities) as prof:
+        ms, cached, _ = first_token_ms(llm, rid, prompt, device)
+    key = "self_device_time_total" if on_cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+    if on_cuda:  # the kernels only: a host op's device time is its kernels', counted twice
+        events = [e for e in events if e.device_type == DeviceType.CUDA]
+    busy_us = sum(getattr(e, key) for e in events)
+    events.sort(key=lambda e: getattr(e, key), reverse=True)
+    kernels = [
+        {"name": e.key[:90], "calls": e.count, "ms": getattr(e, key) / 1e3} for e in events[:top]
+    ]
+    return {
+        "wall_ms": ms, "cached": cached, "busy_ms": busy_us / 1e3,
+        "launches": sum(e.count for e in events), "top": kernels,
+    }  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     rate, bandwidth = host_rates(device)
@@ -182,6 +213,13 @@ def run(args: argparse.Namespace) -> dict:
             if r:
                 runs[n]["hit"].append(ms)
                 runs[n]["miss"].append(miss_ms)
+    profiles = {}
+    if args.profile:
+        prefix = [rng.randrange(vocab) for _ in range(args.cached)]
+        first_token_ms(llm, "fill-profile", [*prefix, rng.randrange(vocab)], device)
+        for n in args.new:
+            prompt = [*prefix, *(rng.randrange(vocab) for _ in range(n))]
+            profiles[n] = profile_hit(llm, prompt, f"profile-{n}", device, args.profile)
     rows = []
     for n in args.new:
         parts = floor_parts(llm, args.cached, n)
@@ -196,6 +234,8 @@ def run(args: argparse.Namespace) -> dict:
             "floor_mha_ms": floor_mha, "floor_absorbed_ms": floor_abs, "bytes_ms": bytes_ms,
             "piecewise": piecewise[n], **parts,
         })  # fmt: skip
+        if n in profiles:
+            rows[-1]["profile"] = profiles[n]
     return {
         "bench": "prefix_prefill",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -233,6 +273,16 @@ def print_table(report: dict) -> None:
             f"{r['floor_mha_ms']:>8.2f} {r['floor_absorbed_ms']:>8.2f} {r['bytes_ms']:>8.2f} "
             f"{r['piecewise']!s:>9}"
         )
+    for r in report["rows"]:
+        if "profile" not in r:
+            continue
+        p = r["profile"]
+        print(
+            f"profiled hit, {r['cached']} cached + {r['new']} new: wall {p['wall_ms']:.2f} ms, "
+            f"device busy {p['busy_ms']:.2f} ms, {p['launches']} launches"
+        )
+        for k in p["top"]:
+            print(f"  {k['ms']:>8.3f} ms {k['calls']:>5} x  {k['name']}")
 
 
 def main() -> None:
@@ -247,6 +297,8 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=None, help="default: the engine's")
     ap.add_argument("--num-pages", type=int, default=None, help="default: sized from memory")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--profile", type=int, default=0, metavar="K",
+                    help="also profile one hit per --new count: its K costliest kernels")  # fmt: skip
     args = ap.parse_args()
     if args.cached < 1 or min(args.new) < 1 or args.rounds < 1:
         ap.error("--cached, --new and --rounds must be >= 1")

@@ -1,6 +1,7 @@
 """bench/prefix_prefill.py scaled down on the CPU default model: its hit requests really start
 from the cached prefix (the script stops otherwise), its misses from nothing, and the table and
-JSON line carry a floor for the attention form the engine takes."""
+JSON line carry a floor for the attention form the engine takes, and `--profile` breaks a hit
+down by op."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ def test_prefix_prefill_bench_smoke() -> None:
     cmd = [
         sys.executable, "bench/prefix_prefill.py", "--device", "cpu", "--model", "",
         "--cached", "32", "--new", "4", "9", "--page-size", "16", "--rounds", "1",
+        "--profile", "3",
     ]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -29,3 +31,7 @@ def test_prefix_prefill_bench_smoke() -> None:
         assert row["cached"] == 32 and row["hit_ms"] > 0 and row["miss_ms"] > 0
         assert row["floor_ms"] == row["floor_absorbed_ms"] > row["bytes_ms"] > 0
         assert row["kv_bytes"] > 0 and row["flops_mha"] > 0 and row["flops_absorbed"] > 0
+        profile = row["profile"]  # --profile: one more hit, its costliest ops on the host
+        assert profile["cached"] == 32 and profile["wall_ms"] > 0 and profile["launches"] > 0
+        assert len(profile["top"]) == 3 and profile["busy_ms"] >= profile["top"][0]["ms"] > 0
+    assert "profiled hit, 32 cached + 9 new" in done.stdout
