@@ -296,6 +296,13 @@ class LLMEngine:
         workers = self.tp_workers
         return self._step() if workers is None else workers.run_step(self._step)
 
+    def check_health(self) -> None:
+        """Raise `EngineDeadError` if a tensor-parallel rank exited or a node went silent since
+        the last step (nothing on one rank). The engine process calls it while idle: a group
+        that dies between requests is reported then, not at the next request."""
+        if self.tp_workers is not None:
+            self.tp_workers.check()
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing on one rank); the engine cannot step after.
         Also runs when the engine is collected or the interpreter exits."""

@@ -76,6 +76,9 @@ LOADED, READY, ADDED, STEP, ABORTED, STATS, FAILED, STOPPED, RESET_DONE = range(
 STATS_INTERVAL_S = 0.05
 # After the frontend vanished: how long the current step may still take before the process exits.
 ORPHAN_GRACE_S = 10.0
+# An idle engine wakes this often to check its tensor-parallel group (`LLMEngine.check_health`),
+# so a rank or node lost between requests fails the engine, and /health, within about this.
+IDLE_CHECK_S = 1.0
 _NO_PROMPT: list[int] = []  # sent instead of the prompt after a request's first output
 _PARENT_GONE = (STOP, "parent_gone")
 _READER_FAILED = -1  # (_READER_FAILED, exception): the command thread died; the loop raises it
@@ -261,7 +264,7 @@ class EngineCore:
     # ----- the loop -----
     def _serve(self, engine: LLMEngine) -> None:
         while True:
-            commands = self._next_commands(block=not engine.has_unfinished_requests())
+            commands = self._next_commands(not engine.has_unfinished_requests(), engine)
             for i, command in enumerate(commands):
                 if command[0] == STOP:
                     self._stop(engine, commands[i + 1 :], parent_gone=command is _PARENT_GONE)
@@ -300,10 +303,18 @@ class EngineCore:
         self._last_stats = stats
         return stats
 
-    def _next_commands(self, block: bool) -> list[tuple]:
+    def _next_commands(self, block: bool, engine: LLMEngine | None = None) -> list[tuple]:
+        """The queued commands; with `block`, waits for one, checking `engine`'s health every
+        `IDLE_CHECK_S` meanwhile (its death raises out of the loop)."""
         if not block and self._commands.empty():
             return []  # the usual case between two steps: no exception raised and caught
-        commands = [self._commands.get()] if block else []
+        commands = []
+        while block and not commands:
+            try:
+                commands.append(self._commands.get(timeout=IDLE_CHECK_S))
+            except queue.Empty:
+                if engine is not None:
+                    engine.check_health()
         while True:
             try:
                 commands.append(self._commands.get_nowait())

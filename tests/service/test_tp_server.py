@@ -108,3 +108,30 @@ def test_a_killed_rank_fails_the_open_stream_and_leaves_no_process(
     _assert_all_exit(below)
     if device == "cuda" and shutil.which("nvidia-smi"):
         assert not _gpu_pids() & (below | {server.proc.pid}), "a process still holds a GPU"
+
+
+def test_a_rank_killed_while_idle_fails_the_server_without_a_request(tmp_path: Path) -> None:
+    """The idle engine checks its group every `IDLE_CHECK_S` (`LLMEngine.check_health`): a rank
+    lost between requests turns /health 503 and exits the server, as an orchestrator's probe
+    needs, instead of waiting for the next request to find it."""
+    server = start_server(None, tmp_path / "server.log", "-tp", "2")
+    try:
+        server.wait_ready(timeout=600)
+        below = descendants(server.proc.pid)
+        match = re.search(r"tensor parallel: 2 ranks \(\w+\), workers \[(\d+)\]", server.logs())
+        assert match, server.logs()
+        poller = _HealthPoller(server.url)
+        poller.start()
+        t0 = time.monotonic()
+        os.kill(int(match.group(1)), signal.SIGKILL)
+        assert server.proc.wait(EXIT_WAIT_S) == 1
+        exited_after = time.monotonic() - t0
+        poller.stop.set()
+        poller.join()
+    finally:
+        server.stop(signal.SIGKILL)
+    codes = poller.codes_never_up_again()
+    assert "the engine died" in server.logs() and "exited" in server.logs(), server.logs()
+    print(f"idle: the server exited {exited_after:.2f} s after the kill; /health: "
+          f"{codes.count(200)} x 200, {codes.count(503)} x 503, then refused")  # fmt: skip
+    _assert_all_exit(below)
