@@ -16,6 +16,11 @@ first part (token position), the reference's top-1 minus top-2 logprob there (a 
 bf16 reduction order may flip is small; a wrong token would part at a large margin), and the
 first-step logits' max |diff| over every prompt (the first sampled position, whole vocabulary, fp32
 logits as the sampler sees them). A printed table and a JSON line. Not a test.
+
+`--dtype float32`: every variant in float32 (weights, activations and KV; the reference
+attention backend, eager): the reduction-order differences between 1 and N ranks shrink from
+bf16's ~1e-2 to ~1e-6, so the near-ties they flip in bf16 mostly stop flipping. What still parts
+is then a near-tie at fp32's scale, or a sharding bug.
 """
 
 from __future__ import annotations
@@ -124,14 +129,26 @@ def compare(got: dict, ref: dict) -> dict:
     return out
 
 
+FLOAT32 = {
+    "dtype": "float32",
+    "kv_cache_dtype": "auto",
+    "attention_backend": "reference",
+    "cuda_graph": False,
+    "piecewise_cuda_graph": False,
+}
+
+
 def variant_kwargs(name: str, args) -> dict:
-    """The engine options of a variant: tp1, tpN, tp2_eager, tp2_mtpK."""
+    """The engine options of a variant: tp1, tpN, tp2_eager, tp2_mtpK (+ float32's)."""
+    extra = FLOAT32 if args.dtype == "float32" else {}
     if name == "tp2_eager":
-        return {"tensor_parallel_size": 2, "cuda_graph": False, "piecewise_cuda_graph": False}
+        return {"tensor_parallel_size": 2, "cuda_graph": False, "piecewise_cuda_graph": False,
+                **extra}  # fmt: skip
     if name.startswith("tp2_mtp"):
-        return {"tensor_parallel_size": 2, "num_speculative_tokens": int(name[len("tp2_mtp") :])}
+        k = int(name[len("tp2_mtp") :])
+        return {"tensor_parallel_size": 2, "num_speculative_tokens": k, **extra}
     n = int(name[2:])
-    return {"tensor_parallel_size": n} if n > 1 else {}
+    return {"tensor_parallel_size": n, **extra} if n > 1 else dict(extra)
 
 
 def isolated(name: str, margins: bool, args) -> dict:
@@ -143,7 +160,7 @@ def isolated(name: str, margins: bool, args) -> dict:
         cmd = [sys.executable, __file__, "--run", name, "--out", str(out),
                "--load-format", args.load_format, "--prompts", str(args.prompts),
                "--max-tokens", str(args.max_tokens), "--num-pages", str(args.num_pages),
-               "--seed", str(args.seed), "--device", args.device]  # fmt: skip
+               "--seed", str(args.seed), "--device", args.device, "--dtype", args.dtype]  # fmt: skip
         cmd += ["--model", args.model] if args.model else []
         cmd += ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
         cmd += ["--margins"] if margins else []
@@ -163,6 +180,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the engine's")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (gloo)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32"],
+                    help="float32: every variant in fp32 (docstring)")  # fmt: skip
     ap.add_argument("--run", help=argparse.SUPPRESS)  # internal: one variant, in this process
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--margins", action="store_true", help=argparse.SUPPRESS)
@@ -194,7 +213,8 @@ def main() -> None:
         if has_mtp and args.spec:
             rows.append(compare(isolated(f"tp2_mtp{args.spec}", False, args), runs["tp2"]))
     print(f"model {args.model or 'default'} ({args.load_format}), {device_name}"
-          f" x{gpus}, {args.prompts} prompts x {args.max_tokens} tokens, greedy")  # fmt: skip
+          f" x{gpus}, {args.prompts} prompts x {args.max_tokens} tokens, greedy, dtype "
+          f"{args.dtype}")  # fmt: skip
     print(f"{'variant':>10} {'vs':>5} {'identical':>10} {'first part (min/med)':>21} "
           f"{'max gap there':>13} {'logits max|d|':>13} {'replays':>8} {'s':>6}")  # fmt: skip
     for r in rows:
@@ -207,7 +227,7 @@ def main() -> None:
               f"{'-' if lg is None else f'{lg:.3g}':>13} {r['graph_replays']:>8} {r['s']:>6}")  # fmt: skip
     print(json.dumps({
         "bench": "tp_agreement", "model": args.model or "default", "load_format": args.load_format,
-        "device": device_name, "gpus": gpus, "prompts": args.prompts,
+        "dtype": args.dtype, "device": device_name, "gpus": gpus, "prompts": args.prompts,
         "max_tokens": args.max_tokens, "tp1_s": runs["tp1"]["s"] if same_model else None, "rows": rows,
     }))  # fmt: skip
 

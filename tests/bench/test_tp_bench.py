@@ -87,11 +87,12 @@ def test_tp_agreement_runs_each_variant_in_its_own_process_on_the_cpu() -> None:
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
         [sys.executable, str(root / "bench" / "tp_agreement.py"), "--device", "cpu", "--tp", "2",
-         "--prompts", "2", "--max-tokens", "4", "--num-pages", "256"],
+         "--prompts", "2", "--max-tokens", "4", "--num-pages", "256", "--dtype", "float32"],
         cwd=root, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["dtype"] == "float32"
     rows = {(r["variant"], r["reference"]): r for r in report["rows"]}
     assert set(rows) == {("tp2", "tp1"), ("tp2_eager", "tp2"), ("tp2_mtp2", "tp2")}
     assert all(r["identical"] == r["of"] == 2 for r in rows.values()), rows
