@@ -88,7 +88,9 @@ class LLMEngine:
         self.max_model_len = config.resolved_max_model_len(self.model_config)
         self.model_name = config.served_model_name or config.model or "mlaserve-default"
         with self.startup.phase("tokenizer"):
-            self.tokenizer = Tokenizer.from_pretrained(config.tokenizer_path)
+            self.tokenizer = Tokenizer.from_pretrained(
+                config.tokenizer_path, trust_remote_code=config.trust_remote_code
+            )
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

@@ -149,7 +149,8 @@ def test_llm_takes_vllm_engine_keywords(caplog) -> None:
     assert config.cuda_graph is False and config.dtype == "float32" and config.seed == 3
     assert config.max_model_len == 256 and not config.enable_prefix_caching
     assert config.speculative is not None and config.speculative.k == 2
-    assert "vLLM keyword --trust-remote-code: accepted" in caplog.text
+    assert config.trust_remote_code is True  # an engine option (a tokenizer shipped as code)
+    assert "vLLM keyword --enforce-eager" in caplog.text
     out = llm.generate("def f(x):", SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
     llm.shutdown()

@@ -69,6 +69,10 @@ class EngineConfig:
 
     model: str | None = None  # checkpoint folder; None = the default model shipped in the package
     tokenizer: str | None = None  # defaults to `model`
+    # vLLM's flag: run the tokenizer class a checkpoint ships as Python (its tokenizer_config.json
+    # `auto_map`), as Kimi-K2's and Moonlight's tiktoken tokenizers are. Off: such a folder is a
+    # clear error naming the flag. The model itself is always mlaserve's own code.
+    trust_remote_code: bool = False
     load_format: str = "auto"  # one of LOAD_FORMATS
     device: str = "auto"  # "auto" = cuda if available else cpu
     dtype: str = "auto"  # "auto" = the checkpoint's dtype on cuda, float32 on cpu

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from mlaserve.config.error import ConfigError
 from mlaserve.config.quantization_config import QuantizationConfig
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "ModelConfig", "RopeScaling"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "V3_ARCHITECTURE", "ModelConfig", "RopeScaling"]
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+# Kimi-K2 is DeepSeek-V3's architecture under its own name (Moonshot set "kimi_k2" so that
+# engines can tell the two apart; its weights use V3's names and layout).
+V3_ARCHITECTURE = ("deepseek_v3", "kimi_k2")
 
 
 def _yarn_mscale(scale: float, mscale: float) -> float:
@@ -146,11 +149,22 @@ class ModelConfig:
     # ----- parsing -----
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        """config.json, plus generation_config.json's `eos_token_id` where the folder has one:
+        its ids end a generation too (as in vLLM). Kimi-K2's config.json names `[EOS]` while
+        its chat turns end with `<|im_end|>`, which only generation_config.json names."""
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise ConfigError(f"model: no config.json in {str(path)!r}")
         with open(config_file) as f:
-            return cls.from_dict(json.load(f))
+            config = cls.from_dict(json.load(f))
+        generation_file = Path(path) / "generation_config.json"
+        if not generation_file.is_file():
+            return config
+        with open(generation_file) as f:
+            generation = json.load(f)
+        extra = _token_ids(generation.get("eos_token_id") if isinstance(generation, dict) else None)
+        eos = config.eos_token_ids + tuple(i for i in extra if i not in config.eos_token_ids)
+        return config if eos == config.eos_token_ids else replace(config, eos_token_ids=eos)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -175,10 +189,9 @@ class ModelConfig:
         ]
         if missing:
             raise ConfigError(f"config.json: missing required keys {missing}")
-        is_v3 = model_type == "deepseek_v3"
+        is_v3 = model_type in V3_ARCHITECTURE
         rope_theta, rope_scaling = _parse_rope(d)
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = _token_ids(d.get("eos_token_id"))
         n_routed = d.get("n_routed_experts")
         return cls(
             model_type=model_type,
@@ -220,6 +233,16 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             quantization=quantization,
         )
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    """An `eos_token_id` entry: one id, a list of them, or absent."""
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ConfigError(f"eos_token_id: expected an int or a list of ints, got {value!r}")
+    return tuple(values)
 
 
 def _parse_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:

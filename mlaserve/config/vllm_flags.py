@@ -107,6 +107,9 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag("--enable-expert-parallel", "same", "with -tp N, each rank holds whole experts",
              nargs=0, example=("--enable-expert-parallel",),
              expect={"enable_expert_parallel": True}),
+    VllmFlag("--trust-remote-code", "same", "run the tokenizer class the checkpoint ships as "
+             "code (Kimi-K2, Moonlight); the model is always mlaserve's", nargs=0,
+             example=("--trust-remote-code",), expect={"trust_remote_code": True}),
     VllmFlag("--max-model-len", "same", "prompt + output tokens per request",
              example=("--max-model-len", "4096"), expect={"max_model_len": 4096}),
     VllmFlag("--gpu-memory-utilization", "same", "share of the GPU's memory this server uses",
@@ -189,9 +192,6 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
              convert=_switch(disable_log_requests=False), example=("--enable-log-requests",),
              expect={"disable_log_requests": False}),
     # ----- accepted with no effect: the behaviour is already mlaserve's -----
-    VllmFlag("--trust-remote-code", "noop", "--trust-remote-code: accepted; mlaserve runs no "
-             "code from the checkpoint (the DeepSeek models need none)", nargs=0,
-             example=("--trust-remote-code",)),
     VllmFlag("--disable-log-stats", "noop", "--disable-log-stats: accepted; mlaserve logs no "
              "periodic statistics (they are on GET /metrics)", nargs=0,
              example=("--disable-log-stats",)),

@@ -226,7 +226,9 @@ class AsyncEngine:
     def _load_tokenizer(self) -> Tokenizer:
         from mlaserve.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer.from_pretrained(self.config.tokenizer_path)
+        tokenizer = Tokenizer.from_pretrained(
+            self.config.tokenizer_path, trust_remote_code=self.config.trust_remote_code
+        )
         _ = tokenizer.max_piece_chars  # computed once, off the loop
         return tokenizer
 

@@ -3,7 +3,8 @@
 Each problem is a `ConfigError` with one line that names the option and says what to do: a
 model path that is not a local checkpoint folder (with the hint that hub ids are not fetched),
 a model type or config.json this server cannot run, a max_model_len beyond the model's, a
-tokenizer folder without tokenizer files, a CUDA device that is not there, a chat template
+tokenizer folder without tokenizer files or whose class is code it ships (without
+--trust-remote-code), a CUDA device that is not there, a chat template
 file that cannot be read. Cheap: config.json and a few file names, never the weights, and no
 transformers; torch is imported only for an explicit `--device cuda...` (the device check), as
 `mlaserve serve` spawns the engine process right after this and the sooner the better.
@@ -17,7 +18,7 @@ from pathlib import Path
 from mlaserve.config import ConfigError, ModelConfig
 from mlaserve.config.model_folder import check_model_folder
 from mlaserve.service.settings import Settings
-from mlaserve.tokenizer.tokenizer_files import TOKENIZER_FILES
+from mlaserve.tokenizer.tokenizer_files import TOKENIZER_FILES, remote_code_refusal
 
 __all__ = ["preflight"]
 
@@ -35,6 +36,9 @@ def preflight(settings: Settings) -> Settings:
         raise ConfigError(
             f"{option}: no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {str(tokenizer)!r}"
         )
+    refusal = remote_code_refusal(tokenizer, engine.trust_remote_code)
+    if refusal is not None:
+        raise ConfigError(refusal)
     if engine.device not in ("auto", "cpu"):  # "auto" never fails; the others import torch
         engine.resolved_device()  # ConfigError when CUDA is asked for and absent
     template = settings.server.chat_template

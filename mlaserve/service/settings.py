@@ -117,6 +117,9 @@ _HELP = {
     "made on the device from config.json alone (benchmarks at full width, no checkpoint; the "
     "folder still needs a tokenizer)",
     "device": "'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'",
+    "trust_remote_code": "run the tokenizer class the checkpoint ships as Python code (its "
+    "tokenizer_config.json auto_map: Kimi-K2's and Moonlight's tiktoken tokenizers need it); the "
+    "model always runs mlaserve's own code (vLLM's flag)",
     "dtype": "weights/activations dtype; 'auto' = the checkpoint's on cuda, float32 on cpu",
     "kv_cache_dtype": "KV-cache dtype; default fp8_e4m3 on cuda, the model dtype on cpu",
     "page_size": "tokens per KV-cache page (a power of two)",

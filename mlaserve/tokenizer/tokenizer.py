@@ -21,7 +21,11 @@ import jinja2
 import tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from mlaserve.tokenizer.tokenizer_files import TOKENIZER_FILES
+from mlaserve.tokenizer.tokenizer_files import (
+    TOKENIZER_FILES,
+    custom_tokenizer_class,
+    remote_code_refusal,
+)
 
 __all__ = ["TOKENIZER_FILES", "ChatTemplateError", "Tokenizer"]
 
@@ -38,8 +42,13 @@ class Tokenizer:
         self._max_piece_chars: int | None = None
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike[str]) -> Tokenizer:
-        """Load tokenizer.json + tokenizer_config.json from a local directory."""
+    def from_pretrained(
+        cls, path: str | os.PathLike[str], trust_remote_code: bool = False
+    ) -> Tokenizer:
+        """Load tokenizer.json + tokenizer_config.json from a local directory. A folder whose
+        tokenizer class is Python code it ships (tokenizer_config.json's `auto_map`, e.g.
+        Kimi-K2's tiktoken tokenizer) loads only with `trust_remote_code`; without it, a
+        `ValueError` names the class and the flag."""
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer path {path} is not a directory")
@@ -48,8 +57,12 @@ class Tokenizer:
                 f"tokenizer path {path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
                 "copy the model's tokenizer there or name its folder with `tokenizer`"
             )
-        kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}
-        if _is_mislabelled_byte_level(path):
+        refusal = remote_code_refusal(path, trust_remote_code)
+        if refusal is not None:
+            raise ValueError(refusal)
+        custom = custom_tokenizer_class(path)
+        kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": trust_remote_code}
+        if custom is None and _is_mislabelled_byte_level(path):
             # DeepSeek V2/V3 declare "LlamaTokenizerFast" but ship a ByteLevel tokenizer.json.
             # Several transformers 5.x releases rebuild such tokenizers with Llama's Metaspace
             # pre-tokenizer, which silently drops every space (transformers#45488). The generic

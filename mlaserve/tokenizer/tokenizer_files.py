@@ -1,8 +1,43 @@
-"""The files that make a folder a tokenizer folder: one module of its own, so that the server's
-preflight checks for them without importing transformers (`tokenizer.py` does)."""
+"""The files that make a folder a tokenizer folder, and the tokenizer class a folder ships as
+code: one module of its own, so that the server's preflight checks them without importing
+transformers (`tokenizer.py` does)."""
 
-__all__ = ["TOKENIZER_FILES"]
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["TOKENIZER_FILES", "custom_tokenizer_class", "remote_code_refusal"]
 
 # A folder holding none of these has no tokenizer (e.g. a `--load-format dummy` folder of only
 # config.json); transformers' own error for it speaks of sentencepiece and slow tokenizers.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def custom_tokenizer_class(folder: Path) -> str | None:
+    """The tokenizer class a folder ships as Python code ("tokenization_kimi.TikTokenTokenizer"),
+    from tokenizer_config.json's `auto_map` ("AutoTokenizer": [slow, fast] or one name); None if
+    it names none (or the file is absent or not JSON: the tokenizer's own load reports that)."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    entry = config.get("auto_map") if isinstance(config, dict) else None
+    names = entry.get("AutoTokenizer") if isinstance(entry, dict) else None
+    if isinstance(names, str):
+        names = [names]
+    found = [n for n in names or [] if isinstance(n, str) and n]
+    return found[0] if found else None
+
+
+def remote_code_refusal(folder: Path, trust_remote_code: bool) -> str | None:
+    """Why the tokenizer in `folder` may not load (its class is code and trust_remote_code is
+    off), in one line naming the flag; None when it may."""
+    custom = custom_tokenizer_class(folder)
+    if custom is None or trust_remote_code:
+        return None
+    return (
+        f"tokenizer at {folder}: its class {custom!r} is Python code shipped with the checkpoint "
+        "(tokenizer_config.json auto_map); pass --trust-remote-code (trust_remote_code=True) to "
+        "run it"
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -197,6 +198,53 @@ def test_unknown_model_type_is_rejected(checkpoint: Checkpoint, tmp_path: Path) 
     edit_config(path, model_type="llama")
     with pytest.raises(ConfigError, match="model_type: 'llama' is not supported"):
         ModelConfig.from_pretrained(path)
+
+
+# Kimi-K2-Instruct's published config.json (its hyper-parameters; "kimi_k2" names V3's
+# architecture) and generation_config.json's end of turn, <|im_end|>.
+KIMI_K2 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "num_nextn_predict_layers": 0, "num_attention_heads": 64,
+    "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 384,
+    "routed_scaling_factor": 2.827, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc",
+    "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8, "moe_layer_freq": 1,
+    "first_k_dense_replace": 1, "norm_topk_prob": True, "scoring_func": "sigmoid",
+    "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+    "rope_theta": 50000.0, "bos_token_id": 163584, "eos_token_id": 163585,
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def test_kimi_k2_reads_as_deepseek_v3_with_its_end_of_turn(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(KIMI_K2))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 163586}))
+    mc = ModelConfig.from_pretrained(tmp_path)
+    assert mc.model_type == "kimi_k2" and mc.n_routed_experts == 384
+    # V3's routing, as for "deepseek_v3", also where a key is left out
+    assert (mc.scoring_func, mc.topk_method, mc.norm_topk_prob) == ("sigmoid", "noaux_tc", True)
+    bare = {k: v for k, v in KIMI_K2.items() if k not in ("scoring_func", "topk_method")}
+    v3 = ModelConfig.from_dict({**bare, "model_type": "deepseek_v3"})
+    assert ModelConfig.from_dict(bare) == dataclasses.replace(v3, model_type="kimi_k2")
+    assert mc.eos_token_ids == (163585, 163586)  # config.json's, then generation_config's
+    assert mc.quantization is not None and mc.rope_scaling.factor == 32.0
+
+
+@pytest.mark.parametrize(("eos", "valid"), [(1, True), ([1], True), ("1", False), ([True], False)])
+def test_generation_config_eos_is_added_once_or_refused(tmp_path: Path, eos, valid) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**KIMI_K2, "eos_token_id": 1}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    if not valid:
+        with pytest.raises(ConfigError, match="eos_token_id: expected an int or a list of ints"):
+            ModelConfig.from_pretrained(tmp_path)
+    else:
+        assert ModelConfig.from_pretrained(tmp_path).eos_token_ids == (1,)
 
 
 def test_no_weights(checkpoint: Checkpoint, tmp_path: Path) -> None:

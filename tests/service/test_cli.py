@@ -119,7 +119,8 @@ def test_a_taken_port_exits_1_with_one_line_and_no_engine(tmp_path) -> None:
 
 def test_a_vllm_command_line_serves(tmp_path) -> None:
     """`vllm serve PATH ...` habits: positional model, vLLM's flag names, `-tp 1`, flags that
-    are no-ops here (logged with the reason)."""
+    are no-ops here (logged with the reason); --trust-remote-code on a tokenizer that ships no
+    code changes nothing."""
     proc = start_server(
         None, tmp_path / "server.log", str(default_model_path()),
         "--gpu-memory-utilization", "0.5", "--max-model-len", "4096", "-tp", "1",
@@ -145,7 +146,7 @@ def test_a_vllm_command_line_serves(tmp_path) -> None:
         assert "cuda_graph = False  (cli)" in log and "gpu_memory_utilization = 0.5  (cli)" in log
         # What each vLLM flag was taken as (docs/vllm_flags.md), in the start-up log.
         assert "vLLM flag --enforce-eager: CUDA graphs off (--no-cuda-graph)" in log
-        assert "vLLM flag --trust-remote-code: accepted; mlaserve runs no code" in log
+        assert "trust_remote_code = True  (cli)" in log  # an option of ours now, vLLM's name
         assert "vLLM flag --disable-log-stats: accepted" in log
         assert "loading weights: shard 1/1 (model.safetensors)" in log
         assert "request cmpl-" not in log and '"POST /v1/completions' not in log

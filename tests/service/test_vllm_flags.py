@@ -97,10 +97,10 @@ def test_prefix_caching_is_on_by_default_and_vllms_no_flag_turns_it_off() -> Non
 
 
 def test_flags_combine_and_notes_keep_their_order() -> None:
-    settings = _settings("--trust-remote-code", "--block-size", "16", "-pp", "1")
+    settings = _settings("--disable-log-stats", "--block-size", "16", "-pp", "1")
     assert settings.engine.page_size == 16
     assert [n.split(":")[0] for n in settings.notes] == [
-        "--trust-remote-code", "--block-size", "--pipeline-parallel-size 1"
+        "--disable-log-stats", "--block-size", "--pipeline-parallel-size 1"
     ]  # fmt: skip
 
 
