@@ -1,7 +1,8 @@
 """`mlaserve serve --nnodes 2` on the CPU (gloo), two launchers on one host as two nodes: node 0
 serves the official client the same greedy text as single-process TP of the same N, and a
 SIGTERM stops both nodes with code 0; killing node 1's launcher mid-stream ends the open stream
-with `engine_dead`, turns /health away from 200 and exits node 0 with 1; killing node 0 exits
+with `engine_dead`, turns /health away from 200 and exits node 0 with 1, and so does killing it
+while node 0 is idle (no request needed to notice); killing node 0 exits
 node 1 with 1; a rendezvous whose node never comes fails naming the missing ranks; a node 1
 whose node 0 never comes fails naming the store. No process is left in any case."""
 
@@ -18,6 +19,7 @@ import pytest
 from openai import OpenAI
 
 from mlaserve import LLM, SamplingParams
+from mlaserve.engine.tp_heartbeat import LOST_AFTER_S
 from tests.service.server_process import ServerProcess, descendants, free_port, start_server
 from tests.service.test_engine_death import EXIT_WAIT_S, _HealthPoller, _stream_until_error
 from tests.service.test_tp_server import _assert_all_exit
@@ -95,6 +97,26 @@ def test_a_lost_worker_node_fails_the_open_stream_and_exits_node_0(tmp_path: Pat
             node.stop(signal.SIGKILL)
     codes = poller.codes_never_up_again()
     print(f"{error['message']!r}; /health: {codes.count(200)} x 200, {codes.count(503)} x 503")
+    _assert_all_exit(pids)
+
+
+@pytest.mark.slow
+def test_a_worker_node_lost_while_idle_exits_node_0_without_a_request(tmp_path: Path) -> None:
+    """No request finds the loss: node 1's heartbeat stops, rank 0 reports the node lost after
+    `LOST_AFTER_S`, and the idle engine's health check (`LLMEngine.check_health`) fails it."""
+    nodes = _start_nodes(tmp_path, 2)
+    try:
+        nodes[0].wait_ready(timeout=600)
+        pids = _all_pids(nodes)
+        t0 = time.monotonic()
+        os.kill(nodes[1].proc.pid, signal.SIGKILL)
+        assert nodes[0].proc.wait(LOST_AFTER_S + EXIT_WAIT_S) == 1, nodes[0].logs()
+        exited_after = time.monotonic() - t0
+    finally:
+        for node in nodes:
+            node.stop(signal.SIGKILL)
+    assert "node 1" in nodes[0].logs() and "the engine died" in nodes[0].logs(), nodes[0].logs()
+    print(f"node 0 exited {exited_after:.1f} s after node 1's launcher was killed, idle")
     _assert_all_exit(pids)
 
 
