@@ -4,6 +4,7 @@ weights from `--load-format dummy`, against its floor; and the 61-layer V3 TPOT 
     python3 bench/tp_decode.py --tp 4                      # 1 dense + 7 MoE layers, eager steps
     python3 bench/tp_decode.py --tp 2 --batch-sizes 1 8 --fit-layers 0
     python3 bench/tp_decode.py --tp 4 --graphs             # graphed steps, once TP captures graphs
+    python3 bench/tp_decode.py --tp 4 --graphs --arch k2   # Kimi-K2's width (64 heads, 384 experts)
 
 The model: V3's config (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, qk_nope 128, rope 64,
 v 128, 256 routed experts top-8 in 8 groups (top 4) + 1 shared, moe_intermediate 2048, dense
@@ -110,12 +111,32 @@ V3_WIDTH = {
 }
 
 
-def write_model(folder: Path, layers: int) -> Path:
-    """config.json (V3's width, `layers` layers) and the default model's tokenizer files."""
+# Kimi-K2's width (its published config.json): V3's layout with half the heads (64), 384 routed
+# experts in one group, a larger vocabulary; 61 layers too, so the extrapolation is the same.
+K2_WIDTH = {
+    **V3_WIDTH,
+    "model_type": "kimi_k2",
+    "vocab_size": 163840,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "n_routed_experts": 384,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.827,
+    "max_position_embeddings": 131072,
+    "rope_theta": 50000.0,
+    "rope_scaling": {**V3_WIDTH["rope_scaling"], "factor": 32, "beta_fast": 1.0},
+}
+WIDTHS = {"v3": V3_WIDTH, "k2": K2_WIDTH}
+
+
+def write_model(folder: Path, layers: int, arch: str = "v3") -> Path:
+    """config.json (V3's or K2's width, `layers` layers) and the default model's tokenizer files."""
     from mlaserve.config import default_model_path
 
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({**V3_WIDTH, "num_hidden_layers": layers}))
+    config = {**WIDTHS[arch], "num_hidden_layers": layers}
+    (folder / "config.json").write_text(json.dumps(config))
     for name in TOKENIZER_FILES:
         shutil.copy(default_model_path() / name, folder)
     return folder
@@ -146,7 +167,7 @@ def run_depth(args: argparse.Namespace) -> dict[str, Any]:
     bandwidth = decode.copy_bandwidth(torch.device("cuda", 0))
     new_tokens = args.rounds * (args.steps + 2) + 8  # every timed step, warm-ups, the profile
     with tempfile.TemporaryDirectory(prefix="tp-decode-v3-") as tmp:
-        folder = write_model(Path(tmp), args.layers)
+        folder = write_model(Path(tmp), args.layers, args.arch)
         try:
             llm = LLM(
                 str(folder),
@@ -210,7 +231,7 @@ def child_run(args: argparse.Namespace, layers: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tp-decode-out-") as tmp:
         out = Path(tmp) / "depth.json"
         cmd = [sys.executable, __file__, "--child", str(out), "--tp", str(args.tp),
-               "--layers", str(layers), "--context", str(args.context), "--steps",
+               "--layers", str(layers), "--arch", args.arch, "--context", str(args.context), "--steps",
                str(args.steps), "--rounds", str(args.rounds), "--batch-sizes",
                *map(str, args.batch_sizes if layers == args.layers else [1])]  # fmt: skip
         if args.graphs:
@@ -235,6 +256,8 @@ def main() -> None:
     ap.add_argument("--fit-layers", type=int, default=2,
                     help="second depth for the 61-layer extrapolation (0: none)")  # fmt: skip
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128])
+    ap.add_argument("--arch", choices=sorted(WIDTHS), default="v3",
+                    help="the width: DeepSeek-V3's (default) or Kimi-K2's")  # fmt: skip
     ap.add_argument("--context", type=int, default=1024, help="tokens of KV per sequence")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
@@ -274,6 +297,7 @@ def main() -> None:
         "bench": "tp_decode",
         "device": torch.cuda.get_device_name(),
         "tp": args.tp,
+        "arch": args.arch,
         "steps": "graphed" if deep["graphs"] else "eager",
         "context": args.context,
         "all_reduce": ar,
@@ -282,7 +306,7 @@ def main() -> None:
     if shallow and 1 in args.batch_sizes:
         step, floor = extrapolate(deep, shallow, "step_ms"), extrapolate(deep, shallow, "floor_ms")
         summary["v3_61_layers_bs1"] = {"step": step, "floor": floor}
-        print(f"\nV3, 61 layers, TP {args.tp}, bs 1 (a time model: per layer from {args.layers} - "
+        print(f"\n{args.arch.upper()}, 61 layers, TP {args.tp}, bs 1 (a time model: per layer from {args.layers} - "
               f"{args.fit_layers} layers, fixed = step_{args.fit_layers} - {args.fit_layers} x "
               f"per layer, V3 = fixed + 61 x per layer; dense layers counted as MoE ones):")  # fmt: skip
         print(f"  TPOT {step['v3_ms']:.2f} ms ({step['per_layer_ms']:.3f} ms/layer, fixed "

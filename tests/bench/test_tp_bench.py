@@ -77,6 +77,19 @@ def test_the_v3_width_config_parses_and_splits(tmp_path: Path) -> None:
         assert (tp.split(mc.num_attention_heads, "heads") * mc.v_head_dim) % 128 == 0  # o_proj
 
 
+def test_the_k2_width_config_parses_as_kimi_k2_and_splits_over_8(tmp_path: Path) -> None:
+    mc = ModelConfig.from_pretrained(write_model(tmp_path, 8, "k2"))
+    assert mc.model_type == "kimi_k2" and mc.scoring_func == "sigmoid"
+    assert (mc.num_attention_heads, mc.n_routed_experts, mc.n_group, mc.vocab_size) == (
+        64, 384, 1, 163840,
+    )  # fmt: skip
+    for n in (2, 4, 8):
+        tp = TensorParallel(0, n)
+        assert (tp.split(mc.num_attention_heads, "heads") * mc.v_head_dim) % 128 == 0  # o_proj
+        assert tp.split(mc.moe_intermediate_size, "moe_intermediate") % 128 == 0
+        assert mc.n_routed_experts % n == 0  # expert parallel takes whole experts
+
+
 def test_tp_agreement_runs_each_variant_in_its_own_process_on_the_cpu() -> None:
     """bench/tp_agreement.py end to end over gloo: TP1, TP2, TP2 eager and TP2 with MTP, each in
     a fresh process; on the CPU every variant equals its reference token for token."""
