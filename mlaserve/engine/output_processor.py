@@ -102,19 +102,24 @@ class OutputProcessor:
             request.cumulative_logprob += result.logprobs[i][j]
         text = request.output_text
         text_before = len(text)
-        text.append(request.detokenizer.step((token,)))
-
         n_out = len(output_ids)
+        stop_token = n_out >= params.min_tokens and (
+            (not params.ignore_eos and token in self.eos_token_ids)
+            or bool(params.stop_token_ids and token in params.stop_token_ids)
+        )
+        # The token that stops the request (EOS, a stop_token_ids entry) is not text unless
+        # include_stop_str_in_output says so, as in vLLM: with skip_special_tokens=false an
+        # EOS would otherwise end every answer.
+        if not stop_token or params.include_stop_str_in_output:
+            text.append(request.detokenizer.step((token,)))
+
         grammar = request.grammar
         end: tuple[FinishReason, int | str | None] | None = None  # (reason, stop_reason)
         if grammar is not None and not grammar.accept_token(token):
             # Only reachable if every allowed token was banned too (e.g. min_tokens vs EOS).
             logger.warning("request %s: token %d breaks its grammar", request.request_id, token)
             end = (FinishReason.STOP, None)
-        elif n_out >= params.min_tokens and (
-            (not params.ignore_eos and token in self.eos_token_ids)
-            or (params.stop_token_ids and token in params.stop_token_ids)
-        ):
+        elif stop_token:
             end = (FinishReason.STOP, token)
         elif (
             n_out >= params.min_tokens

@@ -413,6 +413,10 @@ def test_stop_token_ids_and_min_tokens(server, first_greedy_token) -> None:
     body = {"prompt": ids, "max_tokens": 8, "temperature": 0, "stop_token_ids": [first]}
     r = post(server, CMPL, body)
     assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 1
+    # The stop token is counted but is not text, unless include_stop_str_in_output (vLLM's).
+    assert r["choices"][0]["text"] == ""
+    kept = post(server, CMPL, {**body, "include_stop_str_in_output": True})["choices"][0]["text"]
+    assert kept == server.post("/detokenize", json={"tokens": [first]}).json()["prompt"] != ""
     r = post(server, CMPL, {**body, "min_tokens": 3})
     assert r["usage"]["completion_tokens"] >= 3
 
