@@ -201,7 +201,7 @@ _HELP = {
     "disable_log_requests": "do not log one line per request (id, prompts, tokens, sampling)",
     "disable_uvicorn_access_log": "do not log one uvicorn access line per HTTP request",
     "tool_call_parser": "how the model writes tool calls, for tools/tool_choice on chat "
-    "completions",
+    "completions: deepseek_v3 (DeepSeek-V3/R1), kimi_k2 (Kimi-K2)",
     "enable_auto_tool_choice": "let the model decide to call tools (tool_choice 'auto', the "
     "default when tools are given); needs --tool-call-parser",
     "reasoning_parser": "split the model's reasoning (<think>...</think>) into reasoning_content",

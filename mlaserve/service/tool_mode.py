@@ -2,8 +2,8 @@
 
 'none' leaves the output alone; 'auto' parses it for the calls the model writes; 'required' or
 a named function forces a call: the opening of the calls is appended to the prompt and the rest
-of the output is grammar-constrained to calls (parsers/deepseek_v3_forced.py), which the same
-parser reads. A request the server cannot honour is a 400 naming `tool_choice`.
+of the output is grammar-constrained to calls (parsers/deepseek_v3_forced.py,
+parsers/kimi_k2_forced.py), which the same parser reads. A request the server cannot honour is a 400 naming `tool_choice`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Forced tool calls (tool_choice 'required' or a named function) on the default model, sampled
 at temperature 1 with 20 seeds: every choice is a call to a given tool whose arguments are JSON
-valid against that tool's schema, streamed and not (issue 45).
+valid against that tool's schema, streamed and not (issue 45); the same in Kimi-K2's format
+(`--tool-call-parser kimi_k2`) with Kimi's call ids.
 
 The default model writes Python, never DeepSeek's tool-call markers: without the grammar its
 output would be no call at all, so these tests fail if the constraint does not hold. One
@@ -10,6 +11,7 @@ request with `n=20, seed=0` samples seeds 0..19 (choice i gets seed + i).
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 
 import openai
@@ -77,20 +79,21 @@ def _sampled(client: openai.OpenAI, stream: bool, **kwargs) -> list[dict]:
     return choices
 
 
-def _whole(reply) -> dict[int, dict]:
+def _whole(reply, id_prefix: str = "call_") -> dict[int, dict]:
     got = {}
     for choice in reply.choices:
         assert choice.message.content is None
         calls = choice.message.tool_calls or []
-        assert all(c.type == "function" and c.id.startswith("call_") for c in calls)
+        assert all(c.type == "function" and c.id.startswith(id_prefix) for c in calls)
         got[choice.index] = {
             "finish": choice.finish_reason,
             "calls": [(c.function.name, c.function.arguments) for c in calls],
+            "ids": [c.id for c in calls],
         }
     return got
 
 
-def _streamed(stream) -> dict[int, dict]:
+def _streamed(stream, id_prefix: str = "call_") -> dict[int, dict]:
     """Like `_whole`, checking vLLM's delta rules on the way: a call's first delta has its id,
     type, name and the arguments' start, later ones only pieces of the arguments."""
     got: dict[int, dict] = defaultdict(lambda: {"finish": None, "calls": {}})
@@ -100,7 +103,7 @@ def _streamed(stream) -> dict[int, dict]:
             assert not choice.delta.content
             for call in choice.delta.tool_calls or []:
                 if call.index not in out["calls"]:
-                    assert call.id.startswith("call_") and call.type == "function"
+                    assert call.id.startswith(id_prefix) and call.type == "function"
                     assert call.function.name and call.function.arguments is not None
                     out["calls"][call.index] = (call.function.name, "")
                 else:
@@ -185,3 +188,58 @@ def test_forced_calls_under_speculation_are_refused_naming_tool_choice(
             assert "speculative decoding" in e.value.body["message"]
         assert client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
     assert proc.stop() == 0
+
+
+# ----- Kimi-K2's format (--tool-call-parser kimi_k2) -----
+# The default model spells Kimi's markers with ordinary tokens (its tokenizer has none of
+# them): without the grammar there would be no call at all, so these fail if the forced format
+# or its parser breaks. Ids are Kimi's own, `functions.NAME:INDEX`.
+KIMI_ID = re.compile(r"functions\.(\w+):\d+")
+
+
+@pytest.fixture(scope="module")
+def kimi_client(tmp_path_factory: pytest.TempPathFactory):
+    logs = tmp_path_factory.mktemp("kimi-tools")
+    proc = start_server(
+        default_model_path(), logs / "server.log", "--tool-call-parser", "kimi_k2",
+        "--enable-auto-tool-choice", "--max-num-seqs", "8",
+    )  # fmt: skip
+    proc.wait_ready()
+    client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0)
+    yield client
+    client.close()
+    assert proc.stop() == 0
+
+
+def _kimi(client: openai.OpenAI, stream: bool, **kwargs) -> list[dict]:
+    reply = _create(client, n=4, seed=0, stream=stream, max_tokens=300, **kwargs)
+    got = _streamed(reply, "functions.") if stream else _whole(reply, "functions.")
+    return [got[i] for i in range(4)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_kimi_k2_call_forced_by_name_has_kimis_id(kimi_client, stream: bool) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in _kimi(kimi_client, stream, tool_choice=named):
+        assert choice["finish"] == "stop"
+        ((name, arguments),) = choice["calls"]
+        assert name == "get_weather"
+        _check_call(name, arguments)
+        if not stream:
+            assert choice["ids"] == ["functions.get_weather:0"]
+
+
+def test_kimi_k2_required_gives_a_call_of_the_tools(kimi_client) -> None:
+    for choice in _kimi(kimi_client, False, tool_choice="required", parallel_tool_calls=False):
+        assert choice["finish"] == "tool_calls"
+        ((name, arguments),) = choice["calls"]
+        (call_id,) = choice["ids"]
+        match = KIMI_ID.fullmatch(call_id)
+        assert match and match.group(1) == name, call_id
+        _check_call(name, arguments)
+
+
+def test_kimi_k2_auto_without_markers_is_plain_content(kimi_client) -> None:
+    reply = _create(kimi_client, max_tokens=8, temperature=0)  # tool_choice 'auto'
+    message = reply.choices[0].message
+    assert message.tool_calls is None and message.content

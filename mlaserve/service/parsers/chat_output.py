@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mlaserve.service.parsers.deepseek_r1 import DeepSeekR1ReasoningParser
-from mlaserve.service.parsers.deepseek_v3 import DeepSeekV3ToolParser, ToolCallDelta, ToolParse
+from mlaserve.service.parsers.tool_parse import ToolCallDelta, ToolParse, ToolParser
 
 __all__ = ["ChatOutputParser", "ChatParts"]
 
@@ -29,7 +29,7 @@ class ChatOutputParser:
     def __init__(
         self,
         reasoning: DeepSeekR1ReasoningParser | None,
-        tools: DeepSeekV3ToolParser | None,
+        tools: ToolParser | None,
         forced: str = "",
         parallel_tool_calls: bool = True,
     ) -> None:

@@ -18,14 +18,13 @@ start of a marker (or of the closing fence) is held until the next `feed` tells.
 
 from __future__ import annotations
 
-import enum
 import re
-import uuid
-from dataclasses import dataclass, field
 
 from mlaserve.service.parsers.markers import partial_marker_len
+from mlaserve.service.parsers.sectioned_calls import SectionedCallsParser
+from mlaserve.service.parsers.tool_parse import ToolCallDelta, ToolParse
 
-__all__ = ["DeepSeekV3ToolParser", "ToolCallDelta", "ToolParse"]
+__all__ = ["DeepSeekV3ToolParser"]
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -40,103 +39,31 @@ FENCE_CLOSE = "\n```"
 _FENCE_TAIL = re.compile(r"\s*`{0,3}\Z")
 
 
-@dataclass(slots=True)
-class ToolCallDelta:
-    """A piece of tool call `index`: its first piece carries `id` and `name`."""
+class DeepSeekV3ToolParser(SectionedCallsParser):
+    """The state of one choice's output; one instance per choice (`tool_parse.ToolParser`).
+    States past `sectioned_calls.py`'s: head (type<｜tool▁sep｜>name\\n), fence (```json\\n),
+    arguments (the JSON, up to \\n```<｜tool▁call▁end｜>), closing (after the closing fence: up
+    to <｜tool▁call▁end｜>)."""
 
-    index: int
-    arguments: str = ""
-    id: str | None = None
-    name: str | None = None
+    SECTION_BEGIN = CALLS_BEGIN
+    SECTION_END = CALLS_END
+    CALL_BEGIN = CALL_BEGIN
+    keeps_special_tokens = False  # the markers are ordinary tokens of V3's tokenizer
 
-
-@dataclass(slots=True)
-class ToolParse:
-    """What one `feed` or `finish` tells: content text and tool-call pieces."""
-
-    content: str = ""
-    calls: list[ToolCallDelta] = field(default_factory=list)
-
-    def extend(self, other: ToolParse) -> None:
-        self.content += other.content
-        self.calls.extend(other.calls)
-
-
-class _State(enum.Enum):
-    CONTENT = "content"  # before the calls (or after them)
-    BETWEEN = "between"  # inside <｜tool▁calls▁begin｜>, expecting a call or the end
-    HEAD = "head"  # after <｜tool▁call▁begin｜>: type<｜tool▁sep｜>name\n
-    FENCE = "fence"  # after the name: ```json\n
-    ARGUMENTS = "arguments"  # the JSON, up to \n```<｜tool▁call▁end｜>
-    CLOSING = "closing"  # after the closing fence: up to <｜tool▁call▁end｜>
-
-
-class DeepSeekV3ToolParser:
-    """The state of one choice's output; one instance per choice."""
-
-    def __init__(self) -> None:
-        self._state = _State.CONTENT
-        self._pending = ""
-        self._index = -1  # of the call being read
-        self._sent_args = ""  # arguments of the current call sent so far
-        self.num_calls = 0
-
-    def feed(self, text: str) -> ToolParse:
-        out = ToolParse()
-        buf = self._pending + text
-        while True:
-            step = _STEPS[self._state]
-            consumed = step(self, buf, out)
-            if consumed is None:  # needs more text
-                break
-            buf = buf[consumed:]
-        self._pending = buf
-        return out
-
-    def finish(self) -> ToolParse:
-        """At the end of the output: release what was held (a call cut short keeps its text)."""
-        out = ToolParse()
-        pending, self._pending = self._pending, ""
-        if self._state is _State.CONTENT:
-            out.content = pending
-        elif self._state is _State.HEAD and SEP in pending:
+    def _finish_call(self, pending: str, out: ToolParse) -> None:
+        """A call cut short keeps its text; a call without a name is no call."""
+        if self._state == "head" and SEP in pending:
             name = pending.split(SEP, 1)[1].strip()
-            if name:  # a call without a name is no call
+            if name:
                 self._start_call(name, out)
-        elif self._state is _State.ARGUMENTS:
+        elif self._state == "arguments":
             # Held back: maybe the start of the closing fence, or of the end marker.
             args = pending[: len(pending) - partial_marker_len(pending, CALL_END)]
             args = args[: len(args) - len(_FENCE_TAIL.search(args).group())]  # type: ignore[union-attr]
             if args:
                 out.calls.append(ToolCallDelta(self._index, arguments=args))
-        return out
 
     # ----- one step per state: consume a prefix of `buf` (its length) or wait (None) -----
-    def _content(self, buf: str, out: ToolParse) -> int | None:
-        starts = [i for i in (buf.find(CALLS_BEGIN), buf.find(CALL_BEGIN)) if i >= 0]
-        if starts and self.num_calls == 0:
-            start = min(starts)
-            out.content += buf[:start]
-            self._state = _State.BETWEEN
-            return start + (len(CALLS_BEGIN) if buf.startswith(CALLS_BEGIN, start) else 0)
-        held = partial_marker_len(buf, CALLS_BEGIN, CALL_BEGIN) if self.num_calls == 0 else 0
-        out.content += buf[: len(buf) - held]
-        return None if len(buf) == 0 or held == len(buf) else len(buf) - held
-
-    def _between(self, buf: str, out: ToolParse) -> int | None:
-        rest = buf.lstrip()
-        skipped = len(buf) - len(rest)
-        if rest.startswith(CALL_BEGIN):
-            self._state = _State.HEAD
-            return skipped + len(CALL_BEGIN)
-        if rest.startswith(CALLS_END):
-            self._state = _State.CONTENT
-            return skipped + len(CALLS_END)
-        if not rest or CALL_BEGIN.startswith(rest) or CALLS_END.startswith(rest):
-            return None
-        self._state = _State.CONTENT  # not the format: the rest is content
-        return 0
-
     def _head(self, buf: str, out: ToolParse) -> int | None:
         sep = buf.find(SEP)
         if sep < 0:
@@ -145,16 +72,16 @@ class DeepSeekV3ToolParser:
         if newline < 0:
             return None
         self._start_call(buf[sep + len(SEP) : newline].strip(), out)
-        self._state = _State.FENCE
+        self._state = "fence"
         return newline + 1
 
     def _fence(self, buf: str, out: ToolParse) -> int | None:
         if buf.startswith(FENCE_OPEN):
-            self._state = _State.ARGUMENTS
+            self._state = "arguments"
             return len(FENCE_OPEN)
         if FENCE_OPEN.startswith(buf):
             return None
-        self._state = _State.ARGUMENTS  # no fence: the arguments follow the name directly
+        self._state = "arguments"  # no fence: the arguments follow the name directly
         return 0
 
     def _arguments(self, buf: str, out: ToolParse) -> int | None:
@@ -164,14 +91,14 @@ class DeepSeekV3ToolParser:
             args = buf[:fence].rstrip()
             if args:
                 out.calls.append(ToolCallDelta(self._index, arguments=args))
-            self._state = _State.CLOSING
+            self._state = "closing"
             return fence + len(FENCE_CLOSE)
         if end >= 0:
             args = buf[:end].rstrip()
             args = args.removesuffix("```").rstrip()
             if args:
                 out.calls.append(ToolCallDelta(self._index, arguments=args))
-            self._state = _State.BETWEEN
+            self._state = "between"
             return end + len(CALL_END)
         body = buf[: len(buf) - partial_marker_len(buf, CALL_END)]
         ready = len(body) - len(_FENCE_TAIL.search(body).group())  # type: ignore[union-attr]
@@ -184,21 +111,5 @@ class DeepSeekV3ToolParser:
         end = buf.find(CALL_END)
         if end < 0:
             return None  # dropped by `finish` if the end marker never comes
-        self._state = _State.BETWEEN
+        self._state = "between"
         return end + len(CALL_END)
-
-    def _start_call(self, name: str, out: ToolParse) -> None:
-        self._index = self.num_calls
-        self.num_calls += 1
-        call_id = f"call_{uuid.uuid4().hex[:24]}"
-        out.calls.append(ToolCallDelta(self._index, id=call_id, name=name))
-
-
-_STEPS = {
-    _State.CONTENT: DeepSeekV3ToolParser._content,
-    _State.BETWEEN: DeepSeekV3ToolParser._between,
-    _State.HEAD: DeepSeekV3ToolParser._head,
-    _State.FENCE: DeepSeekV3ToolParser._fence,
-    _State.ARGUMENTS: DeepSeekV3ToolParser._arguments,
-    _State.CLOSING: DeepSeekV3ToolParser._closing,
-}

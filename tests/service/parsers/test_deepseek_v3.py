@@ -13,9 +13,9 @@ from mlaserve.service.parsers.deepseek_v3 import (
     CALLS_END,
     SEP,
     DeepSeekV3ToolParser,
-    ToolParse,
 )
 from mlaserve.service.parsers.deepseek_v3_forced import DeepSeekV3ForcedCall
+from mlaserve.service.parsers.tool_parse import ToolParse
 
 
 def _call(name: str, args: str) -> str:

@@ -1,0 +1,133 @@
+"""Kimi-K2 tool calls: the same answer however the text is cut into pieces; ids as the model
+wrote them; forced calls' grammar lets through what the parser reads as the calls it means."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlaserve.service.parsers.kimi_k2 import (
+    ARGUMENT_BEGIN,
+    CALL_BEGIN,
+    CALL_END,
+    SECTION_BEGIN,
+    SECTION_END,
+    KimiK2ToolParser,
+    call_name,
+)
+from mlaserve.service.parsers.kimi_k2_forced import KimiK2ForcedCall
+from mlaserve.service.parsers.tool_parse import ToolParse
+
+
+def _call(call_id: str, args: str, space: str = "") -> str:
+    return f"{CALL_BEGIN}{call_id}{ARGUMENT_BEGIN}{space}{args}{space}{CALL_END}"
+
+
+TWO_CALLS = (
+    "Let me look.\n" + SECTION_BEGIN + "\n" + _call("functions.get_weather:0", '{"city": "Paris"}')
+    + "\n" + _call("functions.get_time:1", '{"tz": "UTC",\n "note": "a <|tool b"}', " \n")
+    + "\n" + SECTION_END
+)  # fmt: skip
+
+
+def _parse(text: str, step: int) -> tuple[str, list[dict]]:
+    parser, out = KimiK2ToolParser(), ToolParse()
+    for i in range(0, len(text), step):
+        out.extend(parser.feed(text[i : i + step]))
+    out.extend(parser.finish())
+    calls: dict[int, dict] = {}
+    for piece in out.calls:
+        if piece.id is not None:
+            assert piece.index not in calls
+            calls[piece.index] = {"id": piece.id, "name": piece.name, "arguments": ""}
+        calls[piece.index]["arguments"] += piece.arguments
+    assert sorted(calls) == list(range(len(calls)))
+    return out.content, [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 10_000])
+def test_calls_are_the_same_in_any_pieces(step: int) -> None:
+    content, calls = _parse(TWO_CALLS, step)
+    assert content == "Let me look.\n"
+    assert [(c["id"], c["name"]) for c in calls] == [
+        ("functions.get_weather:0", "get_weather"), ("functions.get_time:1", "get_time"),
+    ]  # fmt: skip
+    assert calls[0]["arguments"] == '{"city": "Paris"}'  # as written, outer space trimmed
+    assert json.loads(calls[1]["arguments"]) == {"tz": "UTC", "note": "a <|tool b"}
+    assert calls[1]["arguments"].startswith("{") and calls[1]["arguments"].endswith("}")
+
+
+def test_text_without_calls_is_content_even_where_it_looks_like_a_marker() -> None:
+    text = "a <|tool_calls_sect and <|tool_call"
+    assert _parse(text, 1) == (text, [])
+
+
+def test_a_call_cut_short_keeps_what_was_written_and_a_cut_id_is_no_call() -> None:
+    text = SECTION_BEGIN + _call("functions.f:0", '{"a": 1}') + CALL_BEGIN + "functions.g:1"
+    _, calls = _parse(text + ARGUMENT_BEGIN + ' {"b": [1, ', 1)
+    assert [(c["name"], c["arguments"]) for c in calls] == [("f", '{"a": 1}'), ("g", '{"b": [1,')]
+    _, calls = _parse(text, 1)  # the second id never finished: one call
+    assert [c["name"] for c in calls] == ["f"]
+
+
+def test_a_call_without_arguments_and_odd_ids() -> None:
+    _, calls = _parse(SECTION_BEGIN + CALL_BEGIN + "functions.ping:0" + CALL_END + SECTION_END, 1)
+    assert [(c["name"], c["arguments"]) for c in calls] == [("ping", "")]
+    assert call_name("functions.a.b:12") == "a.b" and call_name("plain") == "plain"
+
+
+def test_content_after_the_section_is_content() -> None:
+    text = SECTION_BEGIN + _call("functions.f:0", "{}") + SECTION_END + " done"
+    content, calls = _parse(text, 2)
+    assert content == " done" and [c["arguments"] for c in calls] == ["{}"]
+
+
+# ----- forced calls (xgrammar) -----
+xgr = pytest.importorskip("xgrammar")
+from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Lima"]}, "days": {"type": "integer"}},
+    "required": ["city"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time"}},  # no parameters: `{}` only
+]
+
+
+def _accepts(name: str | None, text: str, parallel: bool = True) -> bool:
+    tag = KimiK2ForcedCall.grammar(TOOLS, name, parallel)
+    return _is_grammar_accept_string(xgr.Grammar.from_structural_tag(tag), text)
+
+
+def _read(name: str | None, text: str) -> list[tuple[str, str, dict]]:
+    content, calls = _parse(KimiK2ForcedCall.prefix(name) + text, 10_000)
+    assert content == ""
+    return [(c["id"], c["name"], json.loads(c["arguments"])) for c in calls]
+
+
+def test_a_named_call_takes_valid_arguments_and_reads_back() -> None:
+    text = '{"city": "Lima", "days": 2}' + CALL_END + SECTION_END
+    assert _accepts("get_weather", text)
+    assert not _accepts("get_weather", '{"city": "Rome"}' + CALL_END + SECTION_END)
+    assert not _accepts("get_weather", '{"city": "Paris"}' + CALL_END)  # the section must end
+    assert _read("get_weather", text) == [
+        ("functions.get_weather:0", "get_weather", {"city": "Lima", "days": 2})
+    ]
+
+
+def test_required_takes_calls_of_the_tools_and_reads_back() -> None:
+    one = _call("functions.get_time:0", "{}")
+    two = one + _call("functions.get_weather:1", '{"city": "Paris"}')
+    assert _accepts(None, one + SECTION_END) and _accepts(None, two + SECTION_END)
+    assert not _accepts(None, two + SECTION_END, parallel=False)  # one call at most
+    assert not _accepts(None, _call("functions.nope:0", "{}") + SECTION_END)
+    assert not _accepts(None, _call("functions.get_time:0", '{"x": 1}') + SECTION_END)
+    assert not _accepts(None, SECTION_END)  # at least one call
+    assert _read(None, two + SECTION_END) == [
+        ("functions.get_time:0", "get_time", {}),
+        ("functions.get_weather:1", "get_weather", {"city": "Paris"}),
+    ]
