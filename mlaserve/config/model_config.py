@@ -160,8 +160,11 @@ class ModelConfig:
         generation_file = Path(path) / "generation_config.json"
         if not generation_file.is_file():
             return config
-        with open(generation_file) as f:
-            generation = json.load(f)
+        try:
+            with open(generation_file) as f:
+                generation = json.load(f)
+        except ValueError as e:
+            raise ConfigError(f"generation_config.json in {str(path)!r}: not JSON ({e})") from None
         extra = _token_ids(generation.get("eos_token_id") if isinstance(generation, dict) else None)
         eos = config.eos_token_ids + tuple(i for i in extra if i not in config.eos_token_ids)
         return config if eos == config.eos_token_ids else replace(config, eos_token_ids=eos)

@@ -245,6 +245,9 @@ def test_generation_config_eos_is_added_once_or_refused(tmp_path: Path, eos, val
             ModelConfig.from_pretrained(tmp_path)
     else:
         assert ModelConfig.from_pretrained(tmp_path).eos_token_ids == (1,)
+    (tmp_path / "generation_config.json").write_text("{oops")
+    with pytest.raises(ConfigError, match=r"generation_config\.json in .*: not JSON"):
+        ModelConfig.from_pretrained(tmp_path)
 
 
 def test_no_weights(checkpoint: Checkpoint, tmp_path: Path) -> None:
