@@ -34,14 +34,14 @@ from mlaserve.model.layers.moe_experts import FusedExperts
 from mlaserve.ops.fp8_quant import quantize_weight_block
 from mlaserve.tensor_parallel import NO_TP, TensorParallel
 from tests.checkpoints import make_checkpoint
-from tests.model.test_tensor_parallel import (
+from tests.model.tp_ranks import run_on_ranks
+from tests.model.tp_steps import (
     FP8_MAX_REL,
     FP8_MEDIAN_ROW_REL,
     FP8_TP2_DIMS,
     FP32_MAX_REL,
+    all_model_steps,
 )
-from tests.model.tp_ranks import run_on_ranks
-from tests.model.tp_steps import all_model_steps
 
 DEFAULT_MODEL = Path(mlaserve.__file__).parent / "assets" / "default-model"
 CASES = ["default_model", "v3_fp8_experts"]

@@ -36,18 +36,10 @@ from mlaserve.model.checkpoint_tensor import CheckpointTensor
 from mlaserve.ops.fp8_quant import dequantize_weight_block, quantize_weight_block
 from mlaserve.tensor_parallel import NO_TP, TensorParallel
 from tests.checkpoints import make_checkpoint
+from tests.model.tp_steps import FP8_TP2_DIMS
 
-# A tiny V3 whose every TP2 split lands on a 128 boundary (as test_tensor_parallel's FP8 case).
-ALIGNED = {
-    "hidden_size": 256,
-    "intermediate_size": 256,
-    "moe_intermediate_size": 256,
-    "q_lora_rank": 128,
-    "kv_lora_rank": 128,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 8,
-    "v_head_dim": 32,
-}
+# A tiny V3 whose every TP2 split lands on a 128 boundary.
+ALIGNED = FP8_TP2_DIMS
 # Sharded under TP2: heads (q_b / q_proj, kv_b, o_proj), MLP and expert intermediates,
 # vocabulary. Everything else (norms, q_a / kv_a, the router) is replicated.
 SHARDED = ("q_b_proj", "q_proj", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

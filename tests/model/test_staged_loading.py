@@ -28,7 +28,7 @@ from mlaserve.model import WeightLoadError, load_model
 from mlaserve.model.checkpoint_file import CheckpointFile, index_checkpoint
 from mlaserve.tensor_parallel import TensorParallel
 from tests.checkpoints import make_checkpoint
-from tests.model.test_slice_loading import ALIGNED
+from tests.model.tp_steps import FP8_TP2_DIMS as ALIGNED
 from tools.fp8_checkpoint import quantize_checkpoint_fp8_block
 
 

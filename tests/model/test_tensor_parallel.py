@@ -39,32 +39,18 @@ from mlaserve.ops.fp8_quant import quantize_weight_block
 from mlaserve.tensor_parallel import all_gather, broadcast
 from tests.checkpoints import make_checkpoint
 from tests.model.tp_ranks import run_on_ranks
-from tests.model.tp_steps import all_model_steps, collective_steps, failing_steps, rank_tensor
+from tests.model.tp_steps import (
+    FP8_MAX_REL,
+    FP8_MEDIAN_ROW_REL,
+    FP8_TP2_DIMS,
+    FP32_MAX_REL,
+    all_model_steps,
+    collective_steps,
+    failing_steps,
+    rank_tensor,
+)
 
 DEFAULT_MODEL = Path(mlaserve.__file__).parent / "assets" / "default-model"
-# fp32 weights and activations: TP only reorders sums (o_proj / down / experts split over K,
-# then one all-reduce). Measured 2026-11-27 (CPU, gloo): max_rel 4.5e-7 - 7.6e-7 per phase and
-# case. Bound: 1e-5.
-FP32_MAX_REL = 1e-5
-# FP8 block weights kept FP8 (CPU emulation of the block-FP8 GEMMs, activations quantised per
-# 128-wide group): an input a float32 rounding away from TP1's can land on the other side of an
-# e4m3 step (or of a routing near-tie) and move a whole row. Measured 2026-11-27: one decode row
-# of 15 at 8.3e-3, every other row of prefill and decode <= 5e-7 (the dense-only variant: <= 4e-7
-# on every row). Bounds: each row 2e-2, the median row 1e-6, argmax equal everywhere.
-FP8_MAX_REL = 2e-2
-FP8_MEDIAN_ROW_REL = 1e-6
-# A tiny V3 whose every TP2 split lands on a 128 boundary (q_b 256 rows, o_proj 256 columns,
-# dense / shared / expert intermediates 256): FP8 under TP2 loads block-aligned.
-FP8_TP2_DIMS = {
-    "hidden_size": 256,
-    "intermediate_size": 256,
-    "moe_intermediate_size": 256,
-    "q_lora_rank": 128,
-    "kv_lora_rank": 128,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 8,
-    "v_head_dim": 32,
-}
 CASES = ["default_model", "v3_moe", "v2_no_q_lora", "v3_mtp_odd_vocab", "v3_moe_fp8"]
 
 

@@ -15,23 +15,19 @@ command thread in the engine process.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 
 from mlaserve.config import EngineConfig
 from mlaserve.service.async_engine import AsyncEngine, EngineState
+from tests.service.server_failure import EXIT_WAIT_S, HealthPoller, stream_until_error
 from tests.service.server_process import REPO_ROOT, ServerProcess, free_port, start_server
-
-LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
-EXIT_WAIT_S = 30.0  # bounds a hang, not a speed: a healthy exit takes well under a second
 
 
 def _engine_pid(server: ServerProcess) -> int:
@@ -40,55 +36,14 @@ def _engine_pid(server: ServerProcess) -> int:
     return int(match.group(1))
 
 
-class _HealthPoller(threading.Thread):
-    """Polls /health on fresh connections until the server stops answering; keeps every
-    answer: a status code, or None for a refused connection."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(daemon=True)
-        self.url = url
-        self.seen: list[tuple[int | None, dict | None]] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                r = httpx.get(f"{self.url}/health", timeout=5.0)
-                self.seen.append((r.status_code, r.json()))
-            except httpx.TransportError:
-                self.seen.append((None, None))
-                return
-            time.sleep(0.005)
-
-    def codes_never_up_again(self) -> list[int | None]:
-        """The statuses seen; asserts that once /health was not 200 it stayed 503 or refused."""
-        codes = [code for code, _ in self.seen]
-        first_down = next((i for i, c in enumerate(codes) if c != 200), len(codes))
-        assert all(c in (503, None) for c in codes[first_down:]), codes
-        return codes
-
-
-def _stream_until_error(server: ServerProcess, on_first_frame) -> dict:
-    """Streams LONG; calls `on_first_frame()` once generation has started; returns the error
-    event that must end the stream (followed by [DONE])."""
-    with server.http.stream("POST", "/v1/completions", json=LONG) as response:
-        assert response.status_code == 200
-        lines = response.iter_lines()
-        frames = [next(line for line in lines if line.startswith("data: "))]
-        on_first_frame()
-        frames += [line for line in lines if line.startswith("data: ")]
-    assert frames[-1] == "data: [DONE]", frames[-3:]
-    return json.loads(frames[-2].removeprefix("data: "))["error"]
-
-
 def test_killed_engine_turns_health_503_ends_the_stream_and_exits_1(tmp_path) -> None:
     server = start_server(None, tmp_path / "server.log")  # the default model
     try:
         server.wait_ready()
         pid = _engine_pid(server)
         assert server.get("/health").json() == {"status": "ok"}
-        poller = _HealthPoller(server.url)
-        error = _stream_until_error(server, lambda: (poller.start(), os.kill(pid, signal.SIGKILL)))
+        poller = HealthPoller(server.url)
+        error = stream_until_error(server, lambda: (poller.start(), os.kill(pid, signal.SIGKILL)))
         assert error["code"] == "engine_dead" and "SIGKILL" in error["message"], error
         # The engine was dead before this error was sent: from here on, never 200 again.
         try:
@@ -161,7 +116,7 @@ def test_an_engine_that_fails_and_hangs_is_killed_and_the_server_exits_1(tmp_pat
     try:
         server.wait_ready()
         pid = _engine_pid(server)
-        error = _stream_until_error(server, lambda: None)
+        error = stream_until_error(server, lambda: None)
         assert error["code"] == "engine_dead", error
         assert "injected device-side assert" in error["message"], error
         assert popen.wait(EXIT_WAIT_S) == 1

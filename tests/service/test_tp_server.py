@@ -20,17 +20,15 @@ import torch
 from openai import OpenAI
 
 from mlaserve import LLM, SamplingParams
-from tests.service.server_process import descendants, pid_alive, start_server
-from tests.service.test_engine_death import EXIT_WAIT_S, _HealthPoller, _stream_until_error
+from tests.service.server_failure import (
+    EXIT_WAIT_S,
+    HealthPoller,
+    assert_all_exit,
+    stream_until_error,
+)
+from tests.service.server_process import descendants, start_server
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n"]
-
-
-def _assert_all_exit(pids: set[int], within_s: float = 10.0) -> None:
-    deadline = time.monotonic() + within_s
-    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [p for p in pids if pid_alive(p)], "a process outlived the server"
 
 
 def test_tp2_server_serves_tp1_text_and_stops_cleanly(tmp_path: Path) -> None:
@@ -59,7 +57,7 @@ def test_tp2_server_serves_tp1_text_and_stops_cleanly(tmp_path: Path) -> None:
     assert code == 0, logs
     # the engine stopped its worker and exited, not killed past the shutdown timeout
     assert "did not stop" not in logs, logs
-    _assert_all_exit(below)
+    assert_all_exit(below)
 
 
 def _gpu_pids() -> set[int]:
@@ -84,9 +82,9 @@ def test_a_killed_rank_fails_the_open_stream_and_leaves_no_process(
         assert match, server.logs()
         worker = int(match.group(1))
         assert worker in below
-        poller = _HealthPoller(server.url)
+        poller = HealthPoller(server.url)
         t0 = []
-        error = _stream_until_error(
+        error = stream_until_error(
             server, lambda: (poller.start(), t0.append(time.monotonic()),
                              os.kill(worker, signal.SIGKILL)),
         )  # fmt: skip
@@ -105,7 +103,7 @@ def test_a_killed_rank_fails_the_open_stream_and_leaves_no_process(
         f"{device}: the stream failed {failed_after:.2f} s after the kill: {error['message']!r}"
         f"; /health: {codes.count(200)} x 200, {codes.count(503)} x 503, then refused"
     )
-    _assert_all_exit(below)
+    assert_all_exit(below)
     if device == "cuda" and shutil.which("nvidia-smi"):
         assert not _gpu_pids() & (below | {server.proc.pid}), "a process still holds a GPU"
 
@@ -120,7 +118,7 @@ def test_a_rank_killed_while_idle_fails_the_server_without_a_request(tmp_path: P
         below = descendants(server.proc.pid)
         match = re.search(r"tensor parallel: 2 ranks \(\w+\), workers \[(\d+)\]", server.logs())
         assert match, server.logs()
-        poller = _HealthPoller(server.url)
+        poller = HealthPoller(server.url)
         poller.start()
         t0 = time.monotonic()
         os.kill(int(match.group(1)), signal.SIGKILL)
@@ -134,4 +132,4 @@ def test_a_rank_killed_while_idle_fails_the_server_without_a_request(tmp_path: P
     assert "the engine died" in server.logs() and "exited" in server.logs(), server.logs()
     print(f"idle: the server exited {exited_after:.2f} s after the kill; /health: "
           f"{codes.count(200)} x 200, {codes.count(503)} x 503, then refused")  # fmt: skip
-    _assert_all_exit(below)
+    assert_all_exit(below)

@@ -20,9 +20,13 @@ from openai import OpenAI
 
 from mlaserve import LLM, SamplingParams
 from mlaserve.engine.tp_heartbeat import LOST_AFTER_S
+from tests.service.server_failure import (
+    EXIT_WAIT_S,
+    HealthPoller,
+    assert_all_exit,
+    stream_until_error,
+)
 from tests.service.server_process import ServerProcess, descendants, free_port, start_server
-from tests.service.test_engine_death import EXIT_WAIT_S, _HealthPoller, _stream_until_error
-from tests.service.test_tp_server import _assert_all_exit
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n"]
 MAX_TOKENS = 12
@@ -73,7 +77,7 @@ def test_two_nodes_serve_single_process_tp_text_and_stop_together(tmp_path: Path
         for node in nodes:
             node.stop(signal.SIGKILL)
     assert "no custom all-reduce" in nodes[0].logs()
-    _assert_all_exit(pids)
+    assert_all_exit(pids)
 
 
 @pytest.mark.slow
@@ -82,8 +86,8 @@ def test_a_lost_worker_node_fails_the_open_stream_and_exits_node_0(tmp_path: Pat
     try:
         nodes[0].wait_ready(timeout=600)
         pids = _all_pids(nodes)
-        poller = _HealthPoller(nodes[0].url)
-        error = _stream_until_error(
+        poller = HealthPoller(nodes[0].url)
+        error = stream_until_error(
             nodes[0], lambda: (poller.start(), os.kill(nodes[1].proc.pid, signal.SIGKILL))
         )
         assert error["code"] == "engine_dead", error
@@ -97,7 +101,7 @@ def test_a_lost_worker_node_fails_the_open_stream_and_exits_node_0(tmp_path: Pat
             node.stop(signal.SIGKILL)
     codes = poller.codes_never_up_again()
     print(f"{error['message']!r}; /health: {codes.count(200)} x 200, {codes.count(503)} x 503")
-    _assert_all_exit(pids)
+    assert_all_exit(pids)
 
 
 @pytest.mark.slow
@@ -117,7 +121,7 @@ def test_a_worker_node_lost_while_idle_exits_node_0_without_a_request(tmp_path: 
             node.stop(signal.SIGKILL)
     assert "node 1" in nodes[0].logs() and "the engine died" in nodes[0].logs(), nodes[0].logs()
     print(f"node 0 exited {exited_after:.1f} s after node 1's launcher was killed, idle")
-    _assert_all_exit(pids)
+    assert_all_exit(pids)
 
 
 @pytest.mark.slow
@@ -133,7 +137,7 @@ def test_a_lost_node_0_exits_the_worker_node(tmp_path: Path) -> None:
     finally:
         for node in nodes:
             node.stop(signal.SIGKILL)
-    _assert_all_exit(pids)
+    assert_all_exit(pids)
 
 
 def test_a_rendezvous_without_node_1_fails_naming_its_ranks(tmp_path: Path) -> None:
