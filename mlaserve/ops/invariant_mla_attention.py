@@ -30,13 +30,12 @@ Launches read no device value on the host: CUDA-graph safe.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from mlaserve.ops.invariant_rowwise import check_attention_shapes
+from mlaserve.ops.triton_support import interpreting
 
 __all__ = ["BLOCK_H", "BLOCK_N", "invariant_mla_attention"]
 
@@ -156,6 +155,6 @@ def invariant_mla_attention(
         float(softmax_scale) * (k_scale if fp8 else 1.0), k_scale if fp8 else 1.0,
         H=heads, R=r, DR=dr, PAGE=kv.shape[1], BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
         FP32=q_nope.dtype == torch.float32,
-        WHILE_LOOP=os.environ.get("TRITON_INTERPRET") == "1", num_warps=_NUM_WARPS,
+        WHILE_LOOP=interpreting(), num_warps=_NUM_WARPS,
     )  # fmt: skip
     return out

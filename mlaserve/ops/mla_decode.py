@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +71,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
+from mlaserve.ops.triton_support import interpreting
 
 __all__ = [
     "MLA_DECODE_MAX_Q_LEN",
@@ -186,7 +186,7 @@ def _use_while() -> bool:
     """Whether the split kernel walks its keys in a `while` loop instead of a `range` (the form
     compiled for GPUs): under the interpreter, whose scalars are 1-element numpy arrays that
     numpy >= 2.4 will not turn into a `range` bound. The loop body is the same function."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return interpreting()
 
 
 @functools.cache

@@ -51,7 +51,6 @@ switch in one process call `pdl_launch.cache_clear()` and capture again). The in
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -59,6 +58,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mlaserve import switches
+from mlaserve.ops.triton_support import interpreting
 
 __all__ = ["pdl_args", "pdl_launch", "wait_and_hold_next_kernel", "wait_for_previous_kernel"]
 
@@ -67,7 +67,7 @@ __all__ = ["pdl_args", "pdl_launch", "wait_and_hold_next_kernel", "wait_for_prev
 def pdl_launch(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: CUDA, compute capability >= 9.0, not the
     interpreter, `MLASERVE_PDL` not "0"."""
-    if not switches.pdl() or os.environ.get("TRITON_INTERPRET") == "1":
+    if not switches.pdl() or interpreting():
         return False
     if device.type != "cuda":
         return False

@@ -17,9 +17,9 @@ other case takes the torch path in `random.py`, the reference.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from mlaserve.ops.triton_support import interpreting
 
 try:  # Optional: absent on CPU-only installs.
     import triton
@@ -61,7 +61,7 @@ def fused_noise(keys: torch.Tensor, token_ids: torch.Tensor, gumbel: bool) -> to
         return out
     grid = (n, triton.cdiv(vocab, _BLOCK))
     # The interpreter has no libdevice; its tl.log is numpy's.
-    libdevice_log = os.environ.get("TRITON_INTERPRET") != "1"
+    libdevice_log = not interpreting()
     _noise_kernel[grid](
         keys.contiguous(),
         token_ids,
@@ -108,7 +108,7 @@ def fused_gumbel_argmax(
         blocks,
         BLOCK=_ARGMAX_BLOCK,
         HAS_IDS=token_ids is not None,
-        LIBDEVICE_LOG=os.environ.get("TRITON_INTERPRET") != "1",
+        LIBDEVICE_LOG=not interpreting(),
         num_warps=8,
     )
     return where.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1)
