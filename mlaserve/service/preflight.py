@@ -18,7 +18,7 @@ from pathlib import Path
 from mlaserve.config import ConfigError, ModelConfig
 from mlaserve.config.model_folder import check_model_folder
 from mlaserve.service.settings import Settings
-from mlaserve.tokenizer.tokenizer_files import TOKENIZER_FILES, remote_code_refusal
+from mlaserve.tokenizer.tokenizer_files import TOKENIZER_FILES, remote_code_class
 
 __all__ = ["preflight"]
 
@@ -36,9 +36,10 @@ def preflight(settings: Settings) -> Settings:
         raise ConfigError(
             f"{option}: no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {str(tokenizer)!r}"
         )
-    refusal = remote_code_refusal(tokenizer, engine.trust_remote_code)
-    if refusal is not None:
-        raise ConfigError(refusal)
+    try:
+        remote_code_class(tokenizer, engine.trust_remote_code)
+    except ValueError as e:  # a tokenizer shipped as code, without --trust-remote-code
+        raise ConfigError(str(e)) from None
     if engine.device not in ("auto", "cpu"):  # "auto" never fails; the others import torch
         engine.resolved_device()  # ConfigError when CUDA is asked for and absent
     template = settings.server.chat_template

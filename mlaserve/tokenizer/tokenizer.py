@@ -21,11 +21,7 @@ import jinja2
 import tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from mlaserve.tokenizer.tokenizer_files import (
-    TOKENIZER_FILES,
-    custom_tokenizer_class,
-    remote_code_refusal,
-)
+from mlaserve.tokenizer.tokenizer_files import TOKENIZER_FILES, remote_code_class
 
 __all__ = ["TOKENIZER_FILES", "ChatTemplateError", "Tokenizer"]
 
@@ -57,10 +53,7 @@ class Tokenizer:
                 f"tokenizer path {path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
                 "copy the model's tokenizer there or name its folder with `tokenizer`"
             )
-        refusal = remote_code_refusal(path, trust_remote_code)
-        if refusal is not None:
-            raise ValueError(refusal)
-        custom = custom_tokenizer_class(path)
+        custom = remote_code_class(path, trust_remote_code)  # ValueError: refused
         kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": trust_remote_code}
         if custom is None and _is_mislabelled_byte_level(path):
             # DeepSeek V2/V3 declare "LlamaTokenizerFast" but ship a ByteLevel tokenizer.json.
