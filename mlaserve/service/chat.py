@@ -148,9 +148,7 @@ class Chat:
         model = s.check_model(req.model)
         opts = self.options
         mode = ToolMode.of(req, opts.tool_call_parser, opts.enable_auto_tool_choice)
-        tool_cls = TOOL_PARSERS.get(opts.tool_call_parser or "")
-        if mode.parse and tool_cls is not None and tool_cls.keeps_special_tokens:
-            # The calls' markers are special tokens (Kimi-K2): the parser must see them.
+        if mode.keep_special_tokens:  # the parser must see the calls' markers
             req = req.model_copy(update={"skip_special_tokens": False})
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         s.reject_all_unsupported(req)

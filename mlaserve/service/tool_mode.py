@@ -28,6 +28,8 @@ class ToolMode:
     forced: str = ""  # text appended to the prompt: the opening of a call
     grammar: StructuredOutputsParams | None = None  # what the output after `forced` must follow
     finish_reason: str = "tool_calls"  # when calls were made and generation stopped normally
+    # The parser's markers are special tokens (Kimi-K2): detokenize with them kept.
+    keep_special_tokens: bool = False
 
     @classmethod
     def of(
@@ -58,8 +60,9 @@ class ToolMode:
                 param="tool_choice",
                 code="unsupported_parameter",
             )
+        keep = parser.keeps_special_tokens
         if choice == "auto":
-            return cls(parse=True)
+            return cls(parse=True, keep_special_tokens=keep)
         name = None if choice == "required" else choice.function.name
         if name is not None and name not in {t.function.name for t in req.tools}:
             raise BadRequestError(
@@ -76,6 +79,7 @@ class ToolMode:
             grammar=StructuredOutputsParams(structural_tag=tag),
             # OpenAI (and vLLM) end a call the client forced by name with "stop".
             finish_reason="tool_calls" if name is None else "stop",
+            keep_special_tokens=keep,
         )
 
     def continuation(self, reasoning: bool) -> Callable[[str], str] | None:
