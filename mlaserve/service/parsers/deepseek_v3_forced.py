@@ -15,7 +15,6 @@ The grammar is an xgrammar structural tag (`structural_tag.py`).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from mlaserve.service.parsers.deepseek_v3 import (
@@ -27,7 +26,15 @@ from mlaserve.service.parsers.deepseek_v3 import (
     FENCE_OPEN,
     SEP,
 )
-from mlaserve.service.parsers.structural_tag import arguments, const, parameters, sequence
+from mlaserve.service.parsers.structural_tag import (
+    arguments,
+    const,
+    forced_calls,
+    parameters,
+    sequence,
+    structural_tag,
+    tag,
+)
 
 __all__ = ["DeepSeekV3ForcedCall"]
 
@@ -48,26 +55,15 @@ class DeepSeekV3ForcedCall:
         are OpenAI tool dicts ({"type": "function", "function": {...}})."""
         schemas = {t["function"]["name"]: parameters(t["function"]) for t in tools}
         if name is not None:
-            fmt = sequence(arguments(schemas[name]), const(f"{FENCE_CLOSE}{CALL_END}{CALLS_END}"))
-        else:
-            tags = [
-                {
-                    "type": "tag",
-                    "begin": _call_head(tool),
-                    "content": arguments(schema),
-                    "end": f"{FENCE_CLOSE}{CALL_END}",
-                }
-                for tool, schema in schemas.items()
-            ]
-            calls = {
-                "type": "tags_with_separator",
-                "tags": tags,
-                "separator": "\n",  # DeepSeek-V3's template joins calls with a newline
-                "at_least_one": True,
-                "stop_after_first": not parallel,
-            }
-            fmt = sequence(calls, const(CALLS_END))
-        return json.dumps({"type": "structural_tag", "format": fmt})
+            return structural_tag(
+                sequence(arguments(schemas[name]), const(f"{FENCE_CLOSE}{CALL_END}{CALLS_END}"))
+            )
+        tags = [
+            tag(_call_head(tool), arguments(schema), f"{FENCE_CLOSE}{CALL_END}")
+            for tool, schema in schemas.items()
+        ]
+        # DeepSeek-V3's template joins calls with a newline.
+        return structural_tag(sequence(forced_calls(tags, "\n", parallel), const(CALLS_END)))
 
 
 def _call_head(name: str) -> str:

@@ -13,7 +13,6 @@ prompt (`KimiK2ForcedCall.prefix`):
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from mlaserve.service.parsers.kimi_k2 import (
@@ -27,9 +26,12 @@ from mlaserve.service.parsers.kimi_k2 import (
 from mlaserve.service.parsers.structural_tag import (
     arguments,
     const,
+    forced_calls,
     parameters,
     regex,
     sequence,
+    structural_tag,
+    tag,
 )
 
 __all__ = ["KimiK2ForcedCall"]
@@ -51,25 +53,17 @@ class KimiK2ForcedCall:
         """The structural tag (JSON text) the output must follow after `prefix(name)`."""
         schemas = {t["function"]["name"]: parameters(t["function"]) for t in tools}
         if name is not None:
-            fmt = sequence(arguments(schemas[name]), const(f"{CALL_END}{SECTION_END}"))
-        else:
-            tags = [
-                {
-                    "type": "tag",
-                    "begin": f"{CALL_BEGIN}{FUNCTIONS}{tool}:",
-                    "content": sequence(
-                        regex("[0-9]{1,3}"), const(ARGUMENT_BEGIN), arguments(schema)
-                    ),
-                    "end": CALL_END,
-                }
-                for tool, schema in schemas.items()
-            ]
-            calls = {
-                "type": "tags_with_separator",
-                "tags": tags,
-                "separator": "",  # Kimi's calls follow one another directly
-                "at_least_one": True,
-                "stop_after_first": not parallel,
-            }
-            fmt = sequence(calls, const(SECTION_END))
-        return json.dumps({"type": "structural_tag", "format": fmt})
+            return structural_tag(
+                sequence(arguments(schemas[name]), const(f"{CALL_END}{SECTION_END}"))
+            )
+        index = regex("[0-9]{1,3}")
+        tags = [
+            tag(
+                f"{CALL_BEGIN}{FUNCTIONS}{tool}:",
+                sequence(index, const(ARGUMENT_BEGIN), arguments(schema)),
+                CALL_END,
+            )
+            for tool, schema in schemas.items()
+        ]
+        # Kimi's calls follow one another directly.
+        return structural_tag(sequence(forced_calls(tags, "", parallel), const(SECTION_END)))
