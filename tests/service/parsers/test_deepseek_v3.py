@@ -15,7 +15,7 @@ from mlaserve.service.parsers.deepseek_v3 import (
     DeepSeekV3ToolParser,
 )
 from mlaserve.service.parsers.deepseek_v3_forced import DeepSeekV3ForcedCall
-from mlaserve.service.parsers.tool_parse import ToolParse
+from tests.service.parsers.pieces import parse_in_pieces
 
 
 def _call(name: str, args: str) -> str:
@@ -29,18 +29,9 @@ TWO_CALLS = (
 
 
 def _parse(text: str, step: int) -> tuple[str, list[dict]]:
-    parser, out = DeepSeekV3ToolParser(), ToolParse()
-    for i in range(0, len(text), step):
-        out.extend(parser.feed(text[i : i + step]))
-    out.extend(parser.finish())
-    calls: dict[int, dict] = {}
-    for piece in out.calls:
-        if piece.id is not None:
-            assert piece.index not in calls and piece.id.startswith("call_")
-            calls[piece.index] = {"name": piece.name, "arguments": ""}
-        calls[piece.index]["arguments"] += piece.arguments
-    assert sorted(calls) == list(range(len(calls)))
-    return out.content, [calls[i] for i in sorted(calls)]
+    content, calls = parse_in_pieces(DeepSeekV3ToolParser(), text, step)
+    assert all(c.pop("id").startswith("call_") for c in calls)
+    return content, calls
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 10_000])

@@ -17,7 +17,7 @@ from mlaserve.service.parsers.kimi_k2 import (
     call_name,
 )
 from mlaserve.service.parsers.kimi_k2_forced import KimiK2ForcedCall
-from mlaserve.service.parsers.tool_parse import ToolParse
+from tests.service.parsers.pieces import parse_in_pieces
 
 
 def _call(call_id: str, args: str, space: str = "") -> str:
@@ -32,18 +32,7 @@ TWO_CALLS = (
 
 
 def _parse(text: str, step: int) -> tuple[str, list[dict]]:
-    parser, out = KimiK2ToolParser(), ToolParse()
-    for i in range(0, len(text), step):
-        out.extend(parser.feed(text[i : i + step]))
-    out.extend(parser.finish())
-    calls: dict[int, dict] = {}
-    for piece in out.calls:
-        if piece.id is not None:
-            assert piece.index not in calls
-            calls[piece.index] = {"id": piece.id, "name": piece.name, "arguments": ""}
-        calls[piece.index]["arguments"] += piece.arguments
-    assert sorted(calls) == list(range(len(calls)))
-    return out.content, [calls[i] for i in sorted(calls)]
+    return parse_in_pieces(KimiK2ToolParser(), text, step)
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 10_000])
