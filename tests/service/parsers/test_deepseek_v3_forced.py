@@ -15,24 +15,13 @@ from mlaserve.service.parsers.deepseek_v3 import (
     DeepSeekV3ToolParser,
 )
 from mlaserve.service.parsers.deepseek_v3_forced import DeepSeekV3ForcedCall
+from tests.service.parsers.forced_tools import TOOLS, grammar_accepts
 
-xgr = pytest.importorskip("xgrammar")
-from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
-
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"enum": ["Paris", "Lima"]}, "days": {"type": "integer"}},
-    "required": ["city"],
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "get_time"}},  # no parameters: `{}` only
-]
+pytest.importorskip("xgrammar")
 
 
 def _accepts(name: str | None, text: str, parallel: bool = True) -> bool:
-    tag = DeepSeekV3ForcedCall.grammar(TOOLS, name, parallel)
-    return _is_grammar_accept_string(xgr.Grammar.from_structural_tag(tag), text)
+    return grammar_accepts(DeepSeekV3ForcedCall.grammar(TOOLS, name, parallel), text)
 
 
 def _call(name: str, args: str) -> str:

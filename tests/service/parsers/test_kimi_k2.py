@@ -1,5 +1,5 @@
 """Kimi-K2 tool calls: the same answer however the text is cut into pieces; ids as the model
-wrote them; forced calls' grammar lets through what the parser reads as the calls it means."""
+wrote them."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from mlaserve.service.parsers.kimi_k2 import (
     KimiK2ToolParser,
     call_name,
 )
-from mlaserve.service.parsers.kimi_k2_forced import KimiK2ForcedCall
 from tests.service.parsers.pieces import parse_in_pieces
 
 
@@ -70,53 +69,3 @@ def test_content_after_the_section_is_content() -> None:
     text = SECTION_BEGIN + _call("functions.f:0", "{}") + SECTION_END + " done"
     content, calls = _parse(text, 2)
     assert content == " done" and [c["arguments"] for c in calls] == ["{}"]
-
-
-# ----- forced calls (xgrammar) -----
-xgr = pytest.importorskip("xgrammar")
-from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
-
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"enum": ["Paris", "Lima"]}, "days": {"type": "integer"}},
-    "required": ["city"],
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "get_time"}},  # no parameters: `{}` only
-]
-
-
-def _accepts(name: str | None, text: str, parallel: bool = True) -> bool:
-    tag = KimiK2ForcedCall.grammar(TOOLS, name, parallel)
-    return _is_grammar_accept_string(xgr.Grammar.from_structural_tag(tag), text)
-
-
-def _read(name: str | None, text: str) -> list[tuple[str, str, dict]]:
-    content, calls = _parse(KimiK2ForcedCall.prefix(name) + text, 10_000)
-    assert content == ""
-    return [(c["id"], c["name"], json.loads(c["arguments"])) for c in calls]
-
-
-def test_a_named_call_takes_valid_arguments_and_reads_back() -> None:
-    text = '{"city": "Lima", "days": 2}' + CALL_END + SECTION_END
-    assert _accepts("get_weather", text)
-    assert not _accepts("get_weather", '{"city": "Rome"}' + CALL_END + SECTION_END)
-    assert not _accepts("get_weather", '{"city": "Paris"}' + CALL_END)  # the section must end
-    assert _read("get_weather", text) == [
-        ("functions.get_weather:0", "get_weather", {"city": "Lima", "days": 2})
-    ]
-
-
-def test_required_takes_calls_of_the_tools_and_reads_back() -> None:
-    one = _call("functions.get_time:0", "{}")
-    two = one + _call("functions.get_weather:1", '{"city": "Paris"}')
-    assert _accepts(None, one + SECTION_END) and _accepts(None, two + SECTION_END)
-    assert not _accepts(None, two + SECTION_END, parallel=False)  # one call at most
-    assert not _accepts(None, _call("functions.nope:0", "{}") + SECTION_END)
-    assert not _accepts(None, _call("functions.get_time:0", '{"x": 1}') + SECTION_END)
-    assert not _accepts(None, SECTION_END)  # at least one call
-    assert _read(None, two + SECTION_END) == [
-        ("functions.get_time:0", "get_time", {}),
-        ("functions.get_weather:1", "get_weather", {"city": "Paris"}),
-    ]
