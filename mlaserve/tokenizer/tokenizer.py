@@ -19,7 +19,7 @@ from typing import Any
 
 import jinja2
 import tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from mlaserve.tokenizer.tokenizer_files import TOKENIZER_FILES, remote_code_class
 
@@ -55,13 +55,13 @@ class Tokenizer:
             )
         custom = remote_code_class(path, trust_remote_code)  # ValueError: refused
         kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": trust_remote_code}
-        if custom is None and _is_mislabelled_byte_level(path):
-            # DeepSeek V2/V3 declare "LlamaTokenizerFast" but ship a ByteLevel tokenizer.json.
-            # Several transformers 5.x releases rebuild such tokenizers with Llama's Metaspace
-            # pre-tokenizer, which silently drops every space (transformers#45488). The generic
-            # fast class takes tokenizer.json exactly as written, on v4 and v5 alike.
+        if custom is None and _takes_generic_fast_class(path):
             hf = PreTrainedTokenizerFast.from_pretrained(str(path), **kwargs)
         else:
+            # Imported here: transformers' auto classes import its modelling and generation
+            # code (4.5 s of an engine process's start on the GPU host, transformers 5.17).
+            from transformers import AutoTokenizer
+
             hf = AutoTokenizer.from_pretrained(str(path), **kwargs)
         return cls(hf, name=str(path))
 
@@ -186,9 +186,20 @@ class Tokenizer:
         return len(self.hf)
 
 
-def _is_mislabelled_byte_level(path: Path) -> bool:
+def _takes_generic_fast_class(path: Path) -> bool:
+    """Whether the folder loads as `PreTrainedTokenizerFast` (tokenizer.json as written).
+
+    - It declares that class (the shipped default model): AutoTokenizer would pick it too.
+    - DeepSeek V2/V3 declare "LlamaTokenizerFast" but ship a ByteLevel tokenizer.json. Several
+      transformers 5.x releases rebuild such tokenizers with Llama's Metaspace pre-tokenizer,
+      which silently drops every space (transformers#45488); the generic class does not.
+    """
+    if not (path / "tokenizer.json").is_file():
+        return False
     config = _read_json(path / "tokenizer_config.json")
     declared = str(config.get("tokenizer_class") or "")
+    if declared == "PreTrainedTokenizerFast":
+        return True
     if declared.removesuffix("Fast") != "LlamaTokenizer":
         return False
     spec = _read_json(path / "tokenizer.json")

@@ -65,3 +65,32 @@ def test_byte_level_tokenizer_labelled_llama_keeps_spaces(tmp_path: Path) -> Non
 def test_missing_directory(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         Tokenizer.from_pretrained(tmp_path / "nope")
+
+
+def test_declared_generic_fast_class_loads_without_auto_classes() -> None:
+    """The shipped default model declares PreTrainedTokenizerFast: it loads as AutoTokenizer would
+    load it, without importing transformers' auto classes (their modelling and generation imports
+    are seconds of every engine and server start). A fresh interpreter shows what got imported."""
+    import subprocess
+    import sys
+
+    from mlaserve.config.engine_config import default_model_path
+
+    folder = default_model_path()
+    probe = (
+        "import sys; from mlaserve.tokenizer import Tokenizer; "
+        f"tok = Tokenizer.from_pretrained({str(folder)!r}); "
+        "print(type(tok.hf).__name__, 'transformers.models.auto' in sys.modules, "
+        f"tok.encode({TEXT!r}))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    name, auto_imported, ids = done.stdout.split(" ", 2)
+    assert auto_imported == "False", done.stdout
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    assert name == type(reference).__name__
+    assert ids.strip() == str(reference.encode(TEXT))
