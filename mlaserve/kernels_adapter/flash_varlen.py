@@ -20,7 +20,8 @@ spells it `window_size=(-1, 0)` (and adds `scale`); the signature is read once, 
 Why this kernel (bench/prefill_attention.py; measured: bench/RESULTS.md, "Prefill attention
 kernels, one layer, V2-Lite heads (16)"): torch 2.11's FA2 rejects v 128 with q 192 (so v is
 padded); cuDNN's SDPA is faster but its causal mask is top-left, so it only takes fresh prompts
-(`cudnn_fresh.py`); SDPA's flash backend has no kernel for these head dims.
+(`cudnn_fresh.py`); SDPA's flash backend has no kernel for these head dims. A hit of a few new tokens over a long
+cached prefix splits the prefix over more CTAs (`prefix_split.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
+
+from mlaserve.kernels_adapter.prefix_split import plan_split, split_prefix_attention
 
 if TYPE_CHECKING:
     from mlaserve.kernels_adapter.mha_extend import ExtendLayout
@@ -45,6 +48,15 @@ def _varlen_attn():
     except ImportError:
         return None
     return varlen_attn
+
+
+def _lse_request():
+    """`AuxRequest(lse=True)` where this torch's varlen_attn returns the log-sum-exp, else None."""
+    try:
+        from torch.nn.attention.varlen import AuxRequest
+    except ImportError:
+        return None
+    return AuxRequest(lse=True)
 
 
 def flash_varlen_available(device: torch.device) -> bool:
@@ -71,6 +83,8 @@ class FlashVarlenAttention:
         self._takes_scale = "scale" in params
         self.device = device
         self.pads_v = not self._accepts_narrow_v()
+        self._lse = _lse_request() if "return_aux" in params else None
+        self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
 
     def _accepts_narrow_v(self) -> bool:
         q = torch.randn(8, 2, 64, dtype=torch.bfloat16, device=self.device)
@@ -97,19 +111,20 @@ class FlashVarlenAttention:
             padded = v.new_zeros(*v.shape[:-1], q.shape[-1])
             padded[..., :d_v] = v
             v = padded
-        extra = dict(self._causal)
+        extra = {}
         if self._takes_scale:
             extra["scale"] = softmax_scale
         else:  # the kernel's default scale is 1/sqrt(D): fold the rest into q
             q = q * (softmax_scale * math.sqrt(q.shape[-1]))
+        q = q.contiguous() if q.stride(-1) != 1 else q
+        plan = None
+        if self._lse is not None:
+            plan = plan_split(layout.q_lens, layout.kv_lens, q.shape[1], self._num_sms)
+        if plan is not None:
+            out = split_prefix_attention(self._fn, self._lse, q, k, v, plan, self._causal, extra)
+            return out[..., :d_v].to(out_dtype)
+        extra.update(self._causal)
         out = self._fn(
-            q.contiguous() if q.stride(-1) != 1 else q,
-            k,
-            v,
-            layout.cu_q,
-            layout.cu_kv,
-            layout.max_q_len,
-            layout.max_kv_len,
-            **extra,
+            q, k, v, layout.cu_q, layout.cu_kv, layout.max_q_len, layout.max_kv_len, **extra
         )
         return out[..., :d_v].to(out_dtype)

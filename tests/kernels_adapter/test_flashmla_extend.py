@@ -15,8 +15,9 @@ import dataclasses
 import pytest
 import torch
 
-from mlaserve.kernels_adapter import get_backend_class
+from mlaserve.kernels_adapter import flash_varlen, get_backend_class
 from mlaserve.kernels_adapter.flashmla import flashmla_available
+from mlaserve.kernels_adapter.prefix_split import plan_split, split_prefix_attention
 from tests.kernels_adapter.extend_case import Case, clone_pool, extend_setup
 
 pytestmark = [
@@ -36,6 +37,10 @@ CASES = [
     Case([0, 0, 0], [100, 2, 300], PAGE, torch.float8_e4m3fn),
     Case([64, 0, 700, 5], [37, 129, 1, 64], PAGE, torch.float8_e4m3fn),
     Case([1000], [1048], PAGE, torch.float8_e4m3fn),
+    # prefix-cache hits: a long prefix, a few new tokens; FA2 split over the prefix (prefix_split)
+    Case([8192], [16], PAGE, torch.bfloat16),
+    Case([4000], [64], PAGE, torch.float8_e4m3fn),
+    Case([2048], [256], PAGE, torch.bfloat16),
 ]
 
 
@@ -48,8 +53,11 @@ def kv_b_views(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("kernel", ["auto", "fa2"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.prefix_lens}+{c.q_lens}-{c.kv_dtype}")
-def test_flashmla_extend_matches_latent_reference(case: Case, kernel: str) -> None:
-    """auto: fresh batches take cuDNN (`cudnn_fresh.py`), the rest FA2; fa2: FA2 for all."""
+def test_flashmla_extend_matches_latent_reference(
+    case: Case, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """auto: fresh batches take cuDNN (`cudnn_fresh.py`), the rest FA2; fa2: FA2 for all. A
+    single sequence over a long prefix takes FA2 split over its prefix (`prefix_split.py`)."""
     if kernel == "fa2" and case.prefix_lens != [0] * len(case.prefix_lens):
         pytest.skip("batches with a prefix take FA2 under auto already")
     dev = torch.device("cuda")
@@ -70,12 +78,24 @@ def test_flashmla_extend_matches_latent_reference(case: Case, kernel: str) -> No
     )
     expected = torch.einsum("thr,hrv->thv", o_latent, w_uv.float())
 
-    backend = get_backend_class("flashmla")(mc, PAGE, case.kv_dtype, dev, len(case.q_lens), 4096)
+    longest = max(4096, *(p + n for p, n in zip(case.prefix_lens, case.q_lens, strict=True)))
+    backend = get_backend_class("flashmla")(mc, PAGE, case.kv_dtype, dev, len(case.q_lens), longest)
     if kernel == "fa2":
         backend._prefill_fresh.available = False
     batch = dataclasses.replace(batch, attn_backend=backend)
     backend.prepare(batch)
+    splits = []
+
+    def split_spy(*args, **kwargs):
+        splits.append(args[5])  # the plan
+        return split_prefix_attention(*args, **kwargs)
+
+    monkeypatch.setattr(flash_varlen, "split_prefix_attention", split_spy)
     got = backend.forward_extend_mha(0, q, kv_c, k_pe, w_uk, w_uv, batch)
+    seq_lens = tuple(p + n for p, n in zip(case.prefix_lens, case.q_lens, strict=True))
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    plan = plan_split(tuple(case.q_lens), seq_lens, HEADS, sms)
+    assert splits == ([plan] if plan is not None else []), (splits, plan)
     assert got.shape == (num_tokens, HEADS, V_DIM) and got.dtype == bf16
     assert torch.isfinite(got).all()
     assert backend._prefill_fresh.refused == 0
@@ -90,7 +110,10 @@ def test_flashmla_extend_matches_latent_reference(case: Case, kernel: str) -> No
         err = float((out - ref).abs().max() / ref.abs().max())
         assert err < TOLERANCE[case.kv_dtype], f"seq {b}: relative error {err:.2e}"
         worst = max(worst, err)
-    print(f"flashmla extend {kernel} {case.prefix_lens}+{case.q_lens} {case.kv_dtype}: {worst:.2e}")
+    print(
+        f"flashmla extend {kernel} {case.prefix_lens}+{case.q_lens} {case.kv_dtype}: {worst:.2e}"
+        f"{f', split into {plan.num_chunks} x {plan.chunk}' if plan else ''}"
+    )
 
 
 def test_flashmla_latent_forward_refuses_extend() -> None:
