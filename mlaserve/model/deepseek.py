@@ -31,12 +31,14 @@ in a CUDA graph.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from mlaserve.config import ModelConfig, QuantizationConfig
+from mlaserve.model.kernel_warm_up import warm_up_concurrently
 from mlaserve.model.layers.decoder_layer import DeepseekDecoderLayer
 from mlaserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from mlaserve.model.layers.linear import NO_TP, TensorParallel
@@ -147,12 +149,13 @@ class DeepseekForCausalLM(nn.Module):
         """Compile the decode GEMVs and the grouped MoE kernels for every token count they take
         (not only the captured batch sizes that warm-up runs), so none compiles while serving.
         Modules of one type and parameter shapes take the same compiled variants, so each such
-        kind is warmed once (one MoE layer of V2-Lite's 26, not all of them)."""
-        warmed = set()
+        kind is warmed once (one MoE layer of V2-Lite's 26, not all of them). The kinds warm up
+        side by side on threads (`kernel_warm_up.py`)."""
+        warmed, calls = set(), []
         for module in self.modules():
             hooks = [getattr(module, h, None) for h in ("warm_up_gemv", "warm_up_kernels")]
             kind = (type(module), *((p.shape, p.dtype) for p in module.parameters()))
             if any(hooks) and kind not in warmed:  # linears and the router; MoE
                 warmed.add(kind)
-                for warm_up in filter(None, hooks):
-                    warm_up(self.params_dtype)
+                calls += [partial(warm_up, self.params_dtype) for warm_up in filter(None, hooks)]
+        warm_up_concurrently(calls, next(self.parameters()).device)
