@@ -176,10 +176,11 @@ def run_mode(cache: bool, args: argparse.Namespace, options: list[str]) -> dict:
     # always when it goes idle: wait for the idle stats before reading the counters.
     out = {}
     try:
-        workloads = (("shared", shared_workload), ("chat", chat_workload))
+        workloads = {"shared": shared_workload, "chat": chat_workload}
         if args.decode_tokens:
-            workloads += (("decode", decode_workload),)
-        for name, workload in workloads:
+            workloads["decode"] = decode_workload
+        for name in args.workloads.split(","):
+            workload = workloads[name]
             before = target.metrics()
             results, wall = asyncio.run(workload(target.url, args))
             time.sleep(0.5)
@@ -198,7 +199,7 @@ def print_table(report: dict) -> None:
         for mode in ("off", "on"):
             row = report[mode][workload]
             print(f"{workload:<8} {mode:<5} " + " ".join(f"{row[c]!s:>13}" for c in cols))
-    for workload in ("shared", "chat"):
+    for workload in [w for w in ("shared", "chat") if w in names]:
         off, on = report["off"][workload]["ttft_p50_ms"], report["on"][workload]["ttft_p50_ms"]
         if off and on:
             print(f"{workload}: TTFT p50 {off / on:.2f}x lower with the cache")
@@ -230,6 +231,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--modes", default="off,on", help="which of off,on to run")
+    p.add_argument("--workloads", default="shared,chat,decode",
+                   help="which of shared,chat,decode to run, in this order")  # fmt: skip
     return p
 
 
@@ -237,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     options = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser().parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    unknown = set(args.workloads.split(",")) - {"shared", "chat", "decode"}
+    if unknown or (not args.decode_tokens and "decode" in args.workloads.split(",")):
+        raise SystemExit(f"--workloads: unknown or disabled {sorted(unknown) or ['decode']}")
     report: dict = {"config": {k: v for k, v in vars(args).items()}, "options": options}
     for mode in args.modes.split(","):
         report[mode] = run_mode(mode == "on", args, options)

@@ -35,3 +35,9 @@ def test_prefix_cache_bench_smoke() -> None:
         assert report[mode]["decode"]["steady_tpot_ms"] > 0, report[mode]["decode"]
     assert report["on"]["decode"]["hit_rate"] > 0.0
     assert any("steady TPOT at batch 3" in line for line in lines), done.stdout
+
+
+def test_prefix_cache_bench_refuses_an_unknown_workload() -> None:
+    cmd = [sys.executable, "bench/prefix_cache.py", "--workloads", "shared,bogus"]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--workloads: unknown or disabled ['bogus']" in done.stderr
