@@ -2,7 +2,7 @@
 of MLA prefill on GPUs whose vendor packages ship no dense prefill kernel (Hopper: FlashMLA's
 dense kernels are decode only).
 
-Kernel boundary (`torch.nn.attention.varlen.varlen_attn`, torch >= 2.10; aten's FA2 underneath):
+Kernel boundary (`torch.ops.aten._flash_attention_forward`, aten's FA2, varlen form):
 
     q    [T, H, D]   bf16/fp16, D = d_n + d_r (192 for DeepSeek), last dim contiguous
     k    [S, H, D]   same dtype
@@ -10,29 +10,37 @@ Kernel boundary (`torch.nn.attention.varlen.varlen_attn`, torch >= 2.10; aten's 
                      then v is zero-padded to D and the output sliced back (the padded columns
                      of P @ V are zero, so the first D_v columns are exact)
     cu_q [bs + 1] int32, cu_k [bs + 1] int32: row offsets of each sequence in q and k/v
-    out  [T, H, D_v] in q's dtype
+    out  [T, H, D_v] in q's dtype; lse [H, T] fp32 (each row's log-sum-exp, for split-KV)
 
 Causal with more keys than queries is FA2's bottom-right alignment: query row i of a sequence
 with q_len new tokens and L keys sees keys 0 .. L - q_len + i, the mask of `mha_extend.py`, so a
-prefill chunk over a cached prefix is exact. torch 2.10 spells causal `is_causal=True`; 2.11
-spells it `window_size=(-1, 0)` (and adds `scale`); the signature is read once, here.
+prefill chunk over a cached prefix is exact.
+
+Why aten's op and not `torch.nn.attention.varlen.varlen_attn`, the public wrapper over it:
+importing that module imports torch._dynamo (1.4 s on the CPU build machine, ~3.7 s of an H200
+host's engine start-up, bench/RESULTS.md), for a custom-op registration this path never uses.
 
 Why this kernel (bench/prefill_attention.py; measured: bench/RESULTS.md, "Prefill attention
 kernels, one layer, V2-Lite heads (16)"): torch 2.11's FA2 rejects v 128 with q 192 (so v is
 padded); cuDNN's SDPA is faster but its causal mask is top-left, so it only takes fresh prompts
-(`cudnn_fresh.py`); SDPA's flash backend has no kernel for these head dims. A hit of a few new tokens over a long
-cached prefix splits the prefix over more CTAs (`prefix_split.py`).
+(`cudnn_fresh.py`); SDPA's flash backend has no kernel for these head dims. A hit of a few new
+tokens over a long cached prefix splits the prefix over more CTAs (`prefix_split.py`).
 """
 
 from __future__ import annotations
 
-import inspect
-import math
 from typing import TYPE_CHECKING
 
 import torch
 
-from mlaserve.kernels_adapter.prefix_split import plan_split, split_prefix_attention
+from mlaserve.kernels_adapter.prefix_split import (
+    SplitOffsets,
+    SplitPlan,
+    merge_partials,
+    plan_split,
+    split_offsets,
+    split_prefix_attention,
+)
 
 if TYPE_CHECKING:
     from mlaserve.kernels_adapter.mha_extend import ExtendLayout
@@ -42,59 +50,72 @@ __all__ = ["FlashVarlenAttention", "flash_varlen_available"]
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _varlen_attn():
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
-
-
-def _lse_request():
-    """`AuxRequest(lse=True)` where this torch's varlen_attn returns the log-sum-exp, else None."""
-    try:
-        from torch.nn.attention.varlen import AuxRequest
-    except ImportError:
-        return None
-    return AuxRequest(lse=True)
-
-
 def flash_varlen_available(device: torch.device) -> bool:
-    """torch has `varlen_attn` and `device` is a CUDA GPU its FA2 kernels run on (SM80+)."""
+    """`device` is a CUDA GPU torch's FA2 kernels run on (SM80+, a build with them)."""
     return (
         device.type == "cuda"
-        and _varlen_attn() is not None
+        and torch.backends.cuda.is_flash_attention_available()
         and torch.cuda.get_device_capability(device)[0] >= 8
     )
 
 
 class FlashVarlenAttention:
     """`__call__(q, k, v, layout, softmax_scale) -> [T, H, D_v]`: one FA2 launch per layer for
-    the whole ragged batch. Construction probes, on `device`, whether this torch's FA2 takes a
-    value head dim different from the query's (one tiny launch, at start-up, never per step)."""
+    the whole ragged batch (two and a merge for a split prefix-cache hit). Construction probes,
+    on `device`, whether this torch's FA2 takes a value head dim different from the query's (one
+    tiny launch, at start-up, never per step). `fused_merge_shape` = (heads, qk head dim, v head
+    dim) of the layers: split hits merge in one Triton launch (`ops/attention_merge.py`),
+    compiled here for those shapes; None: in torch."""
 
-    def __init__(self, device: torch.device) -> None:
-        fn = _varlen_attn()
-        if fn is None or not flash_varlen_available(device):
-            raise RuntimeError("FlashVarlenAttention: needs torch >= 2.10 on an SM80+ CUDA GPU")
-        self._fn = fn
-        params = inspect.signature(fn).parameters
-        self._causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-        self._takes_scale = "scale" in params
+    def __init__(
+        self, device: torch.device, fused_merge_shape: tuple[int, int, int] | None = None
+    ) -> None:
+        if not flash_varlen_available(device):
+            raise RuntimeError("FlashVarlenAttention: needs torch's FA2 on an SM80+ CUDA GPU")
         self.device = device
         self.pads_v = not self._accepts_narrow_v()
-        self._lse = _lse_request() if "return_aux" in params else None
         self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._merge = merge_partials
+        if fused_merge_shape is not None:
+            from mlaserve.ops.attention_merge import merge_attention
+
+            self._merge = merge_attention
+            self._warm_up_merge(*fused_merge_shape)
+        self._offsets: tuple[SplitPlan, SplitOffsets] | None = None  # the last plan's
+
+    @staticmethod
+    def _attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_q: torch.Tensor,
+        cu_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        causal: bool,
+        scale: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
+        )
+        return out, lse
 
     def _accepts_narrow_v(self) -> bool:
         q = torch.randn(8, 2, 64, dtype=torch.bfloat16, device=self.device)
         v = torch.randn(8, 2, 32, dtype=torch.bfloat16, device=self.device)
         cu = torch.tensor([0, 8], dtype=torch.int32, device=self.device)
         try:
-            out = self._fn(q, q, v, cu, cu, 8, 8, **self._causal)
+            out, _ = self._attend(q, q, v, cu, cu, 8, 8, True)
         except RuntimeError:
             return False
         return out.shape[-1] == 32
+
+    def _warm_up_merge(self, heads: int, qk_dim: int, v_dim: int) -> None:
+        """Compile the merge for the layers' shapes (its runtime sizes are not specialised)."""
+        width = qk_dim if self.pads_v else v_dim
+        new = torch.zeros(2, heads, width, dtype=torch.bfloat16, device=self.device)
+        lse = torch.zeros(heads, 4, device=self.device)
+        self._merge(torch.cat([new, new]), lse, new, lse[:, :2].contiguous(), 2, v_dim)
 
     def __call__(
         self,
@@ -111,20 +132,19 @@ class FlashVarlenAttention:
             padded = v.new_zeros(*v.shape[:-1], q.shape[-1])
             padded[..., :d_v] = v
             v = padded
-        extra = {}
-        if self._takes_scale:
-            extra["scale"] = softmax_scale
-        else:  # the kernel's default scale is 1/sqrt(D): fold the rest into q
-            q = q * (softmax_scale * math.sqrt(q.shape[-1]))
         q = q.contiguous() if q.stride(-1) != 1 else q
-        plan = None
-        if self._lse is not None:
-            plan = plan_split(layout.q_lens, layout.kv_lens, q.shape[1], self._num_sms)
+        plan = plan_split(layout.q_lens, layout.kv_lens, q.shape[1], self._num_sms)
         if plan is not None:
-            out = split_prefix_attention(self._fn, self._lse, q, k, v, plan, self._causal, extra)
-            return out[..., :d_v].to(out_dtype)
-        extra.update(self._causal)
-        out = self._fn(
-            q, k, v, layout.cu_q, layout.cu_kv, layout.max_q_len, layout.max_kv_len, **extra
-        )
+            if self._offsets is None or self._offsets[0] != plan:  # once per forward
+                self._offsets = (plan, split_offsets(plan, q.device))
+
+            def attend(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+                return self._attend(*args, scale=softmax_scale)
+
+            out = split_prefix_attention(attend, self._merge, q, k, v, plan, self._offsets[1], d_v)
+            return out.to(out_dtype)
+        out, _ = self._attend(
+            q, k, v, layout.cu_q, layout.cu_kv, layout.max_q_len, layout.max_kv_len, True,
+            scale=softmax_scale,
+        )  # fmt: skip
         return out[..., :d_v].to(out_dtype)

@@ -146,7 +146,7 @@ class FlashMLABackend(AttentionBackend):
                 f"{model_config.kv_lora_rank}/{model_config.qk_rope_head_dim}"
             )
         elif not flash_varlen_available(device):
-            problem = "its prefill path needs torch.nn.attention.varlen (torch >= 2.10)"
+            problem = "its prefill path needs torch's FlashAttention-2 kernels (this build has none)"
         if problem:
             raise BackendUnsupportedError(f"attention_backend 'flashmla': {problem}")
         _import_flash_mla()
@@ -158,7 +158,10 @@ class FlashMLABackend(AttentionBackend):
         # q enters the fp8 kernel unscaled (|q| is far below e4m3's 448 for real models), so its
         # descale is 1; the latent cache's own scale comes from the pool per layer.
         self._q_descale = torch.ones(1, dtype=torch.float32, device=self.device)
-        self._prefill = FlashVarlenAttention(self.device)
+        fused = fused_ops_enabled(self.device)
+        qk_dim = model_config.qk_nope_head_dim + model_config.qk_rope_head_dim
+        merge_shape = (self.num_heads, qk_dim, model_config.v_head_dim) if fused else None
+        self._prefill = FlashVarlenAttention(self.device, fused_merge_shape=merge_shape)
         self._prefill_fresh = CudnnFreshAttention(self.device)
         self._q_dtype = torch.float8_e4m3fn if self.is_fp8 else torch.bfloat16
         # cat + clamp + cast of the query in one Triton kernel (`mlaserve/ops/q_prep.py`).
@@ -172,7 +175,7 @@ class FlashMLABackend(AttentionBackend):
         # Prefill's per-head keys [k_nope | k_pe] by one Triton copy (`ops/mha_key.py`), its
         # fp8 context latent gathered and dequantised by one launch (`ops/kv_gather.py`).
         self._mha_key = self._gather_dequant = None
-        if fused_ops_enabled(self.device):
+        if fused:
             from mlaserve.ops.kv_gather import gather_dequant
             from mlaserve.ops.mha_key import mha_key
             from mlaserve.ops.mla_decode import MlaDecodeWorkspace, mla_decode

@@ -35,7 +35,7 @@ def test_backends_take_no_joined_query_by_default() -> None:
 @pytest.mark.skipif(not triton_available(), reason="needs triton")
 def test_flashmla_takes_joined_queries_for_the_batches_it_attends(monkeypatch) -> None:
     monkeypatch.setattr(flashmla, "_import_flash_mla", lambda: object())
-    monkeypatch.setattr(flashmla, "FlashVarlenAttention", lambda device: None)
+    monkeypatch.setattr(flashmla, "FlashVarlenAttention", lambda device, **_: None)
     monkeypatch.setattr(flashmla, "CudnnFreshAttention", lambda device: None)
     monkeypatch.delenv("MLASERVE_MLA_DECODE_ROWS", raising=False)
 

@@ -1,6 +1,6 @@
 """Split-KV of a prefix-cache hit (`prefix_split.py`) on the CPU: the plan's host arithmetic, and
-the split-and-merge against one softmax over all keys, with a plain-torch stand-in for
-`varlen_attn` (same call, same [heads, rows] log-sum-exp). The real FA2 runs in
+the split-and-merge against one softmax over all keys, with a plain-torch stand-in for aten's FA2
+(same call, same [heads, rows] log-sum-exp). The real FA2 and the Triton merge run in
 test_flashmla_extend.py's long-prefix cases on the GPU."""
 
 from __future__ import annotations
@@ -15,23 +15,23 @@ from mlaserve.kernels_adapter.prefix_split import (
     SplitPlan,
     merge_partials,
     plan_split,
+    split_offsets,
     split_prefix_attention,
 )
 
-LSE = object()  # what the caller passes as `return_aux`; the stand-in checks it came through
+SCALE = 0.3
 
 
-def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None,
-                window_size=(-1, -1)) -> Any:  # fmt: skip
-    """Plain-torch varlen attention, FA2's conventions: bottom-right causal for (-1, 0)."""
-    assert return_aux is LSE and scale is not None
+def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal) -> Any:
+    """Plain-torch varlen attention with FA2's conventions: bottom-right causal."""
+    cu_q, cu_k, scale = cu_q.tolist(), cu_k.tolist(), SCALE
     outs, lses = [], []
     for b in range(len(cu_q) - 1):
         qb = q[cu_q[b] : cu_q[b + 1]].float()
         kb, vb = k[cu_k[b] : cu_k[b + 1]].float(), v[cu_k[b] : cu_k[b + 1]].float()
         assert qb.shape[0] <= max_q and kb.shape[0] <= max_k
         scores = torch.einsum("qhd,khd->hqk", qb, kb) * scale
-        if window_size == (-1, 0):
+        if causal:
             n, length = qb.shape[0], kb.shape[0]
             seen = torch.arange(length)[None] <= torch.arange(n)[:, None] + length - n
             scores = scores.masked_fill(~seen, float("-inf"))
@@ -63,29 +63,30 @@ def test_split_equals_one_softmax_over_all_keys(prefix: int, chunk: int, n: int)
     torch.manual_seed(prefix + n)
     heads, dim, d_v = 3, 8, 6
     q = torch.randn(n, heads, dim)
-    k, v = torch.randn(prefix + n, heads, dim), torch.randn(prefix + n, heads, d_v)
+    k, v = torch.randn(prefix + n, heads, dim), torch.randn(prefix + n, heads, dim)
     plan = SplitPlan(q_len=n, prefix_len=prefix, chunk=chunk, num_chunks=-(-prefix // chunk))
-    extra = {"scale": 0.3}
-    got = split_prefix_attention(varlen_attn, LSE, q, k, v, plan, {"window_size": (-1, 0)}, extra)
+    offsets = split_offsets(plan, q.device)
+    assert offsets.cu_k.tolist()[-1] == prefix and offsets.cu_new.tolist() == [0, n]
+    got = split_prefix_attention(varlen_attn, merge_partials, q, k, v, plan, offsets, d_v)
     cu_q, cu_k = torch.tensor([0, n]), torch.tensor([0, prefix + n])
-    want, _ = varlen_attn(q, k, v, cu_q, cu_k, n, prefix + n, return_aux=LSE, scale=0.3,
-                          window_size=(-1, 0))  # fmt: skip
+    want, _ = varlen_attn(q, k, v, cu_q, cu_k, n, prefix + n, True)
     assert got.shape == (n, heads, d_v)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want[..., :d_v], rtol=1e-5, atol=1e-5)
 
 
-def test_merge_of_one_partial_is_itself() -> None:
-    out = torch.randn(1, 4, 2, 3)
-    assert torch.equal(merge_partials(out, torch.randn(1, 4, 2), torch.float32), out[0])
+def test_merge_of_one_partial_with_no_weight_is_that_partial() -> None:
+    pre, new = torch.randn(4, 2, 3), torch.randn(4, 2, 3)
+    lse_pre, lse_new = torch.zeros(2, 4), torch.full((2, 4), -float("inf"))
+    assert torch.allclose(merge_partials(pre, lse_pre, new, lse_new, 1, 3), pre)
 
 
 def test_a_different_lse_layout_is_refused() -> None:
-    def transposed(*args: Any, **kwargs: Any) -> Any:
-        out, lse = varlen_attn(*args, **kwargs)
+    def transposed(*args: Any) -> Any:
+        out, lse = varlen_attn(*args)
         return out, lse.T.contiguous()
 
     q, k = torch.randn(4, 3, 8), torch.randn(40, 3, 8)
     plan = SplitPlan(q_len=4, prefix_len=36, chunk=12, num_chunks=3)
     with pytest.raises(RuntimeError, match=r"log-sum-exp is \(12, 3\)"):
-        split_prefix_attention(transposed, LSE, q, k, k, plan, {"window_size": (-1, 0)},
-                               {"scale": 1.0})  # fmt: skip
+        split_prefix_attention(transposed, merge_partials, q, k, k, plan,
+                               split_offsets(plan, q.device), 8)  # fmt: skip
