@@ -31,6 +31,7 @@ __all__ = [
     "moe_grouped_max_tokens",
     "one_graph_prefill",
     "pdl",
+    "prefix_split",
     "shared_overlap",
 ]
 
@@ -141,6 +142,14 @@ SWITCHES: tuple[Switch, ...] = (
         "graph_runner/piecewise_graph_runner.py",
     ),
     Switch(
+        "MLASERVE_PREFIX_SPLIT",
+        "bool",
+        "on",
+        "a prefix-cache hit of one sequence splits FA2 over its cached prefix "
+        "(`prefix_split.py`); 0: one launch (read per call)",
+        "kernels_adapter/flash_varlen.py",
+    ),
+    Switch(
         "MLASERVE_ALL_REDUCE_ONE_SHOT_MAX_BYTES",
         "int",
         "measured, per GPU count (`MEASURED_PLANS`)",
@@ -233,6 +242,11 @@ def joined_q() -> bool:
 def one_graph_prefill() -> bool:
     """`MLASERVE_ONE_GRAPH_PREFILL`: one fresh prompt's prefill as one CUDA graph."""
     return _bool("MLASERVE_ONE_GRAPH_PREFILL")
+
+
+def prefix_split() -> bool:
+    """`MLASERVE_PREFIX_SPLIT`: a one-sequence prefix-cache hit splits FA2 over its prefix."""
+    return _bool("MLASERVE_PREFIX_SPLIT")
 
 
 def all_reduce_one_shot_max_bytes(default: int) -> int:

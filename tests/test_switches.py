@@ -42,6 +42,7 @@ BOOL_READERS = {
     "MLASERVE_SHARED_OVERLAP": switches.shared_overlap,
     "MLASERVE_JOINED_Q": switches.joined_q,
     "MLASERVE_ONE_GRAPH_PREFILL": switches.one_graph_prefill,
+    "MLASERVE_PREFIX_SPLIT": switches.prefix_split,
 }
 
 

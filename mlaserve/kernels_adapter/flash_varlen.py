@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mlaserve import switches
 from mlaserve.kernels_adapter.prefix_split import (
     SplitOffsets,
     SplitPlan,
@@ -133,7 +134,9 @@ class FlashVarlenAttention:
             padded[..., :d_v] = v
             v = padded
         q = q.contiguous() if q.stride(-1) != 1 else q
-        plan = plan_split(layout.q_lens, layout.kv_lens, q.shape[1], self._num_sms)
+        plan = None
+        if switches.prefix_split():
+            plan = plan_split(layout.q_lens, layout.kv_lens, q.shape[1], self._num_sms)
         if plan is not None:
             if self._offsets is None or self._offsets[0] != plan:  # once per forward
                 self._offsets = (plan, split_offsets(plan, q.device))

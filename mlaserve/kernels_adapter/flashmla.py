@@ -146,7 +146,9 @@ class FlashMLABackend(AttentionBackend):
                 f"{model_config.kv_lora_rank}/{model_config.qk_rope_head_dim}"
             )
         elif not flash_varlen_available(device):
-            problem = "its prefill path needs torch's FlashAttention-2 kernels (this build has none)"
+            problem = (
+                "its prefill path needs torch's FlashAttention-2 kernels (this build has none)"
+            )
         if problem:
             raise BackendUnsupportedError(f"attention_backend 'flashmla': {problem}")
         _import_flash_mla()

@@ -27,7 +27,9 @@ def test_long_prompts_through_the_server(tmp_path) -> None:
         client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         for n in (1000, 2049, 4000):
-            prompt = [(17 * i) % 1000 + 10 for i in range(n)]  # token ids
+            # Token ids that share no prefix with the other prompts: with prefix caching (on by
+            # default) a shared one would be a hit, and its prompt fewer chunks.
+            prompt = [(17 * i + n) % 1000 + 10 for i in range(n)]
             out = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
             assert out.usage.prompt_tokens == n and out.usage.completion_tokens == 8
         stream = client.completions.create(
