@@ -121,6 +121,7 @@ class DeepseekForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.params_dtype = params_dtype
+        self.tp = tp
         kw = {"params_dtype": params_dtype, "tp": tp, "deterministic": deterministic}
         self.model = DeepseekModel(config, quant=quant, **kw)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, **kw)
@@ -150,7 +151,9 @@ class DeepseekForCausalLM(nn.Module):
         (not only the captured batch sizes that warm-up runs), so none compiles while serving.
         Modules of one type and parameter shapes take the same compiled variants, so each such
         kind is warmed once (one MoE layer of V2-Lite's 26, not all of them). The kinds warm up
-        side by side on threads (`kernel_warm_up.py`)."""
+        side by side on threads (`kernel_warm_up.py`), but in order under tensor parallelism: the
+        MoE's warm-up forward all-reduces, and every rank must issue its collectives in one
+        order, which threads would not keep."""
         warmed, calls = set(), []
         for module in self.modules():
             hooks = [getattr(module, h, None) for h in ("warm_up_gemv", "warm_up_kernels")]
@@ -158,4 +161,8 @@ class DeepseekForCausalLM(nn.Module):
             if any(hooks) and kind not in warmed:  # linears and the router; MoE
                 warmed.add(kind)
                 calls += [partial(warm_up, self.params_dtype) for warm_up in filter(None, hooks)]
-        warm_up_concurrently(calls, next(self.parameters()).device)
+        if self.tp.size > 1:
+            for call in calls:
+                call()
+        else:
+            warm_up_concurrently(calls, next(self.parameters()).device)
