@@ -10,7 +10,7 @@ What the threads share, and why it is safe:
 - the stream: each thread's default stream; the caller synchronises the device afterwards;
 - Triton's in-memory kernel cache (a dict) and its on-disk cache (files written by rename): two
   threads that reach one variant both compile it, and either result is the same kernel;
-- torch.compile: dynamo compiles under its own lock.
+- autograd's grad and inference modes (per thread): each thread takes the caller's.
 Calls must not depend on each other's results; every error is raised to the caller.
 """
 
@@ -38,9 +38,13 @@ def warm_up_concurrently(calls: Sequence[Callable[[], None]], device: torch.devi
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = max(1, min(len(calls), cores or 1, MAX_THREADS))
 
+    # Autograd's modes are per thread too: the threads run under the caller's.
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
     def on_device(call: Callable[[], None]) -> None:
         torch.cuda.set_device(index)
-        call()
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            call()
 
     with ThreadPoolExecutor(workers, thread_name_prefix="kernel-warm-up") as pool:
         futures = [pool.submit(on_device, call) for call in calls]

@@ -35,10 +35,12 @@ def test_gpu_calls_run_on_threads_on_the_callers_device() -> None:
 
     def call(i: int) -> None:
         seen.append((threading.get_ident(), torch.cuda.current_device()))
+        assert not torch.is_grad_enabled()  # the caller's mode, below
         x = torch.full((64,), float(i), device=device)
         results[i] = float((x * 2).sum())
 
-    warm_up_concurrently([lambda i=i: call(i) for i in range(8)], device)
+    with torch.no_grad():
+        warm_up_concurrently([lambda i=i: call(i) for i in range(8)], device)
     assert {dev for _, dev in seen} == {device.index}
     assert threading.get_ident() not in {tid for tid, _ in seen}
     assert results == {i: 128.0 * i for i in range(8)}
