@@ -146,7 +146,7 @@ SWITCHES: tuple[Switch, ...] = (
         "bool",
         "on",
         "a prefix-cache hit of one sequence splits FA2 over its cached prefix "
-        "(`prefix_split.py`); 0: one launch (read per call)",
+        "(`prefix_split.py`); 0: one launch (read when the attention backend is built)",
         "kernels_adapter/flash_varlen.py",
     ),
     Switch(

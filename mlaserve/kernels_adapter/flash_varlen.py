@@ -29,6 +29,7 @@ tokens over a long cached prefix splits the prefix over more CTAs (`prefix_split
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -82,7 +83,10 @@ class FlashVarlenAttention:
 
             self._merge = merge_attention
             self._warm_up_merge(*fused_merge_shape)
-        self._offsets: tuple[SplitPlan, SplitOffsets] | None = None  # the last plan's
+        self._splits = switches.prefix_split()
+        # The last forward's split, keyed by its layout (one object per forward, shared by its
+        # layers; held here, so no later layout can take its identity): planned once a forward.
+        self._split: tuple[ExtendLayout, tuple[SplitPlan, SplitOffsets] | None] | None = None
 
     @staticmethod
     def _attend(
@@ -118,6 +122,18 @@ class FlashVarlenAttention:
         lse = torch.zeros(heads, 4, device=self.device)
         self._merge(torch.cat([new, new]), lse, new, lse[:, :2].contiguous(), 2, v_dim)
 
+    def _split_of(
+        self, layout: ExtendLayout, heads: int, device: torch.device
+    ) -> tuple[SplitPlan, SplitOffsets] | None:
+        """The forward's split plan and its device offsets, or None: one launch."""
+        if self._split is None or self._split[0] is not layout:
+            plan = None
+            if self._splits:
+                plan = plan_split(layout.q_lens, layout.kv_lens, heads, self._num_sms)
+            split = None if plan is None else (plan, split_offsets(plan, device))
+            self._split = (layout, split)
+        return self._split[1]
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -134,17 +150,10 @@ class FlashVarlenAttention:
             padded[..., :d_v] = v
             v = padded
         q = q.contiguous() if q.stride(-1) != 1 else q
-        plan = None
-        if switches.prefix_split():
-            plan = plan_split(layout.q_lens, layout.kv_lens, q.shape[1], self._num_sms)
-        if plan is not None:
-            if self._offsets is None or self._offsets[0] != plan:  # once per forward
-                self._offsets = (plan, split_offsets(plan, q.device))
-
-            def attend(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
-                return self._attend(*args, scale=softmax_scale)
-
-            out = split_prefix_attention(attend, self._merge, q, k, v, plan, self._offsets[1], d_v)
+        split = self._split_of(layout, q.shape[1], q.device)
+        if split is not None:
+            attend = partial(self._attend, scale=softmax_scale)
+            out = split_prefix_attention(attend, self._merge, q, k, v, *split, d_v)
             return out.to(out_dtype)
         out, _ = self._attend(
             q, k, v, layout.cu_q, layout.cu_kv, layout.max_q_len, layout.max_kv_len, True,

@@ -161,8 +161,5 @@ class DeepseekForCausalLM(nn.Module):
             if any(hooks) and kind not in warmed:  # linears and the router; MoE
                 warmed.add(kind)
                 calls += [partial(warm_up, self.params_dtype) for warm_up in filter(None, hooks)]
-        if self.tp.size > 1:
-            for call in calls:
-                call()
-        else:
-            warm_up_concurrently(calls, next(self.parameters()).device)
+        device = next(self.parameters()).device
+        warm_up_concurrently(calls, device, in_order=self.tp.size > 1)

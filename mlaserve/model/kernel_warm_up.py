@@ -27,10 +27,13 @@ __all__ = ["warm_up_concurrently"]
 MAX_THREADS = 16
 
 
-def warm_up_concurrently(calls: Sequence[Callable[[], None]], device: torch.device) -> None:
-    """Run `calls`, on threads where `device` is a GPU (else in order, here). Returns when all
-    are done (their GPU work may still be queued); re-raises the first failure."""
-    if device.type != "cuda" or len(calls) <= 1:
+def warm_up_concurrently(
+    calls: Sequence[Callable[[], None]], device: torch.device, *, in_order: bool = False
+) -> None:
+    """Run `calls`, on threads where `device` is a GPU (else, or with `in_order`: in order,
+    here). Returns when all are done (their GPU work may still be queued); re-raises the first
+    failure."""
+    if in_order or device.type != "cuda" or len(calls) <= 1:
         for call in calls:
             call()
         return

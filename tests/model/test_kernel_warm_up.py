@@ -45,6 +45,11 @@ def test_gpu_calls_run_on_threads_on_the_callers_device() -> None:
     assert threading.get_ident() not in {tid for tid, _ in seen}
     assert results == {i: 128.0 * i for i in range(8)}
 
+    seen.clear()
+    with torch.no_grad():
+        warm_up_concurrently([lambda i=i: call(i) for i in range(3)], device, in_order=True)
+    assert [tid for tid, _ in seen] == [threading.get_ident()] * 3  # here, in order
+
     def broken() -> None:
         raise RuntimeError("variant failed")
 
