@@ -41,6 +41,7 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -83,7 +84,11 @@ class _State:
     rendezvous_dir: str
     sender: StepSender | None = None
     stopped: bool = False  # `_stop` began: no step may start
-    released: bool = False  # `_stop` ended: the watchdog stands down
+    # `_stop` ended: the watchdog stands down. The watch threads get `released.is_set`, never a
+    # closure over this state: the state holds the group (through `sender`), and a daemon thread
+    # that drops the last reference to a ProcessGroup frees it off the main thread, which
+    # aborts the process when that lands in interpreter shutdown (pybind11 retakes the GIL).
+    released: threading.Event = field(default_factory=threading.Event)
     errors: dict[int, str] = field(default_factory=dict)  # rank -> traceback it sent
     watch: StepWatch = field(default_factory=StepWatch)  # rank 0 busy (`engine/tp_watchdog.py`)
     loss: GroupLoss = field(default_factory=GroupLoss)  # a worker exited or a node went silent
@@ -142,13 +147,13 @@ class TPWorkers:
             if store is not None:
                 state.store = store  # the other nodes' ranks and launchers hold it open
                 watch_heartbeats(
-                    rendezvous.client(timeout_s), rendezvous, state.loss, lambda: state.released
+                    rendezvous.client(timeout_s), rendezvous, state.loss, state.released.is_set
                 )
         except BaseException:
             _stop(state, graceful=False)
             raise
         state.sender = StepSender(control)
-        watch_workers(state.procs, state.watch, lambda: state.released, loss=state.loss)
+        watch_workers(state.procs, state.watch, state.released.is_set, loss=state.loss)
         return cls(state, tp, control)
 
     @property
@@ -263,8 +268,9 @@ def _stop(state: _State, graceful: bool = True) -> None:
         except Exception as e:
             logger.warning("tensor parallel: leaving the group failed: %s", e)
     state.store = None  # the TCP store closes: the other nodes' launchers see node 0's end
+    state.sender = None  # the group's last reference here (see `released`)
     shutil.rmtree(state.rendezvous_dir, ignore_errors=True)
-    state.released = True
+    state.released.set()
 
 
 def start_runner(

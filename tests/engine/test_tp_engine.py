@@ -15,7 +15,9 @@ import gc
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -65,11 +67,32 @@ def test_tp2_matches_tp1_then_stops_its_worker(case: str, small_model: dict) -> 
         tp2.engine.step()
 
 
+def _reaches(start: object, target: object, depth: int) -> bool:
+    """Whether `target` is among what `start` refers to, within `depth` steps (gc's referents)."""
+    seen, level = set(), [start]
+    for _ in range(depth):
+        level = [r for o in level for r in gc.get_referents(o) if id(r) not in seen]
+        if any(r is target for r in level):
+            return True
+        seen.update(id(r) for r in level)
+    return False
+
+
 def test_collecting_the_llm_stops_its_worker() -> None:
     llm = LLM(device="cpu", tensor_parallel_size=2)
     assert len(mp.active_children()) == 1
+    # The workers' state holds the process groups. A watch thread that held it would free them
+    # when it ends, off the main thread: inside interpreter shutdown that aborted the process
+    # ("terminate called without an active exception"). So no watch thread may reach it.
+    state = llm.engine.tp_workers._state
+    watchers = [t for t in threading.enumerate() if t.name.startswith("mlaserve-tp-")]
+    assert watchers
+    for t in watchers:
+        assert not _reaches((t._target, t._args, t._kwargs), state, depth=6), t.name
+    state = weakref.ref(state)
     del llm
     gc.collect()
+    assert state() is None
     assert _no_children() == []
 
 
