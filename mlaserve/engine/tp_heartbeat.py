@@ -41,20 +41,29 @@ HEARTBEAT_KEY = "mlaserve/heartbeat/{}"
 
 
 def beat(
-    store: Any, node: int, on_lost: Callable[[str], None], period_s: float = BEAT_S
+    store: Any,
+    node: int,
+    on_lost: Callable[[str], None],
+    period_s: float = BEAT_S,
+    stop: threading.Event | None = None,
 ) -> threading.Thread:
-    """Start node `node`'s heartbeat on `store` (a TCPStore client of node 0's store)."""
+    """Start node `node`'s heartbeat on `store` (a TCPStore client of node 0's store), until
+    `stop` is set. A launcher sets it and joins the thread before its interpreter exits: a
+    daemon thread that comes back from `store.add` (which releases the GIL) while the
+    interpreter finalizes aborts the process."""
     store.set_timeout(timedelta(seconds=LOST_AFTER_S))
     key = HEARTBEAT_KEY.format(node)
+    stop = threading.Event() if stop is None else stop
 
     def run() -> None:
-        while True:
+        while not stop.is_set():
             try:
                 store.add(key, 1)
             except Exception as e:  # the store is gone or unreachable: so is node 0
-                on_lost(f"node 0's store stopped answering ({type(e).__name__}: {e})")
+                if not stop.is_set():
+                    on_lost(f"node 0's store stopped answering ({type(e).__name__}: {e})")
                 return
-            time.sleep(period_s)
+            stop.wait(period_s)
 
     thread = threading.Thread(target=run, name="mlaserve-heartbeat", daemon=True)
     thread.start()

@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from mlaserve.config import EngineConfig, ModelConfig
-from mlaserve.engine.tp_heartbeat import beat
+from mlaserve.engine.tp_heartbeat import BEAT_S, beat
 from mlaserve.engine.tp_rendezvous import Rendezvous, RendezvousError
 from mlaserve.engine.tp_worker import MULTICAST_OFF, worker_main
 from mlaserve.engine.tp_workers import COLLECTIVE_TIMEOUT_S, JOIN_TIMEOUT_S
@@ -54,9 +54,9 @@ def run_node(config: EngineConfig) -> int:
     except RendezvousError as e:
         logger.error("%s", e)
         return 1
-    lost = threading.Event()
+    lost, stop_beating = threading.Event(), threading.Event()
     why: list[str] = []
-    beat(store, node, lambda reason: (why.append(reason), lost.set()))
+    beating = beat(store, node, lambda reason: (why.append(reason), lost.set()), stop=stop_beating)
     ctx = mp.get_context("spawn")
     procs, conns = [], []
     for rank in ranks:
@@ -79,6 +79,8 @@ def run_node(config: EngineConfig) -> int:
             if p.is_alive():
                 p.kill()
             p.join(JOIN_TIMEOUT_S)
+        stop_beating.set()  # ended before the interpreter's exit (`beat`)
+        beating.join(BEAT_S)
 
 
 def _wait(

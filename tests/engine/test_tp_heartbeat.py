@@ -46,3 +46,18 @@ def test_a_beat_reports_node_0_gone_when_its_store_closes() -> None:
     del store  # node 0's process ends: its store server with it
     assert gone.wait(WAIT_S)
     assert reasons[0].startswith("node 0's store stopped answering"), reasons
+
+
+def test_a_stopped_beat_ends_without_reporting_a_loss() -> None:
+    rdv = Rendezvous(size=2, nnodes=2, host="127.0.0.1", port=free_port(), timeout_s=10)
+    store = _master(rdv)
+    stop, reasons = threading.Event(), []
+    thread = beat(rdv.client(10), 1, reasons.append, period_s=60.0, stop=stop)
+    deadline = time.monotonic() + WAIT_S
+    while store.add("mlaserve/heartbeat/1", 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.add("mlaserve/heartbeat/1", 0) == 1  # the first beat landed, the next is 60 s off
+    stop.set()  # mid-period: the thread wakes from its wait and ends
+    thread.join(WAIT_S)
+    assert not thread.is_alive() and reasons == []
+    del store
