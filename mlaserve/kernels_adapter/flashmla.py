@@ -29,7 +29,11 @@ dequantised and up-projected to per-head bf16 K [S, H, 192] / V [S, H, 128], the
 varlen FlashAttention-2 launch per layer (`flash_varlen.py`, torch's own kernels) attends the
 whole ragged batch, bottom-right aligned, so chunks over a cached prefix stay exact. Batches of
 a few fresh prompts (no cached prefix) go to cuDNN's SDPA instead (`cudnn_fresh.py`), which is
-faster where its top-left causal mask is the right one.
+faster where its top-left causal mask is the right one. With `MLASERVE_ABSORBED_HIT=1`, an EXTEND
+batch of one sequence with a few new tokens over a long cached prefix (`absorbed_hit.py`) is
+attended by FlashMLA itself instead, as a causal q_len of up to 128 tokens: W_UK and W_UV run
+on its new tokens only, inside `forward_extend_mha`, so the model and the piecewise graphs see
+the MHA form's contract either way.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from mlaserve import switches
+from mlaserve.kernels_adapter.absorbed_hit import takes_absorbed_hit
 from mlaserve.kernels_adapter.base import AttentionBackend, BackendUnsupportedError
 from mlaserve.kernels_adapter.cudnn_fresh import CudnnFreshAttention
 from mlaserve.kernels_adapter.flash_varlen import FlashVarlenAttention, flash_varlen_available
@@ -94,6 +99,15 @@ class _Metadata:
 
 class _SmallBatch:
     """Metadata of a forward that `ops/mla_decode.py` attends (nothing to precompute)."""
+
+
+@dataclass
+class _AbsorbedHit:
+    """Metadata of an EXTEND batch FlashMLA attends in the absorbed form (`absorbed_hit.py`):
+    one sequence, `q_len` new tokens, its schedule built for q_len x H query rows."""
+
+    sched: object
+    q_len: int
 
 
 def small_batch_max_rows() -> int:
@@ -177,6 +191,13 @@ class FlashMLABackend(AttentionBackend):
         # Prefill's per-head keys [k_nope | k_pe] by one Triton copy (`ops/mha_key.py`), its
         # fp8 context latent gathered and dequantised by one launch (`ops/kv_gather.py`).
         self._mha_key = self._gather_dequant = None
+        # A prefix-cache hit as a decode of its new tokens (`absorbed_hit.py`), when switched on.
+        self._absorbed_hit = switches.absorbed_hit() and self.device.type == "cuda"
+        self._num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self._absorbed_hit
+            else 0
+        )
         if fused:
             from mlaserve.ops.kv_gather import gather_dequant
             from mlaserve.ops.mha_key import mha_key
@@ -199,21 +220,33 @@ class FlashMLABackend(AttentionBackend):
 
     def prepare(self, batch: ForwardBatch) -> None:
         if not batch.mode.is_uniform:
+            if self._absorbed_hit and batch.q_lens_host is not None and takes_absorbed_hit(
+                tuple(batch.q_lens_host), tuple(batch.seq_lens_host or ()), self.num_heads,
+                self._num_sms,
+            ):  # fmt: skip
+                q_len = batch.q_lens_host[0]
+                batch.attn_metadata = _AbsorbedHit(self._schedule(batch.seq_lens[:1], q_len), q_len)
+                return
             batch.attn_metadata = extend_layout(batch)  # host lengths; shared by all layers
             return
         if batch.bs * batch.q_len <= self._small_rows:
             batch.attn_metadata = _SmallBatch()
             return
+        batch.attn_metadata = _Metadata(sched=self._schedule(batch.seq_lens, batch.q_len))
+
+    def _schedule(self, seq_lens: torch.Tensor, q_len: int) -> object:
+        """FlashMLA's split-KV schedule for sequences of `seq_lens` [bs] int32 (device) keys and
+        `q_len` new tokens each: a kernel on the current stream, one per forward."""
         fm = self._flash_mla
         sched, _ = fm.get_mla_metadata()  # a fresh schedule object for every forward
         sched.tile_scheduler_metadata, sched.num_splits = fm.get_mla_decoding_metadata(
-            batch.seq_lens,
-            batch.q_len * self.num_heads,  # query rows per KV head (MQA: one KV head)
+            seq_lens,
+            q_len * self.num_heads,  # query rows per KV head (MQA: one KV head)
             1,
             is_fp8_kvcache=self.is_fp8,
             use_legacy=True,
         )
-        batch.attn_metadata = _Metadata(sched=sched)
+        return sched
 
     def forward(
         self,
@@ -273,19 +306,30 @@ class FlashMLABackend(AttentionBackend):
             )
         return self._decode(layer_id, q, batch)
 
-    def _decode(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _decode(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        batch: ForwardBatch,
+        shape: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
         """FlashMLA on the prepared query q [T, H, 576] (contiguous, `self._q_dtype`) over
-        layer `layer_id`'s cache, new KV included -> [T, H, 512] bf16."""
+        layer `layer_id`'s cache, new KV included -> [T, H, 512] bf16. `shape`: (bs, q_len) of
+        q's rows and the batch's first bs sequences (default: the uniform batch's)."""
         num_tokens, num_heads, width = q.shape
+        bs, q_len = (batch.bs, batch.q_len) if shape is None else shape
+        tables, seq_lens = batch.block_tables, batch.seq_lens
+        if shape is not None:  # the batch's first bs sequences
+            tables, seq_lens = tables[:bs], seq_lens[:bs]
         pool = batch.kv_pool
         extra = {}
         if self.is_fp8:
             extra = {"descale_q": self._q_descale, "descale_k": pool.k_scale_tensors[layer_id]}
         out, _ = self._flash_mla.flash_mla_with_kvcache(
-            q.view(batch.bs, batch.q_len, num_heads, width),  # [bs, q_len, H, 576]
+            q.view(bs, q_len, num_heads, width),  # [bs, q_len, H, 576]
             pool.kv_buffers[layer_id].unsqueeze(2),  # [pages, 64, 1, 576]
-            batch.block_tables,
-            batch.seq_lens,
+            tables,
+            seq_lens,
             head_dim_v=self.kv_lora_rank,
             tile_scheduler_metadata=batch.attn_metadata.sched,
             softmax_scale=self.softmax_scale,
@@ -310,6 +354,8 @@ class FlashMLABackend(AttentionBackend):
         dequantised first) to bf16 K/V, then one causal varlen FA2 launch. [T, H, d_v], H this
         rank's heads (q, w_uk, w_uv carry them)."""
         self.check_mha_heads(q, w_uk, w_uv)
+        if isinstance(batch.attn_metadata, _AbsorbedHit):
+            return self._absorbed_hit_attention(layer_id, q, kv_c, k_pe, w_uk, w_uv, batch)
         layout: ExtendLayout = batch.attn_metadata
         _, k, v = mha_context_kv(
             layer_id, kv_c, k_pe, w_uk, w_uv, batch, layout, self._mha_key, self._gather_dequant
@@ -319,3 +365,34 @@ class FlashMLABackend(AttentionBackend):
             if out is not None:
                 return out
         return self._prefill(q, k, v, layout, self.softmax_scale)
+
+    def _absorbed_hit_attention(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """`forward_extend_mha`'s contract in the absorbed form (`absorbed_hit.py`): the new
+        latent KV written, q [T, H, d_n + d_r] absorbed by W_UK to [T, H, r] (its rope part
+        kept), FlashMLA over the latent cache with the T tokens causal, W_UV on the result ->
+        [T, H, d_v] in q's dtype."""
+        batch.kv_pool.write(layer_id, batch.slot_mapping, kv_c, k_pe)
+        d_n = w_uk.shape[1]
+        q_nope, q_pe = q[..., :d_n], q[..., d_n:]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r]
+        if self._prepare_q is not None:
+            q_joined = self._prepare_q(q_latent, q_pe, self._q_dtype)
+        else:
+            q_joined = torch.cat([q_latent, q_pe], dim=-1)
+            if self.is_fp8:
+                q_joined = q_joined.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+            q_joined = q_joined.to(self._q_dtype)
+        hit: _AbsorbedHit = batch.attn_metadata
+        o_latent = self._decode(layer_id, q_joined, batch, shape=(1, hit.q_len)).to(q.dtype)
+        out = o_latent.new_empty(q.shape[0], q.shape[1], w_uv.shape[2])
+        torch.bmm(o_latent.transpose(0, 1), w_uv, out=out.transpose(0, 1))  # [H, T, d_v] view
+        return out

@@ -15,7 +15,8 @@ import dataclasses
 import pytest
 import torch
 
-from mlaserve.kernels_adapter import flash_varlen, get_backend_class
+from mlaserve.kernels_adapter import flash_varlen, flashmla, get_backend_class
+from mlaserve.kernels_adapter.absorbed_hit import takes_absorbed_hit
 from mlaserve.kernels_adapter.flashmla import flashmla_available
 from mlaserve.kernels_adapter.prefix_split import plan_split, split_prefix_attention
 from tests.kernels_adapter.extend_case import Case, clone_pool, extend_setup
@@ -51,23 +52,29 @@ def kv_b_views(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return w[:, :NOPE], w[:, NOPE:].transpose(1, 2)
 
 
-@pytest.mark.parametrize("kernel", ["auto", "fa2"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.prefix_lens}+{c.q_lens}-{c.kv_dtype}")
-def test_flashmla_extend_matches_latent_reference(
-    case: Case, kernel: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """auto: fresh batches take cuDNN (`cudnn_fresh.py`), the rest FA2; fa2: FA2 for all. A
-    single sequence over a long prefix takes FA2 split over its prefix (`prefix_split.py`)."""
-    if kernel == "fa2" and case.prefix_lens != [0] * len(case.prefix_lens):
-        pytest.skip("batches with a prefix take FA2 under auto already")
-    dev = torch.device("cuda")
+@dataclasses.dataclass
+class Problem:
+    """One case's inputs on the GPU, and the latent-form fp32 reference's output for them."""
+
+    mc: object
+    batch: object  # the EXTEND batch (reference backend until replaced)
+    latent_pool: object  # the reference's twin of the pool, after its forward
+    q: torch.Tensor  # [T, H, d_n + d_r] bf16
+    kv_c: torch.Tensor
+    k_pe: torch.Tensor
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+    expected: torch.Tensor  # [T, H, d_v] fp32
+    cu: list[int]
+
+
+def problem(case: Case, dev: torch.device) -> Problem:
     mc, reference, batch, new_rows, cu = extend_setup(case, dev, dims=(RANK, ROPE, HEADS))
-    num_tokens, bf16 = cu[-1], torch.bfloat16
-    q = torch.randn(num_tokens, HEADS, NOPE + ROPE, device=dev).to(bf16)
+    bf16 = torch.bfloat16
+    q = torch.randn(cu[-1], HEADS, NOPE + ROPE, device=dev).to(bf16)
     w_uk, w_uv = kv_b_views(dev)
     new_rows = new_rows.to(bf16)
     kv_c, k_pe = new_rows[:, :RANK], new_rows[:, RANK:]
-
     # Latent form, fp32, on a twin of the pool.
     latent_batch = dataclasses.replace(batch, kv_pool=clone_pool(batch.kv_pool))
     reference.prepare(latent_batch)
@@ -77,12 +84,48 @@ def test_flashmla_extend_matches_latent_reference(
         0, q_latent, q32[..., NOPE:], kv_c.float(), k_pe.float(), latent_batch
     )
     expected = torch.einsum("thr,hrv->thv", o_latent, w_uv.float())
+    return Problem(mc, batch, latent_batch.kv_pool, q, kv_c, k_pe, w_uk, w_uv, expected, cu)
 
+
+def check_against_reference(case: Case, p: Problem, got: torch.Tensor, batch) -> float:
+    """Shape, dtype, finiteness, the same pool bytes as the reference wrote, and the relative
+    error per sequence under TOLERANCE -> the worst error."""
+    assert got.shape == (p.cu[-1], HEADS, V_DIM) and got.dtype == torch.bfloat16
+    assert torch.isfinite(got).all()
+    # Both paths stored the same new rows (bf16 latent -> the pool's dtype).
+    assert torch.equal(
+        batch.kv_pool.kv_buffers[0].view(torch.uint8), p.latent_pool.kv_buffers[0].view(torch.uint8)
+    )
+    worst = 0.0
+    for b in range(len(case.q_lens)):
+        ref, out = p.expected[p.cu[b] : p.cu[b + 1]], got[p.cu[b] : p.cu[b + 1]].float()
+        err = float((out - ref).abs().max() / ref.abs().max())
+        assert err < TOLERANCE[case.kv_dtype], f"seq {b}: relative error {err:.2e}"
+        worst = max(worst, err)
+    return worst
+
+
+def flashmla_backend(case: Case, mc, dev: torch.device):
     longest = max(4096, *(p + n for p, n in zip(case.prefix_lens, case.q_lens, strict=True)))
-    backend = get_backend_class("flashmla")(mc, PAGE, case.kv_dtype, dev, len(case.q_lens), longest)
+    return get_backend_class("flashmla")(mc, PAGE, case.kv_dtype, dev, len(case.q_lens), longest)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "fa2"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.prefix_lens}+{c.q_lens}-{c.kv_dtype}")
+def test_flashmla_extend_matches_latent_reference(
+    case: Case, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """auto: fresh batches take cuDNN (`cudnn_fresh.py`), the rest FA2; fa2: FA2 for all. A
+    single sequence over a long prefix takes FA2 split over its prefix (`prefix_split.py`)."""
+    if kernel == "fa2" and case.prefix_lens != [0] * len(case.prefix_lens):
+        pytest.skip("batches with a prefix take FA2 under auto already")
+    monkeypatch.delenv("MLASERVE_ABSORBED_HIT", raising=False)
+    dev = torch.device("cuda")
+    p = problem(case, dev)
+    backend = flashmla_backend(case, p.mc, dev)
     if kernel == "fa2":
         backend._prefill_fresh.available = False
-    batch = dataclasses.replace(batch, attn_backend=backend)
+    batch = dataclasses.replace(p.batch, attn_backend=backend)
     backend.prepare(batch)
     splits = []
 
@@ -91,29 +134,52 @@ def test_flashmla_extend_matches_latent_reference(
         return split_prefix_attention(*args, **kwargs)
 
     monkeypatch.setattr(flash_varlen, "split_prefix_attention", split_spy)
-    got = backend.forward_extend_mha(0, q, kv_c, k_pe, w_uk, w_uv, batch)
-    seq_lens = tuple(p + n for p, n in zip(case.prefix_lens, case.q_lens, strict=True))
+    got = backend.forward_extend_mha(0, p.q, p.kv_c, p.k_pe, p.w_uk, p.w_uv, batch)
+    seq_lens = tuple(a + n for a, n in zip(case.prefix_lens, case.q_lens, strict=True))
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     plan = plan_split(tuple(case.q_lens), seq_lens, HEADS, sms)
     assert splits == ([plan] if plan is not None else []), (splits, plan)
-    assert got.shape == (num_tokens, HEADS, V_DIM) and got.dtype == bf16
-    assert torch.isfinite(got).all()
     assert backend._prefill_fresh.refused == 0
-    # Both paths stored the same new rows (bf16 latent -> the pool's dtype).
-    assert torch.equal(
-        batch.kv_pool.kv_buffers[0].view(torch.uint8),
-        latent_batch.kv_pool.kv_buffers[0].view(torch.uint8),
-    )
-    worst = 0.0
-    for b in range(len(case.q_lens)):
-        ref, out = expected[cu[b] : cu[b + 1]], got[cu[b] : cu[b + 1]].float()
-        err = float((out - ref).abs().max() / ref.abs().max())
-        assert err < TOLERANCE[case.kv_dtype], f"seq {b}: relative error {err:.2e}"
-        worst = max(worst, err)
+    worst = check_against_reference(case, p, got, batch)
     print(
         f"flashmla extend {kernel} {case.prefix_lens}+{case.q_lens} {case.kv_dtype}: {worst:.2e}"
         f"{f', split into {plan.num_chunks} x {plan.chunk}' if plan else ''}"
     )
+
+
+HITS = [
+    Case([8192], [16], PAGE, torch.bfloat16),
+    Case([8192], [16], PAGE, torch.float8_e4m3fn),
+    Case([4000], [64], PAGE, torch.float8_e4m3fn),
+    Case([2048], [128], PAGE, torch.bfloat16),  # MAX_NEW_TOKENS: 2048 query rows
+    Case([1024], [1], PAGE, torch.float8_e4m3fn),  # MIN_PREFIX, one new token
+    Case([1000], [48], PAGE, torch.bfloat16),  # under MIN_PREFIX: the MHA form
+    Case([64, 0, 700, 5], [37, 129, 1, 64], PAGE, torch.bfloat16),  # several sequences: MHA
+]
+
+
+@pytest.mark.parametrize("case", HITS, ids=lambda c: f"{c.prefix_lens}+{c.q_lens}-{c.kv_dtype}")
+def test_flashmla_absorbed_hit_matches_latent_reference(
+    case: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`MLASERVE_ABSORBED_HIT=1`: a one-sequence hit (`takes_absorbed_hit`) is attended by
+    FlashMLA's decode kernel in the absorbed form, the others as before; both match the
+    reference."""
+    monkeypatch.setenv("MLASERVE_ABSORBED_HIT", "1")
+    dev = torch.device("cuda")
+    p = problem(case, dev)
+    backend = flashmla_backend(case, p.mc, dev)
+    batch = dataclasses.replace(p.batch, attn_backend=backend)
+    backend.prepare(batch)
+    seq_lens = tuple(a + n for a, n in zip(case.prefix_lens, case.q_lens, strict=True))
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    absorbed = takes_absorbed_hit(tuple(case.q_lens), seq_lens, HEADS, sms)
+    assert isinstance(batch.attn_metadata, flashmla._AbsorbedHit) is absorbed
+    assert absorbed == (len(case.q_lens) == 1 and case.prefix_lens[0] >= 1024)
+    got = backend.forward_extend_mha(0, p.q, p.kv_c, p.k_pe, p.w_uk, p.w_uv, batch)
+    worst = check_against_reference(case, p, got, batch)
+    form = "absorbed" if absorbed else "mha"
+    print(f"flashmla hit {form} {case.prefix_lens}+{case.q_lens} {case.kv_dtype}: {worst:.2e}")
 
 
 def test_flashmla_latent_forward_refuses_extend() -> None:
