@@ -41,7 +41,7 @@ def takes_absorbed_hit(
     """Whether an EXTEND batch (host lengths: new tokens and whole context per sequence) is one
     sequence of at most MAX_NEW_TOKENS new tokens over a cached prefix of at least MIN_PREFIX
     keys, whose T x H query rows leave every 64-row block at least MIN_SM_PARTS SM parts."""
-    if len(q_lens) != 1:
+    if len(q_lens) != 1 or len(kv_lens) != 1:
         return False
     (q_len,), (kv_len,) = q_lens, kv_lens
     blocks = -(-q_len * heads // ROWS_PER_BLOCK)

@@ -23,6 +23,7 @@ H100_SMS = 132
         ((64,), (8192,), 128, False),  # 8192 rows: 128 blocks, one SM part each
         ((32,), (8192,), 128, True),  # 4096 rows: 64 blocks, two parts each
         ((0,), (8192,), 16, False),
+        ((16,), (), 16, False),  # no context lengths: not a hit (extend_layout names the problem)
     ],
 )
 def test_takes_absorbed_hit(
