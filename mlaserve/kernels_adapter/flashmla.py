@@ -278,14 +278,17 @@ class FlashMLABackend(AttentionBackend):
                 self.softmax_scale,
                 workspace=self._workspace,
             )
+        return self._decode(layer_id, self._join_query(q_nope, q_pe), batch).to(q_nope.dtype)
+
+    def _join_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """[T, H, r] + [T, H, d_r] -> the kernel's query [T, H, r + d_r] in `self._q_dtype`
+        (fp8: clamped to e4m3's range first)."""
         if self._prepare_q is not None:
-            q = self._prepare_q(q_nope, q_pe, self._q_dtype)
-        else:
-            q = torch.cat([q_nope, q_pe], dim=-1)
-            if self.is_fp8:
-                q = q.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-            q = q.to(self._q_dtype)
-        return self._decode(layer_id, q, batch).to(q_nope.dtype)
+            return self._prepare_q(q_nope, q_pe, self._q_dtype)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        if self.is_fp8:
+            q = q.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        return q.to(self._q_dtype)
 
     def joined_q_dtype(self, batch: ForwardBatch) -> torch.dtype | None:
         """FlashMLA's q dtype (e4m3 for an fp8 cache, else bf16) for uniform batches FlashMLA
@@ -384,14 +387,8 @@ class FlashMLABackend(AttentionBackend):
         d_n = w_uk.shape[1]
         q_nope, q_pe = q[..., :d_n], q[..., d_n:]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r]
-        if self._prepare_q is not None:
-            q_joined = self._prepare_q(q_latent, q_pe, self._q_dtype)
-        else:
-            q_joined = torch.cat([q_latent, q_pe], dim=-1)
-            if self.is_fp8:
-                q_joined = q_joined.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-            q_joined = q_joined.to(self._q_dtype)
         hit: _AbsorbedHit = batch.attn_metadata
+        q_joined = self._join_query(q_latent, q_pe)
         o_latent = self._decode(layer_id, q_joined, batch, shape=(1, hit.q_len)).to(q.dtype)
         out = o_latent.new_empty(q.shape[0], q.shape[1], w_uv.shape[2])
         torch.bmm(o_latent.transpose(0, 1), w_uv, out=out.transpose(0, 1))  # [H, T, d_v] view
