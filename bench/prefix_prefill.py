@@ -29,14 +29,16 @@ dims, keys = n C + n (n + 1) / 2 (each new token sees the cache and the new toke
           experts num_experts_per_tok / n_routed_experts of the way; bench/prefill.py's
           `flop_model`)
         + 2 x LM-head params (one token gets logits)
-        + attention, in the form the engine takes for an EXTEND batch (`path`):
-            mha (backends with `mha_extend`, e.g. flashmla on Hopper: kernels_adapter/
-            mha_extend.py): the cached latent is up-projected to per-head K and V,
+        + attention, in either form:
+            mha: the cached latent is up-projected to per-head K and V,
             2 x C x H x r x (d_n + d_v) per layer (the new tokens' share is in the active
             params), then dense attention, 2 x H x (d_n + d_r + d_v) x keys per layer;
-            absorbed (the other backends and the deterministic mode): attention over the latent,
-            2 x H x ((r + d_r) + r) x keys per layer.
-          Both are printed (`floor_mha`, `floor_abs`); `floor` is the taken path's.
+            absorbed: attention over the latent, 2 x H x ((r + d_r) + r) x keys per layer.
+          Both are printed (`floor_mha`, `floor_abs`); `floor` is the lower of the two, the
+          work's floor whichever form the engine takes. `form` is the one it took (`row_form`):
+          backends with `mha_extend` (flashmla on Hopper: kernels_adapter/mha_extend.py) take
+          the MHA form but for the hits FlashMLA attends absorbed (`absorbed_hit.py`); the
+          other backends and the deterministic mode, the absorbed form.
   bytes = every non-expert weight once (no embedding table: n rows of it)
         + the routed experts the n tokens touch: E = N (1 - (1 - k/N)^n) per MoE layer (the
           expected distinct experts under uniform routing, bench/decode.py's `floor`)
@@ -109,6 +111,14 @@ def attention_path(llm: LLM) -> str:
     if engine.config.deterministic_inference:
         return "absorbed"
     return "mha" if engine.runner.attn_backend.mha_extend else "absorbed"
+
+
+def row_form(llm: LLM, path: str, cached: int, new: int) -> str:
+    """The form one hit of `new` tokens over `cached` takes: FlashMLA attends some absorbed."""
+    attends_absorbed = getattr(llm.engine.runner.attn_backend, "attends_absorbed", None)
+    if path == "mha" and attends_absorbed is not None:
+        return "absorbed" if attends_absorbed((new,), (cached + new,)) else "mha"
+    return path
 
 
 def floor_parts(llm: LLM, cached: int, new: int) -> dict[str, float]:
@@ -226,13 +236,13 @@ def run(args: argparse.Namespace) -> dict:
         bytes_ms = parts["bytes"] / bandwidth * 1e3
         floor_mha = parts["flops_mha"] / rate * 1e3 + bytes_ms
         floor_abs = parts["flops_absorbed"] / rate * 1e3 + bytes_ms
-        floor = floor_mha if path == "mha" else floor_abs
+        floor = min(floor_mha, floor_abs)
         hit, miss = statistics.median(runs[n]["hit"]), statistics.median(runs[n]["miss"])
         rows.append({
             "cached": args.cached, "new": n, "hit_ms": hit, "miss_ms": miss,
             "miss_over_hit": miss / hit, "floor_ms": floor, "hit_over_floor": hit / floor,
             "floor_mha_ms": floor_mha, "floor_absorbed_ms": floor_abs, "bytes_ms": bytes_ms,
-            "piecewise": piecewise[n], **parts,
+            "form": row_form(llm, path, args.cached, n), "piecewise": piecewise[n], **parts,
         })  # fmt: skip
         if n in profiles:
             rows[-1]["profile"] = profiles[n]
@@ -264,14 +274,14 @@ def print_table(report: dict) -> None:
     print("TTFT of one request (median over rounds): hit = its prefix cached, miss = cache reset")
     print(
         f"{'cached':>7} {'new':>5} {'hit ms':>8} {'miss ms':>8} {'miss/hit':>8} {'floor ms':>9} "
-        f"{'hit/floor':>9} {'fl mha':>8} {'fl abs':>8} {'bytes ms':>8} {'piecewise':>9}"
+        f"{'hit/floor':>9} {'fl mha':>8} {'fl abs':>8} {'bytes ms':>8} {'form':>8} {'piecewise':>9}"
     )
     for r in report["rows"]:
         print(
             f"{r['cached']:>7} {r['new']:>5} {r['hit_ms']:>8.2f} {r['miss_ms']:>8.2f} "
             f"{r['miss_over_hit']:>8.1f} {r['floor_ms']:>9.2f} {r['hit_over_floor']:>9.2f} "
             f"{r['floor_mha_ms']:>8.2f} {r['floor_absorbed_ms']:>8.2f} {r['bytes_ms']:>8.2f} "
-            f"{r['piecewise']!s:>9}"
+            f"{r['form']:>8} {r['piecewise']!s:>9}"
         )
     for r in report["rows"]:
         if "profile" not in r:

@@ -4,9 +4,8 @@ each, all declared in `SWITCHES` and documented in README.md's "Switches" table.
 They are not configuration: the engine and service options (`MLASERVE_<OPTION>`) come
 from `mlaserve/service/settings.py`. Each reader looks at the environment when called; the call
 site decides when that is (per construction, per call, or once per device where it caches), so
-tests and benchmarks can set a switch between reads. A bool switch is off only for "0", an
-opt-in switch on only for "1" (a path not yet the default); an int switch set to something that
-is not an integer raises `SwitchError` naming the variable.
+tests and benchmarks can set a switch between reads. A bool switch is off only for "0"; an int
+switch set to something that is not an integer raises `SwitchError` naming the variable.
 
 This module imports nothing from mlaserve, so every layer may read it (ops/ does).
 """
@@ -47,8 +46,7 @@ class Switch:
     """One switch as README.md's table states it (tests/test_switches.py compares the two)."""
 
     name: str  # the environment variable
-    type: str  # "bool" (off only for "0"), "opt-in" (on only for "1"), "int", or "0/1" (unset:
-    # automatic)
+    type: str  # "bool" (off only for "0"), "int", or "0/1" (unset: automatic)
     default: str  # the behaviour when unset, as the table writes it
     meaning: str
     read_in: str  # the module that reads it, under mlaserve/
@@ -154,11 +152,11 @@ SWITCHES: tuple[Switch, ...] = (
     ),
     Switch(
         "MLASERVE_ABSORBED_HIT",
-        "opt-in",
-        "off (not yet measured on a GPU)",
-        "1: FlashMLA attends a one-sequence prefix-cache hit of <= 128 new tokens over >= 1024 "
-        "cached ones in the absorbed form, as a decode of its new tokens (`absorbed_hit.py`; "
-        "read when the attention backend is built)",
+        "bool",
+        "on",
+        "FlashMLA attends a one-sequence prefix-cache hit of <= 128 new tokens over >= 1024 "
+        "cached ones in the absorbed form, as a decode of its new tokens (`absorbed_hit.py`); "
+        "0: the MHA form (read when the attention backend is built)",
         "kernels_adapter/flashmla.py",
     ),
     Switch(
@@ -262,8 +260,8 @@ def prefix_split() -> bool:
 
 
 def absorbed_hit() -> bool:
-    """`MLASERVE_ABSORBED_HIT`: on only for "1" (a prefix-cache hit in the absorbed form)."""
-    return os.environ.get("MLASERVE_ABSORBED_HIT", "") == "1"
+    """`MLASERVE_ABSORBED_HIT`: a one-sequence prefix-cache hit in the absorbed form."""
+    return _bool("MLASERVE_ABSORBED_HIT")
 
 
 def all_reduce_one_shot_max_bytes(default: int) -> int:

@@ -43,8 +43,8 @@ BOOL_READERS = {
     "MLASERVE_JOINED_Q": switches.joined_q,
     "MLASERVE_ONE_GRAPH_PREFILL": switches.one_graph_prefill,
     "MLASERVE_PREFIX_SPLIT": switches.prefix_split,
+    "MLASERVE_ABSORBED_HIT": switches.absorbed_hit,
 }
-OPT_IN_READERS = {"MLASERVE_ABSORBED_HIT": switches.absorbed_hit}
 
 
 def package_sources() -> dict[Path, str]:
@@ -104,12 +104,11 @@ def test_only_the_switches_module_reads_the_environment_for_a_switch() -> None:
 
 def test_declarations_are_complete_and_their_readers_exist() -> None:
     assert len(DECLARED) == len(SWITCHES), "a switch is declared twice"
-    readers = set(INT_READERS) | set(BOOL_READERS) | set(OPT_IN_READERS)
+    readers = set(INT_READERS) | set(BOOL_READERS)
     assert readers | {"MLASERVE_FUSED_OPS"} == set(DECLARED)
     for switch in SWITCHES:
-        assert switch.type in ("bool", "opt-in", "int", "0/1"), switch
+        assert switch.type in ("bool", "int", "0/1"), switch
         assert (switch.type == "int") == (switch.name in INT_READERS), switch
-        assert (switch.type == "opt-in") == (switch.name in OPT_IN_READERS), switch
         assert (PACKAGE_DIR / switch.read_in).is_file(), switch
         assert "switches." in (PACKAGE_DIR / switch.read_in).read_text(), switch
 
@@ -127,16 +126,13 @@ def test_every_declared_switch_is_in_the_readme_table_as_declared() -> None:
 
 
 def test_defaults_match_the_table(monkeypatch) -> None:
-    """Unset: bool switches on, opt-in ones off, `MLASERVE_FUSED_OPS` automatic, int switches the caller's
+    """Unset: bool switches on, `MLASERVE_FUSED_OPS` automatic, int switches the caller's
     default (None for the GEMV overrides); each constant the table quotes has that value."""
     for switch in SWITCHES:
         monkeypatch.delenv(switch.name, raising=False)
     for name, read in BOOL_READERS.items():
         assert DECLARED[name].default.startswith("on"), name
         assert read() is True, name
-    for name, read in OPT_IN_READERS.items():
-        assert DECLARED[name].default.startswith("off"), name
-        assert read() is False, name
     assert switches.fused_ops() is None
     assert DECLARED["MLASERVE_FUSED_OPS"].default.startswith("unset")
     assert switches.gemv_max_m(fp8=False) is None and switches.gemv_max_m(fp8=True) is None
@@ -168,10 +164,6 @@ def test_switches_are_read_when_called(monkeypatch) -> None:
         assert read() is True, name
         monkeypatch.setenv(name, "")  # only "0" turns a bool switch off
         assert read() is True, name
-    for name, read in OPT_IN_READERS.items():
-        for flag, want in (("1", True), ("0", False), ("", False), ("yes", False)):
-            monkeypatch.setenv(name, flag)  # only "1" turns an opt-in switch on
-            assert read() is want, (name, flag)
     for flag, want in (("0", False), ("1", True), ("", None), ("yes", None)):
         monkeypatch.setenv("MLASERVE_FUSED_OPS", flag)
         assert switches.fused_ops() is want, flag

@@ -22,7 +22,10 @@ FlashMLA's legacy schedule packs T x H query rows into 64-row blocks and gives e
 `num_sms // blocks` SM parts over the keys; fewer than two parts leaves the keys of each block
 to one CTA, so `takes_absorbed_hit` also bounds T x H by that.
 
-Off unless `MLASERVE_ABSORBED_HIT=1` (read when the backend is built): not yet measured on a GPU.
+Numerics are decode's: over an FP8 cache FlashMLA takes an e4m3 query, so a hit's attention
+output carries the query's rounding (about 4e-2 of its largest value, where the MHA form's bf16
+keys give 4e-3), the error every decoded and verified token already has. On by default;
+`MLASERVE_ABSORBED_HIT=0` keeps the MHA form (read when the backend is built).
 """
 
 from __future__ import annotations

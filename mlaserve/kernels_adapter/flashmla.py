@@ -29,7 +29,7 @@ dequantised and up-projected to per-head bf16 K [S, H, 192] / V [S, H, 128], the
 varlen FlashAttention-2 launch per layer (`flash_varlen.py`, torch's own kernels) attends the
 whole ragged batch, bottom-right aligned, so chunks over a cached prefix stay exact. Batches of
 a few fresh prompts (no cached prefix) go to cuDNN's SDPA instead (`cudnn_fresh.py`), which is
-faster where its top-left causal mask is the right one. With `MLASERVE_ABSORBED_HIT=1`, an EXTEND
+faster where its top-left causal mask is the right one. Unless `MLASERVE_ABSORBED_HIT=0`, an EXTEND
 batch of one sequence with a few new tokens over a long cached prefix (`absorbed_hit.py`) is
 attended by FlashMLA itself instead, as a causal q_len of up to 128 tokens: W_UK and W_UV run
 on its new tokens only, inside `forward_extend_mha`, so the model and the piecewise graphs see
@@ -218,12 +218,17 @@ class FlashMLABackend(AttentionBackend):
                     self.device,
                 )
 
+    def attends_absorbed(self, q_lens: tuple[int, ...], seq_lens: tuple[int, ...]) -> bool:
+        """Whether an EXTEND batch of these host lengths is attended in the absorbed form."""
+        return self._absorbed_hit and takes_absorbed_hit(
+            q_lens, seq_lens, self.num_heads, self._num_sms
+        )
+
     def prepare(self, batch: ForwardBatch) -> None:
         if not batch.mode.is_uniform:
-            if self._absorbed_hit and batch.q_lens_host is not None and takes_absorbed_hit(
-                tuple(batch.q_lens_host), tuple(batch.seq_lens_host or ()), self.num_heads,
-                self._num_sms,
-            ):  # fmt: skip
+            if batch.q_lens_host is not None and self.attends_absorbed(
+                tuple(batch.q_lens_host), tuple(batch.seq_lens_host or ())
+            ):
                 q_len = batch.q_lens_host[0]
                 batch.attn_metadata = _AbsorbedHit(self._schedule(batch.seq_lens[:1], q_len), q_len)
                 return

@@ -28,6 +28,9 @@ pytestmark = [
 
 RANK, ROPE, HEADS, NOPE, V_DIM, PAGE = 512, 64, 16, 128, 128, 64
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float8_e4m3fn: 2e-2}
+# The absorbed hit is decode's kernel: over an FP8 cache its query is e4m3 too (measured on an
+# H200, 2026-11-29: 2.9e-2 to 4.1e-2), so it is held to the decode test's bounds.
+ABSORBED_TOLERANCE = {torch.bfloat16: 2e-2, torch.float8_e4m3fn: 8e-2}
 
 CASES = [
     Case([0, 0, 0], [100, 1, 300], PAGE, torch.bfloat16),  # fresh, with a 1-token prompt: FA2
@@ -87,9 +90,11 @@ def problem(case: Case, dev: torch.device) -> Problem:
     return Problem(mc, batch, latent_batch.kv_pool, q, kv_c, k_pe, w_uk, w_uv, expected, cu)
 
 
-def check_against_reference(case: Case, p: Problem, got: torch.Tensor, batch) -> float:
+def check_against_reference(
+    case: Case, p: Problem, got: torch.Tensor, batch, tolerance: dict = TOLERANCE
+) -> float:
     """Shape, dtype, finiteness, the same pool bytes as the reference wrote, and the relative
-    error per sequence under TOLERANCE -> the worst error."""
+    error per sequence under `tolerance` -> the worst error."""
     assert got.shape == (p.cu[-1], HEADS, V_DIM) and got.dtype == torch.bfloat16
     assert torch.isfinite(got).all()
     # Both paths stored the same new rows (bf16 latent -> the pool's dtype).
@@ -100,7 +105,7 @@ def check_against_reference(case: Case, p: Problem, got: torch.Tensor, batch) ->
     for b in range(len(case.q_lens)):
         ref, out = p.expected[p.cu[b] : p.cu[b + 1]], got[p.cu[b] : p.cu[b + 1]].float()
         err = float((out - ref).abs().max() / ref.abs().max())
-        assert err < TOLERANCE[case.kv_dtype], f"seq {b}: relative error {err:.2e}"
+        assert err < tolerance[case.kv_dtype], f"seq {b}: relative error {err:.2e}"
         worst = max(worst, err)
     return worst
 
@@ -115,11 +120,12 @@ def flashmla_backend(case: Case, mc, dev: torch.device):
 def test_flashmla_extend_matches_latent_reference(
     case: Case, kernel: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """auto: fresh batches take cuDNN (`cudnn_fresh.py`), the rest FA2; fa2: FA2 for all. A
-    single sequence over a long prefix takes FA2 split over its prefix (`prefix_split.py`)."""
+    """The MHA form (`MLASERVE_ABSORBED_HIT=0`). auto: fresh batches take cuDNN
+    (`cudnn_fresh.py`), the rest FA2; fa2: FA2 for all. A single sequence over a long prefix takes
+    FA2 split over its prefix (`prefix_split.py`)."""
     if kernel == "fa2" and case.prefix_lens != [0] * len(case.prefix_lens):
         pytest.skip("batches with a prefix take FA2 under auto already")
-    monkeypatch.delenv("MLASERVE_ABSORBED_HIT", raising=False)
+    monkeypatch.setenv("MLASERVE_ABSORBED_HIT", "0")
     dev = torch.device("cuda")
     p = problem(case, dev)
     backend = flashmla_backend(case, p.mc, dev)
@@ -162,10 +168,10 @@ HITS = [
 def test_flashmla_absorbed_hit_matches_latent_reference(
     case: Case, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`MLASERVE_ABSORBED_HIT=1`: a one-sequence hit (`takes_absorbed_hit`) is attended by
-    FlashMLA's decode kernel in the absorbed form, the others as before; both match the
+    """`MLASERVE_ABSORBED_HIT` unset (on): a one-sequence hit (`takes_absorbed_hit`) is attended
+    by FlashMLA's decode kernel in the absorbed form, the others as before; both match the
     reference."""
-    monkeypatch.setenv("MLASERVE_ABSORBED_HIT", "1")
+    monkeypatch.delenv("MLASERVE_ABSORBED_HIT", raising=False)
     dev = torch.device("cuda")
     p = problem(case, dev)
     backend = flashmla_backend(case, p.mc, dev)
@@ -177,7 +183,9 @@ def test_flashmla_absorbed_hit_matches_latent_reference(
     assert isinstance(batch.attn_metadata, flashmla._AbsorbedHit) is absorbed
     assert absorbed == (len(case.q_lens) == 1 and case.prefix_lens[0] >= 1024)
     got = backend.forward_extend_mha(0, p.q, p.kv_c, p.k_pe, p.w_uk, p.w_uv, batch)
-    worst = check_against_reference(case, p, got, batch)
+    worst = check_against_reference(
+        case, p, got, batch, ABSORBED_TOLERANCE if absorbed else TOLERANCE
+    )
     form = "absorbed" if absorbed else "mha"
     print(f"flashmla hit {form} {case.prefix_lens}+{case.q_lens} {case.kv_dtype}: {worst:.2e}")
 
