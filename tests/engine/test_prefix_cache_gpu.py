@@ -38,6 +38,15 @@ def prompts(vocab: int) -> list[list[int]]:
     return out
 
 
+def top_margins(outputs: list) -> list[list[float]]:
+    """Each step's top-1 minus top-2 logprob of these completions (sampled with logprobs=2)."""
+    return [
+        [(lambda t: t[0] - t[1])(sorted((x.logprob for x in d.values()), reverse=True))
+         for d in o.logprobs]
+        for o in outputs
+    ]  # fmt: skip
+
+
 def one_by_one(llm: LLM, ps: list[list[int]], params=PARAMS) -> list[list[int]]:
     return [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in ps]
 
@@ -90,11 +99,7 @@ def test_cuda_preemption_and_concurrency(checkpoint, deterministic: bool) -> Non
     if deterministic:
         assert got == want
         return
-    margins = [
-        [(lambda t: t[0] - t[1])(sorted((x.logprob for x in d.values()), reverse=True))
-         for d in o.logprobs]
-        for o in want_out
-    ]  # fmt: skip
+    margins = top_margins(want_out)
     ties = divergence_margins(got, want, margins)
     print(f"{len(batch) - len(ties)}/{len(batch)} identical; margins where they part: {ties}")
     assert all(t < NEAR_TIE for t in ties), ties
@@ -120,5 +125,48 @@ def test_cuda_speculation_caches_mtp_kv_exactly(checkpoint) -> None:
 
     assert run(on) == run(off)
     assert on.engine.get_stats().prefix_cache_hits > 0
+    on.engine.allocator.check()
+    assert on.engine.allocator.num_referenced_pages == 0
+
+
+def test_cuda_long_hits_take_the_absorbed_form_and_part_only_at_near_ties(monkeypatch) -> None:
+    """The shipped model (4096 positions, the GPU defaults: FP8 KV, graphs) on real source: hits
+    of 1-100 new tokens over a 2048-token cached prefix are attended by FlashMLA in the absorbed
+    form (`kernels_adapter/absorbed_hit.py`, its query e4m3 as decode's), one of 200 in the MHA
+    form; cache-off prefills each prompt whole. Each continuation may part from cache-off's only
+    at a near-tie (module docstring)."""
+    from mlaserve.kernels_adapter.flashmla import FlashMLABackend, flashmla_available
+    from tests.engine.test_long_prompts_gpu import code_tokens
+
+    if not flashmla_available():
+        pytest.skip("needs an SM90 GPU and sgl-flash-mla")
+    monkeypatch.delenv("MLASERVE_ABSORBED_HIT", raising=False)  # on by default
+    decided: dict[tuple[int, ...], bool] = {}
+    attends_absorbed = FlashMLABackend.attends_absorbed
+
+    def spy(self, q_lens: tuple[int, ...], seq_lens: tuple[int, ...]) -> bool:
+        decided[q_lens] = attends_absorbed(self, q_lens, seq_lens)
+        return decided[q_lens]
+
+    monkeypatch.setattr(FlashMLABackend, "attends_absorbed", spy)
+    off = LLM(enable_prefix_caching=False)
+    on = LLM(enable_prefix_caching=True)
+    assert on.engine.runner.attn_backend.name == "flashmla" and on.engine.graphs.use_graphs
+    text = code_tokens(on, 2048 + 200)
+    extras = (1, 16, 64, 100, 200)
+    prompts = [text[: 2048 + e] for e in extras]
+    scored = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    want_out = [off.generate([p], scored, use_tqdm=False)[0].outputs[0] for p in prompts]
+    on.generate([text[:2048]], PARAMS, use_tqdm=False)  # its 32 pages: 31 cached (one computed)
+    decided.clear()
+    outs = [on.generate([p], scored, use_tqdm=False)[0] for p in prompts]
+    assert [o.num_cached_tokens for o in outs] == [2048] * len(extras)
+    assert [decided.get((e,)) for e in extras] == [True, True, True, True, False], decided
+    want = [list(o.token_ids) for o in want_out]
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    margins = top_margins(want_out)
+    ties = divergence_margins(got, want, margins)
+    print(f"{len(prompts) - len(ties)}/{len(prompts)} identical; margins where they part: {ties}")
+    assert all(t < NEAR_TIE for t in ties), ties
     on.engine.allocator.check()
     assert on.engine.allocator.num_referenced_pages == 0
