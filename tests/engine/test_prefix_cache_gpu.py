@@ -152,9 +152,10 @@ def test_cuda_long_hits_take_the_absorbed_form_and_part_only_at_near_ties(monkey
     off = LLM(enable_prefix_caching=False)
     on = LLM(enable_prefix_caching=True)
     assert on.engine.runner.attn_backend.name == "flashmla" and on.engine.graphs.use_graphs
-    text = code_tokens(on, 2048 + 200)
     extras = (1, 16, 64, 100, 200)
-    prompts = [text[: 2048 + e] for e in extras]
+    text = code_tokens(on, 2048 + 200 * len(extras))
+    # The prefix, then a suffix from its own stretch of the text: no prompt hits another's.
+    prompts = [text[:2048] + text[2048 + 200 * i :][:e] for i, e in enumerate(extras)]
     scored = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
     want_out = [off.generate([p], scored, use_tqdm=False)[0].outputs[0] for p in prompts]
     on.generate([text[:2048]], PARAMS, use_tqdm=False)  # its 32 pages: 31 cached (one computed)
