@@ -104,8 +104,7 @@ def test_only_the_switches_module_reads_the_environment_for_a_switch() -> None:
 
 def test_declarations_are_complete_and_their_readers_exist() -> None:
     assert len(DECLARED) == len(SWITCHES), "a switch is declared twice"
-    readers = set(INT_READERS) | set(BOOL_READERS)
-    assert readers | {"MLASERVE_FUSED_OPS"} == set(DECLARED)
+    assert set(INT_READERS) | set(BOOL_READERS) | {"MLASERVE_FUSED_OPS"} == set(DECLARED)
     for switch in SWITCHES:
         assert switch.type in ("bool", "int", "0/1"), switch
         assert (switch.type == "int") == (switch.name in INT_READERS), switch
