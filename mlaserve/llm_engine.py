@@ -120,6 +120,9 @@ class LLMEngine:
                 self.runner, self.graphs, drafter, spec.k, policy,
                 extend_drafts=config.enable_prefix_caching,
             )  # fmt: skip
+        # One GPU: the kernel warm-up on threads (started with the runner) also compiles the
+        # decoder layers at every token count the graphs take; the first capture joins it.
+        self.runner.extend_kernel_warm_up(self.graphs.token_counts())
         # Prefix caching (None when off: `PrefixSharing.build`).
         self.allocator, prefix = PrefixSharing.build(config, self.runner.num_pages)
         self.scheduler = Scheduler(
@@ -307,7 +310,13 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing on one rank); the engine cannot step after.
-        Also runs when the engine is collected or the interpreter exits."""
+        Also runs when the engine is collected or the interpreter exits. An engine stopped
+        before its warm-up first lets the background kernel warm-up end (one GPU)."""
+        if getattr(self, "runner", None) is not None and self.runner.kernel_warm_up is not None:
+            try:
+                self.runner.join_kernel_warm_up()
+            except Exception as e:  # its failure would have been raised at warm-up
+                logger.warning("kernel warm-up failed: %s", e)
         if self.tp_workers is not None:
             # Graphs go first: one that captured NCCL collectives hangs the group's teardown.
             if self.tp_workers.dead is None:

@@ -15,7 +15,9 @@
     weight_read         the checkpoint read into them (its bytes and GB/s); dummy weights: filled
     weight_postprocess  `process_weights_after_loading` (fused and transposed copies)
     kernel_warmup       the decode GEMV and MoE kernels run once per token count they take (their
-                        JIT compiles, or their loads from the on-disk cache)
+                        JIT compiles, or their loads from the on-disk cache), on threads; on one
+                        GPU they run in the background from the KV pool's allocation on, and
+                        this phase is the wait for them before the first capture
     kv_pool             the KV pool sized and allocated, the attention backend, the buffers
     warmup              the throwaway request (every JIT compile) and the graphs' eager runs
     capture             the CUDA graphs' capture (decode, prefill pieces, MTP draft)

@@ -22,6 +22,7 @@ __all__ = [
     "absorbed_hit",
     "all_reduce_one_shot_max_bytes",
     "all_reduce_two_shot_max_bytes",
+    "background_warm_up",
     "decode_prologue",
     "fused_ops",
     "fused_routing",
@@ -160,6 +161,16 @@ SWITCHES: tuple[Switch, ...] = (
         "kernels_adapter/flashmla.py",
     ),
     Switch(
+        "MLASERVE_BACKGROUND_WARM_UP",
+        "bool",
+        "on",
+        "one GPU: the kernel warm-up runs on threads beside the KV pool, the warm-up request and "
+        "the graphs' eager runs, joined before the first capture (`model/kernel_warm_up.py`); "
+        "0: the decode kernels' before the KV pool, waited for, the rest compiled by the "
+        "warm-up's forwards (read when the model runner is built)",
+        "engine/model_runner.py",
+    ),
+    Switch(
         "MLASERVE_ALL_REDUCE_ONE_SHOT_MAX_BYTES",
         "int",
         "measured, per GPU count (`MEASURED_PLANS`)",
@@ -262,6 +273,11 @@ def prefix_split() -> bool:
 def absorbed_hit() -> bool:
     """`MLASERVE_ABSORBED_HIT`: a one-sequence prefix-cache hit in the absorbed form."""
     return _bool("MLASERVE_ABSORBED_HIT")
+
+
+def background_warm_up() -> bool:
+    """`MLASERVE_BACKGROUND_WARM_UP`: the kernel warm-up beside start-up, on one GPU."""
+    return _bool("MLASERVE_BACKGROUND_WARM_UP")
 
 
 def all_reduce_one_shot_max_bytes(default: int) -> int:

@@ -44,6 +44,7 @@ BOOL_READERS = {
     "MLASERVE_ONE_GRAPH_PREFILL": switches.one_graph_prefill,
     "MLASERVE_PREFIX_SPLIT": switches.prefix_split,
     "MLASERVE_ABSORBED_HIT": switches.absorbed_hit,
+    "MLASERVE_BACKGROUND_WARM_UP": switches.background_warm_up,
 }
 
 

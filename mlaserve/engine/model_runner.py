@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mlaserve import switches
 from mlaserve.config import ConfigError, EngineConfig, ModelConfig
 from mlaserve.engine.forward_batch import ForwardBatch
 from mlaserve.engine.forward_route import ForwardRoute
@@ -35,7 +36,9 @@ from mlaserve.kernels_adapter import get_backend_class, resolve_backend_name
 from mlaserve.kv_cache import MLAKVPool
 from mlaserve.model import load_kv_scales, load_model
 from mlaserve.model.checkpoint_tensor import log_rank_reads
+from mlaserve.model.kernel_warm_up import KernelWarmUp
 from mlaserve.sampling import GreedyRows, Sampler, SamplerOutput, SamplingBatch, SamplingSlots
+from mlaserve.sampling.argmax_kernel import argmax_available, fused_argmax
 from mlaserve.startup_times import StartupTimes
 from mlaserve.tensor_parallel import NO_TP, TensorParallel
 
@@ -43,6 +46,10 @@ from mlaserve.tensor_parallel import NO_TP, TensorParallel
 __all__ = ["ModelRunner", "PendingSample", "ReadBack", "StepResult"]
 
 logger = logging.getLogger(__name__)
+
+# The throwaway request's prompt length (`engine_warmup.warm_up`): the first token count the
+# background kernel warm-up compiles the decoder layers at.
+WARM_UP_PROMPT_LEN = 16
 
 
 class ModelRunner:
@@ -102,6 +109,14 @@ class ModelRunner:
         # This process's device memory before its weights: what it allocates outside torch's
         # allocator (NCCL's buffers) counts against --gpu-memory-utilization too.
         free_at_start = free_device_memory(self.device)
+        # One GPU: the decode kernels' warm-up runs on threads in the background from the end
+        # of construction until the first capture joins it (`join_kernel_warm_up`). Under TP the
+        # loader runs it in order (its MoE forward all-reduces, in every rank's order).
+        background_warm_up = (
+            tp.size == 1 and self.device.type == "cuda" and switches.background_warm_up()
+        )
+        self.kernel_warm_up: KernelWarmUp | None = None
+        self._startup = startup
         logger.info(
             "loading weights from %s (%s on %s, load format %s)",
             config.model_path, self.dtype, self.device, config.load_format,
@@ -116,6 +131,7 @@ class ModelRunner:
             tp=tp,
             deterministic=config.deterministic_inference,
             startup=startup,
+            warm_up_kernels=not background_warm_up,
         )
         loaded = time.perf_counter()
 
@@ -190,8 +206,13 @@ class ModelRunner:
         # (overlap rule 3, `engine/overlap.py`); room for several values per row (ids, flags,
         # k+1 tokens).
         self.read_backs = ReadBackRows(config.max_num_seqs * 32, self.device)
+        if not background_warm_up:  # in order, here (else on the threads below)
+            for task in self.attn_backend.warm_up_tasks():
+                task()
         if startup is not None:
             startup.add("kv_pool", time.perf_counter() - loaded)
+        if background_warm_up:
+            self.kernel_warm_up = KernelWarmUp.start(self._first_warm_up_tasks(), self.device)
         logger.info(
             "KV cache: %d pages x %d tokens, %s, backend=%s",
             self.num_pages,
@@ -199,6 +220,46 @@ class ModelRunner:
             self.kv_cache_dtype,
             backend_name,
         )
+
+    def _first_warm_up_tasks(self) -> list[Callable[[], None]]:
+        """The background warm-up's tasks known here: the attention backend's, greedy sampling's
+        argmax, the decoder layers at WARM_UP_PROMPT_LEN tokens first (the kernels every token
+        count shares: a later task at another count finds them compiled instead of compiling
+        them again beside it), then the decode kernels' variants."""
+        tasks = self.attn_backend.warm_up_tasks()
+        if argmax_available(self.device):
+            logits = (1, self.model_config.vocab_size)
+            tasks.append(lambda: fused_argmax(torch.zeros(logits, device=self.device)))
+        tasks += self.model.layer_warm_up_tasks([WARM_UP_PROMPT_LEN])
+        return tasks + self.model.kernel_warm_up_tasks()
+
+    def extend_kernel_warm_up(self, token_counts: Sequence[int]) -> None:
+        """Queue the decoder layers' warm-up at `token_counts` too (the engine's: its captured
+        batch sizes and prefill buckets), where the background warm-up runs (one GPU)."""
+        if self.kernel_warm_up is not None:
+            counts = sorted(set(token_counts) - {WARM_UP_PROMPT_LEN})
+            self.kernel_warm_up.add(self.model.layer_warm_up_tasks(counts))
+
+    def join_kernel_warm_up(self) -> float:
+        """Wait for the background kernel warm-up (`model/kernel_warm_up.py`) and re-raise its
+        first failure; the seconds waited (0 once joined, or with none). Every CUDA graph
+        capture calls it first: no other thread may launch while one records. The wait is
+        start-up's `kernel_warmup` phase."""
+        warm_up, self.kernel_warm_up = self.kernel_warm_up, None
+        if warm_up is None:
+            return 0.0
+        t0 = time.perf_counter()
+        warm_up.join()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        waited = time.perf_counter() - t0
+        if self._startup is not None:
+            self._startup.add("kernel_warmup", waited)
+        logger.info(
+            "kernel warm-up: %d tasks on %d threads in %.2f s, beside start-up; waited %.2f s",
+            warm_up.num_tasks, warm_up.workers, warm_up.busy_s, waited,
+        )  # fmt: skip
+        return waited
 
     # ----- one step -----
     def build_host_batch(

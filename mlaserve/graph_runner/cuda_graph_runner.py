@@ -54,6 +54,7 @@ class CaptureReport:
     capture_s: float
     pool_bytes: int  # device memory the decode graphs' shared pool holds after capture
     piecewise: PiecewiseReport | None = None  # EXTEND's piecewise graphs, when on
+    kernel_warm_up_wait_s: float = 0.0  # waited for the background kernel warm-up, before capture
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,13 @@ class CudaGraphRunner:
         buckets = self.piecewise.buckets if self.piecewise is not None else ()
         return CaptureMsg(tuple(self.batch_sizes), tuple(self.shapes), tuple(buckets))
 
+    def token_counts(self) -> tuple[int, ...]:
+        """The token counts the captured forwards take: every shape's rows at every batch size,
+        and the piecewise buckets."""
+        counts = {bs * q_len for _, q_len in self.shapes for bs in self.batch_sizes}
+        counts.update(self.piecewise.buckets if self.piecewise is not None else ())
+        return tuple(sorted(counts))
+
     def release(self) -> None:
         """Destroy every captured graph (and the piecewise runner's): the engine's shutdown,
         before a tensor-parallel group is left. A graph that captured NCCL collectives keeps the
@@ -190,6 +198,12 @@ class CudaGraphRunner:
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
         t1 = time.perf_counter()
+        if self.piecewise is not None:  # its eager runs too, before any capture
+            self.piecewise.warm_up()
+        # No other thread may launch while a graph records: the background kernel warm-up
+        # (`ModelRunner.join_kernel_warm_up`) ends here, after every eager run it overlaps.
+        kernel_warm_up_wait_s = self.runner.join_kernel_warm_up()
+        t_join = time.perf_counter()
         # Objects waiting for the collector may hold CUDA resources (pinned buffers, events) of
         # an engine that is gone; freeing them inside a capture would invalidate it.
         gc.collect()
@@ -203,9 +217,10 @@ class CudaGraphRunner:
         report = CaptureReport(
             num_graphs=len(self.graphs),
             warmup_s=t1 - t0,
-            capture_s=t2 - t1,
+            capture_s=t2 - t_join,
             pool_bytes=pool_bytes,
             piecewise=piecewise,
+            kernel_warm_up_wait_s=kernel_warm_up_wait_s,
         )
         logger.info(
             "CUDA graphs: %d captured (%s at batch sizes %s) in %.2f s after %.2f s of eager "

@@ -55,6 +55,7 @@ captured region (or before replay), and the host-side ints it may use (`bs`, `q_
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -203,6 +204,12 @@ class AttentionBackend(ABC):
                     f"{type(self).__name__}: {name} {tuple(w.shape)} must have {self.num_heads} "
                     "heads on dim 0, the heads this rank attends"
                 )
+
+    def warm_up_tasks(self) -> list[Callable[[], None]]:
+        """The backend's own compiles for before serving, as independent tasks on private
+        tensors (the engine runs them on threads beside its start-up: `model/kernel_warm_up.py`,
+        or in order); none by default."""
+        return []
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None:

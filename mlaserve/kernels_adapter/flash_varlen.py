@@ -29,6 +29,7 @@ tokens over a long cached prefix splits the prefix over more CTAs (`prefix_split
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -67,7 +68,7 @@ class FlashVarlenAttention:
     on `device`, whether this torch's FA2 takes a value head dim different from the query's (one
     tiny launch, at start-up, never per step). `fused_merge_shape` = (heads, qk head dim, v head
     dim) of the layers: split hits merge in one Triton launch (`ops/attention_merge.py`),
-    compiled here for those shapes; None: in torch."""
+    compiled for those shapes by `warm_up_tasks`; None: in torch."""
 
     def __init__(
         self, device: torch.device, fused_merge_shape: tuple[int, int, int] | None = None
@@ -82,7 +83,7 @@ class FlashVarlenAttention:
             from mlaserve.ops.attention_merge import merge_attention
 
             self._merge = merge_attention
-            self._warm_up_merge(*fused_merge_shape)
+        self._fused_merge_shape = fused_merge_shape
         self._splits = switches.prefix_split()
         # The last forward's split, keyed by its layout (one object per forward, shared by its
         # layers; held here, so no later layout can take its identity): planned once a forward.
@@ -114,6 +115,12 @@ class FlashVarlenAttention:
         except RuntimeError:
             return False
         return out.shape[-1] == 32
+
+    def warm_up_tasks(self) -> list[Callable[[], None]]:
+        """The fused merge's compile for the layers' shapes, as a task (none with the torch
+        merge)."""
+        shape = self._fused_merge_shape
+        return [] if shape is None else [partial(self._warm_up_merge, *shape)]
 
     def _warm_up_merge(self, heads: int, qk_dim: int, v_dim: int) -> None:
         """Compile the merge for the layers' shapes (its runtime sizes are not specialised)."""

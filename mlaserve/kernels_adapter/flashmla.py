@@ -39,6 +39,7 @@ the MHA form's contract either way.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -217,6 +218,10 @@ class FlashMLABackend(AttentionBackend):
                     self.kv_lora_rank,
                     self.device,
                 )
+
+    def warm_up_tasks(self) -> list[Callable[[], None]]:
+        """The prefill path's fused merge (`FlashVarlenAttention.warm_up_tasks`)."""
+        return self._prefill.warm_up_tasks()
 
     def attends_absorbed(self, q_lens: tuple[int, ...], seq_lens: tuple[int, ...]) -> bool:
         """Whether an EXTEND batch of these host lengths is attended in the absorbed form."""

@@ -31,6 +31,7 @@ in a CUDA graph.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -146,20 +147,43 @@ class DeepseekForCausalLM(nn.Module):
             if isinstance(module, (MLAAttention, DeepseekMoE)):
                 module.process_weights_after_loading()
 
-    def warm_up_decode_kernels(self) -> None:
-        """Compile the decode GEMVs and the grouped MoE kernels for every token count they take
-        (not only the captured batch sizes that warm-up runs), so none compiles while serving.
-        Modules of one type and parameter shapes take the same compiled variants, so each such
-        kind is warmed once (one MoE layer of V2-Lite's 26, not all of them). The kinds warm up
-        side by side on threads (`kernel_warm_up.py`), but in order under tensor parallelism: the
-        MoE's warm-up forward all-reduces, and every rank must issue its collectives in one
-        order, which threads would not keep."""
-        warmed, calls = set(), []
+    def kernel_warm_up_tasks(self) -> list[Callable[[], None]]:
+        """The decode GEMVs' and the grouped MoE kernels' compiles for every token count they
+        take (not only the captured batch sizes that warm-up runs), so none compiles while
+        serving: a task per variant (`kernel_warm_up.py`). Modules of one type and parameter
+        shapes take the same compiled variants, so each such kind is warmed once (one MoE layer
+        of V2-Lite's 26, not all of them). The MoE's and MLA's tasks come first: the pool takes
+        tasks in order, and theirs are the longest."""
+        warmed: set[tuple] = set()
+        first: list[Callable[[], None]] = []
+        rest: list[Callable[[], None]] = []
         for module in self.modules():
-            hooks = [getattr(module, h, None) for h in ("warm_up_gemv", "warm_up_kernels")]
+            make = getattr(module, "warm_up_tasks", None)
             kind = (type(module), *((p.shape, p.dtype) for p in module.parameters()))
-            if any(hooks) and kind not in warmed:  # linears and the router; MoE
+            if make is not None and kind not in warmed:  # linears, the router, MoE, MLA
                 warmed.add(kind)
-                calls += [partial(warm_up, self.params_dtype) for warm_up in filter(None, hooks)]
+                tasks = make(self.params_dtype)
+                (first if isinstance(module, (DeepseekMoE, MLAAttention)) else rest).extend(tasks)
+        return first + rest
+
+    def layer_warm_up_tasks(self, token_counts: Sequence[int]) -> list[Callable[[], None]]:
+        """A task per decoder-layer kind (dense or MoE FFN) and token count: its kernels but
+        attention's, at that count (`DeepseekDecoderLayer.warm_up_ffn`), for the token counts
+        the engine's forwards take (the captured batch sizes, the prefill buckets)."""
+        kinds: dict[tuple, DeepseekDecoderLayer] = {}
+        for layer in self.modules():
+            if isinstance(layer, DeepseekDecoderLayer):
+                kind = (type(layer.mlp), *((p.shape, p.dtype) for p in layer.parameters()))
+                kinds.setdefault(kind, layer)
+        return [
+            partial(layer.warm_up_ffn, num_tokens, self.params_dtype)
+            for num_tokens in token_counts
+            for layer in kinds.values()
+        ]
+
+    def warm_up_decode_kernels(self) -> None:
+        """`kernel_warm_up_tasks`, run now: on threads, but in order under tensor parallelism
+        (the MoE's warm-up forward all-reduces, and every rank must issue its collectives in one
+        order, which threads would not keep)."""
         device = next(self.parameters()).device
-        warm_up_concurrently(calls, device, in_order=self.tp.size > 1)
+        warm_up_concurrently(self.kernel_warm_up_tasks(), device, in_order=self.tp.size > 1)

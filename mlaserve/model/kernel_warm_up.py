@@ -1,30 +1,106 @@
-"""Start-up's kernel warm-up, run on several threads: each call compiles its kernels' variants
-by running them once, and a Triton compile spends most of its time in C++ (MLIR, LLVM) and in
-ptxas, without the GIL, so calls on threads compile side by side. On a cold cache this is the
-longest phase of start-up (`StartupTimes.kernel_warmup`); with a filled cache each call loads
-its kernels instead, which threads also overlap.
+"""Start-up's kernel warm-up, run on threads: each task compiles one kernel variant (or a few
+that must come in order) by running it once on zeros, and a Triton compile spends most of its
+time in C++ (MLIR, LLVM) and in ptxas, without the GIL, so tasks on threads compile side by
+side. On a cold cache this is most of start-up's compiling; with a filled cache each task loads
+its kernels instead.
 
-What the threads share, and why it is safe:
-- the CUDA device: each thread makes the caller's device its current one (CUDA's current device
-  is per thread, and Triton launches on the current one);
-- the stream: each thread's default stream; the caller synchronises the device afterwards;
+`KernelWarmUp.start` runs the tasks in the background while start-up goes on (the engine, one
+GPU: the KV pool, the throwaway request, the graphs' eager runs); `join` waits for them. What
+may be in flight, and why it is safe:
+- between `start` and `join` the threads launch kernels on the device's default stream while
+  the caller's thread runs forwards on its streams. No CUDA graph may be captured then (a
+  capture must see no other thread's launches), so every capture joins first
+  (`ModelRunner.join_kernel_warm_up`, called by the graph runners);
+- the caching allocator is thread-safe, and the threads' tensors are their own zeros; a task
+  that shares a stream with the caller (the MoE's shared-expert side stream) shares only
+  values that nothing reads back;
+- the device: each thread makes the caller's its current one (CUDA's current device is per
+  thread, and Triton launches on the current one);
 - Triton's in-memory kernel cache (a dict) and its on-disk cache (files written by rename): two
   threads that reach one variant both compile it, and either result is the same kernel;
 - autograd's grad and inference modes (per thread): each thread takes the caller's.
-Calls must not depend on each other's results; every error is raised to the caller.
+Tasks must not depend on each other's results; every failure is raised by `join`. Under tensor
+parallelism the tasks run in order on the caller's thread (`warm_up_concurrently(in_order=
+True)`): the MoE's warm-up forward all-reduces, and every rank must issue its collectives in
+one order.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-__all__ = ["warm_up_concurrently"]
+__all__ = ["KernelWarmUp", "warm_up_concurrently"]
 
 MAX_THREADS = 16
+
+
+class KernelWarmUp:
+    """Warm-up tasks running on threads of this process (module doc). `join()` once."""
+
+    def __init__(self, tasks: Sequence[Callable[[], None]], device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"kernel warm-up on threads: a CUDA device, not {device}")
+        self.num_tasks = 0
+        self.workers = _num_workers(max(len(tasks), MAX_THREADS))
+        self._start = time.perf_counter()
+        self._end = self._start
+        self._lock = threading.Lock()
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        # Autograd's modes are per thread too: the threads run under the caller's.
+        self._modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            self.workers, thread_name_prefix="kernel-warm-up"
+        )
+        self._futures: list[Future[None]] = []
+        self.add(tasks)
+
+    def add(self, tasks: Sequence[Callable[[], None]]) -> None:
+        """Queue more tasks, after those already queued (the threads take them in order)."""
+        if self._pool is None:
+            raise RuntimeError("kernel warm-up: tasks added after join")
+        self.num_tasks += len(tasks)
+        self._futures += [self._pool.submit(self._on_device, task) for task in tasks]
+
+    def _on_device(self, task: Callable[[], None]) -> None:
+        torch.cuda.set_device(self._index)
+        grad, inference = self._modes
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            task()
+        with self._lock:
+            self._end = time.perf_counter()
+
+    @classmethod
+    def start(cls, tasks: Sequence[Callable[[], None]], device: torch.device) -> KernelWarmUp:
+        return cls(tasks, device)
+
+    @property
+    def joined(self) -> bool:
+        return self._pool is None
+
+    def join(self) -> None:
+        """Wait for every task; re-raises the first failure (after all have ended: no thread
+        launches past a failed join)."""
+        if self._pool is None:
+            raise RuntimeError("kernel warm-up: joined twice")
+        pool, self._pool = self._pool, None
+        try:
+            for future in self._futures:
+                future.exception()  # waits; the first failure is raised below, in task order
+        finally:
+            pool.shutdown(wait=True)
+        for future in self._futures:
+            future.result()
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds from the start to the last task's end (the threads' share of start-up)."""
+        return self._end - self._start
 
 
 def warm_up_concurrently(
@@ -37,19 +113,11 @@ def warm_up_concurrently(
         for call in calls:
             call()
         return
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    KernelWarmUp.start(calls, device).join()
+
+
+def _num_workers(num_tasks: int) -> int:
+    """One thread per core but the caller's (which goes on with start-up), at most
+    MAX_THREADS."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    workers = max(1, min(len(calls), cores or 1, MAX_THREADS))
-
-    # Autograd's modes are per thread too: the threads run under the caller's.
-    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-
-    def on_device(call: Callable[[], None]) -> None:
-        torch.cuda.set_device(index)
-        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-            call()
-
-    with ThreadPoolExecutor(workers, thread_name_prefix="kernel-warm-up") as pool:
-        futures = [pool.submit(on_device, call) for call in calls]
-        for future in futures:
-            future.result()
+    return max(1, min(num_tasks, (cores or 1) - 1, MAX_THREADS))

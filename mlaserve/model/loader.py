@@ -108,6 +108,7 @@ def load_model(
     deterministic: bool = False,
     startup: StartupTimes | None = None,
     staged: bool = True,
+    warm_up_kernels: bool = True,
 ) -> DeepseekForCausalLM:
     """Build the model on `device` in `dtype`, load the checkpoint at `path`, eval mode, no grad.
 
@@ -118,7 +119,9 @@ def load_model(
     from `seed` (the MTP module whenever the config asks for one). `deterministic`: build the
     batch-invariant layers (`EngineConfig.deterministic_inference`). `startup`: gets the
     model_construction, weight_read (with the bytes read), weight_postprocess and kernel_warmup
-    phases. `staged`: see `load_weights`."""
+    phases. `staged`: see `load_weights`. `warm_up_kernels`: False leaves the decode kernels'
+    warm-up to the caller (`DeepseekForCausalLM.kernel_warm_up_tasks`; the engine runs it in
+    the background)."""
     startup = StartupTimes() if startup is None else startup
     if dtype not in _MODEL_DTYPES:
         raise WeightLoadError(f"dtype: expected one of {_MODEL_DTYPES}, got {dtype}")
@@ -168,10 +171,11 @@ def load_model(
         torch.cuda.synchronize(device)
     processed = time.perf_counter()
     startup.add("weight_postprocess", processed - read)
-    model.warm_up_decode_kernels()
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    startup.add("kernel_warmup", time.perf_counter() - processed)
+    if warm_up_kernels:
+        model.warm_up_decode_kernels()
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+        startup.add("kernel_warmup", time.perf_counter() - processed)
     return model.eval().requires_grad_(False)
 
 

@@ -28,6 +28,7 @@ Launches read no device value on the host and allocate y by shape only: CUDA-gra
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -43,7 +44,7 @@ __all__ = [
     "gemv",
     "gemv_config",
     "gemv_reference",
-    "gemv_warm_up",
+    "gemv_warm_up_tasks",
 ]
 
 # Past this M the per-thread accumulators (M per weight vector) crowd the registers; callers
@@ -65,7 +66,7 @@ class GemvConfig(NamedTuple):
 
 
 # M is a runtime value (not specialised), so one compile serves every M of a power-of-two
-# bucket (BLOCK_M): `gemv_warm_up` compiles the buckets a layer uses before serving.
+# bucket (BLOCK_M): `gemv_warm_up_tasks` compile the buckets a layer uses before serving.
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, s_stride, M,
@@ -251,22 +252,35 @@ def gemv(
     return y
 
 
-def gemv_warm_up(
+def gemv_warm_up_tasks(
     w: torch.Tensor,
     w_scale: torch.Tensor | None,
     max_m: int,
     x_dtype: torch.dtype,
     out_dtype: torch.dtype | None = None,
-) -> None:
-    """Compile (run once on zeros) every M bucket a layer with weight `w` takes up to `max_m`
-    tokens, so no compile happens while serving (a Triton compile is a stall of ~0.5 s)."""
-    if max_m <= 0:
-        return
+) -> list[Callable[[], None]]:
+    """One task per M bucket a layer with weight `w` takes up to `max_m` tokens: each runs the
+    GEMV once on zeros, so that bucket's variant compiles before serving (a Triton compile is a
+    stall of ~0.5 s). Tasks are independent (`model/kernel_warm_up.py` runs them on threads)."""
+    tasks: list[Callable[[], None]] = []
     bucket = 1
-    while bucket <= triton.next_power_of_2(min(max_m, GEMV_MAX_M)):
-        x = torch.zeros(min(bucket, max_m), w.shape[1], dtype=x_dtype, device=w.device)
-        gemv(x, w, w_scale, out_dtype=out_dtype)
+    while max_m > 0 and bucket <= triton.next_power_of_2(min(max_m, GEMV_MAX_M)):
+        tasks.append(
+            functools.partial(_gemv_once, min(bucket, max_m), w, w_scale, x_dtype, out_dtype)
+        )
         bucket *= 2
+    return tasks
+
+
+def _gemv_once(
+    m: int,
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    x_dtype: torch.dtype,
+    out_dtype: torch.dtype | None,
+) -> None:
+    x = torch.zeros(m, w.shape[1], dtype=x_dtype, device=w.device)
+    gemv(x, w, w_scale, out_dtype=out_dtype)
 
 
 def gemv_reference(

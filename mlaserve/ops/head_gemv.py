@@ -33,6 +33,8 @@ Launches read no device value on the host: CUDA-graph safe.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -48,7 +50,7 @@ __all__ = [
     "head_gemv",
     "head_gemv_launch",
     "head_gemv_program",
-    "head_gemv_warm_up",
+    "head_gemv_warm_up_tasks",
 ]
 
 # Token rows per launch: each is a static unroll step of the kernel; past it the bmm's tensor
@@ -264,29 +266,47 @@ def head_gemv_launch(
     return HeadGemvLaunch(args, (triton.cdiv(n, block_n), heads), out)
 
 
-def head_gemv_warm_up(
+def head_gemv_warm_up_tasks(
     x_strides: tuple[int, int],
     heads: int,
     w: torch.Tensor,
     max_m: int,
     tail: tuple[int, tuple[int, int]] | None = None,
     out_dtypes: tuple[torch.dtype, ...] = (),
-) -> None:
-    """Compile every M bucket up to `max_m` for x rows laid out with `x_strides` (token, head;
-    Triton specialises on their divisibility) and weight `w` [H, K, N], so none compiles while
-    serving. With `tail` = (DR, its (token, head) strides), also the joined-query variant for
-    each of `out_dtypes` (out contiguous [T, H, N + DR], as the layer allocates it)."""
-    k, n = w.shape[1:]
+) -> list[Callable[[], None]]:
+    """One task per variant, each running it once on zeros so that it compiles before serving:
+    every M bucket up to `max_m` for x rows laid out with `x_strides` (token, head; Triton
+    specialises on their divisibility) and weight `w` [H, K, N]; with `tail` = (DR, its (token,
+    head) strides), also the joined-query variant for each of `out_dtypes` (out contiguous
+    [T, H, N + DR], as the layer allocates it). Tasks are independent (run on threads)."""
+    tasks: list[Callable[[], None]] = []
     bucket = 1
     while bucket <= min(max_m, HEAD_GEMV_MAX_M):
-        rows = torch.zeros(bucket * x_strides[0], dtype=w.dtype, device=w.device)
-        x = rows.as_strided((bucket, heads, k), (*x_strides, 1))
-        head_gemv(x, w)
+        tasks.append(functools.partial(_head_gemv_once, bucket, x_strides, heads, w, None, None))
         if tail is not None:
-            dr, strides = tail
-            pe = torch.zeros(bucket * strides[0], dtype=w.dtype, device=w.device)
-            pe = pe.as_strided((bucket, heads, dr), (*strides, 1))
             for dtype in out_dtypes:
-                out = torch.empty(bucket, heads, n + dr, dtype=dtype, device=w.device)
-                head_gemv(x, w, out=out, tail=pe)
+                once = functools.partial(_head_gemv_once, bucket, x_strides, heads, w, tail, dtype)
+                tasks.append(once)
         bucket *= 2
+    return tasks
+
+
+def _head_gemv_once(
+    m: int,
+    x_strides: tuple[int, int],
+    heads: int,
+    w: torch.Tensor,
+    tail: tuple[int, tuple[int, int]] | None,
+    out_dtype: torch.dtype | None,
+) -> None:
+    k, n = w.shape[1:]
+    rows = torch.zeros(m * x_strides[0], dtype=w.dtype, device=w.device)
+    x = rows.as_strided((m, heads, k), (*x_strides, 1))
+    if tail is None:
+        head_gemv(x, w)
+        return
+    dr, strides = tail
+    pe = torch.zeros(m * strides[0], dtype=w.dtype, device=w.device)
+    pe = pe.as_strided((m, heads, dr), (*strides, 1))
+    out = torch.empty(m, heads, n + dr, dtype=out_dtype, device=w.device)
+    head_gemv(x, w, out=out, tail=pe)

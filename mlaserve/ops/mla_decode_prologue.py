@@ -27,15 +27,21 @@ Launches read no device value on the host: CUDA-graph safe.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 from mlaserve.ops.head_gemv import HEAD_GEMV_MAX_M, head_gemv_launch, head_gemv_program
-from mlaserve.ops.mla_norm_rope import norm_rope_launch, norm_rope_program
+from mlaserve.ops.mla_norm_rope import norm_rope_launch, norm_rope_program, warm_up_rows
 from mlaserve.ops.pdl import pdl_args, wait_and_hold_next_kernel, wait_for_previous_kernel
 
-__all__ = ["mla_decode_prologue", "mla_decode_prologue_warm_up"]
+__all__ = [
+    "mla_decode_prologue",
+    "mla_decode_prologue_warm_up_tasks",
+]
 
 
 # M (the token count) is a runtime value: one compile per power-of-two bucket (BLOCK_M).
@@ -126,7 +132,7 @@ def mla_decode_prologue(
     return gemv.out, q_pe_out
 
 
-def mla_decode_prologue_warm_up(
+def mla_decode_prologue_warm_up_tasks(
     q_strides: tuple[int, int],
     kv_stride: int,
     dims: tuple[int, int, int],
@@ -135,29 +141,41 @@ def mla_decode_prologue_warm_up(
     interleaved: bool,
     cache_dtypes: tuple[torch.dtype, ...],
     max_m: int,
-) -> None:
-    """Compile every token bucket up to `max_m` (<= HEAD_GEMV_MAX_M) for each cache dtype, with
-    and without a joined query of that dtype (FlashMLA's: e4m3 for an fp8 cache, else the
-    model's), for q rows with `q_strides` (token, head) and latent rows [kv_c | k_pe]
-    `kv_stride` apart, as the layer's projections lay them out (Triton specialises on the
-    strides' divisibility), so none compiles while serving. dims = (d_n, d_r, r); weight:
-    kv_a_layernorm's."""
-    nope, rope, rank = dims
-    heads, dev, dtype = w_uk.shape[0], w_uk.device, w_uk.dtype
-    bucket = 1
-    while bucket <= min(max_m, HEAD_GEMV_MAX_M):
-        q = torch.zeros(bucket * q_strides[0], dtype=dtype, device=dev)
-        q = q.as_strided((bucket, heads, nope + rope), (*q_strides, 1))
-        kv = torch.zeros(bucket * kv_stride, dtype=dtype, device=dev)
-        kv_c, k_pe = kv.as_strided((bucket, rank + rope), (kv_stride, 1)).split([rank, rope], -1)
-        cos = torch.zeros(bucket, rope // 2, dtype=torch.float32, device=dev)
-        slots = torch.arange(bucket, device=dev)
-        for cache_dtype in cache_dtypes:
-            cache = torch.zeros(bucket, 1, rank + rope, dtype=cache_dtype, device=dev)
-            joined = torch.empty(bucket, heads, rank + rope, dtype=cache_dtype, device=dev)
-            for out in (None, joined):
-                mla_decode_prologue(
-                    kv_c, k_pe, q[..., :nope], q[..., nope:], weight, 1e-6, cos, cos,
-                    interleaved, w_uk, cache, slots, 1.0, joined=out,
-                )  # fmt: skip
+) -> list[Callable[[], None]]:
+    """One task per variant, each running it once on zeros so that it compiles before serving:
+    every token bucket up to `max_m` (<= HEAD_GEMV_MAX_M) for each cache dtype, with and
+    without a joined query of that dtype (FlashMLA's: e4m3 for an fp8 cache, else the model's),
+    for q rows with `q_strides` (token, head) and latent rows [kv_c | k_pe] `kv_stride` apart,
+    as the layer's projections lay them out (Triton specialises on the strides' divisibility).
+    dims = (d_n, d_r, r); weight: kv_a_layernorm's. Tasks are independent (run on threads)."""
+    layout = (q_strides, kv_stride, dims, weight, w_uk, interleaved)
+    return [
+        functools.partial(_prologue_once, bucket, layout, cache_dtype, joined)
+        for bucket in _buckets(min(max_m, HEAD_GEMV_MAX_M))
+        for cache_dtype in cache_dtypes
+        for joined in (False, True)
+    ]
+
+
+def _buckets(max_m: int) -> list[int]:
+    """The powers of two up to `max_m`."""
+    out, bucket = [], 1
+    while bucket <= max_m:
+        out.append(bucket)
         bucket *= 2
+    return out
+
+
+def _prologue_once(m: int, layout: tuple, cache_dtype: torch.dtype, joined: bool) -> None:
+    """One warm-up launch (`mla_decode_prologue_warm_up_tasks`'s layout)."""
+    q_strides, kv_stride, dims, weight, w_uk, interleaved = layout
+    nope, rope, rank = dims
+    heads, dev = w_uk.shape[0], w_uk.device
+    q, kv_c, k_pe, cos = warm_up_rows(m, heads, q_strides, kv_stride, dims, w_uk.dtype, dev)
+    slots = torch.arange(m, device=dev)
+    cache = torch.zeros(m, 1, rank + rope, dtype=cache_dtype, device=dev)
+    out = torch.empty(m, heads, rank + rope, dtype=cache_dtype, device=dev) if joined else None
+    mla_decode_prologue(
+        kv_c, k_pe, q[..., :nope], q[..., nope:], weight, 1e-6, cos, cos,
+        interleaved, w_uk, cache, slots, 1.0, joined=out,
+    )  # fmt: skip

@@ -25,6 +25,8 @@ strided slices, cat, casts) by one; one program per token.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -36,9 +38,11 @@ from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 __all__ = [
     "NormRopeLaunch",
     "mla_norm_rope",
+    "mla_norm_rope_warm_up_tasks",
     "norm_rope_launch",
     "norm_rope_program",
     "rope_pair",
+    "warm_up_rows",
 ]
 
 
@@ -184,6 +188,65 @@ def mla_norm_rope(
     if launch.num_tokens:
         _mla_norm_rope_kernel[(launch.num_tokens,)](**launch.args, **pdl_args(kv_c.device))
     return launch.result
+
+
+def mla_norm_rope_warm_up_tasks(
+    q_strides: tuple[int, int],
+    kv_stride: int,
+    dims: tuple[int, int, int],
+    num_heads: int,
+    weight: torch.Tensor,
+    interleaved: bool,
+    dtype: torch.dtype,
+    cache_dtypes: tuple[torch.dtype, ...],
+    num_tokens: int,
+) -> list[Callable[[], None]]:
+    """One task per variant a layer's prefill and wide uniform steps take, each run once on
+    `num_tokens` rows of zeros laid out as the projections lay them out (q rows `q_strides`
+    (token, head), latent rows [kv_c | k_pe] `kv_stride` apart: Triton specialises on the
+    strides' divisibility) in the activations' `dtype`: the MHA prefill's (q_pe roped in place,
+    no cache) and the KV-writing one per cache dtype. dims = (d_n, d_r, r)."""
+    layout = (q_strides, kv_stride, dims, num_heads, weight, interleaved, dtype)
+    return [
+        functools.partial(_norm_rope_once, layout, cache_dtype, num_tokens)
+        for cache_dtype in (None, *cache_dtypes)
+    ]
+
+
+def warm_up_rows(
+    num_tokens: int,
+    num_heads: int,
+    q_strides: tuple[int, int],
+    kv_stride: int,
+    dims: tuple[int, int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zeros laid out as a layer's projections lay them out, for warm-up launches: q [T, H,
+    d_n + d_r] with row strides `q_strides`, kv_c [T, r] and k_pe [T, d_r] as views of latent
+    rows `kv_stride` apart, and cos [T, d_r / 2] fp32. dims = (d_n, d_r, r)."""
+    nope, rope, rank = dims
+    q = torch.zeros(num_tokens * q_strides[0], dtype=dtype, device=device)
+    q = q.as_strided((num_tokens, num_heads, nope + rope), (*q_strides, 1))
+    kv = torch.zeros(num_tokens * kv_stride, dtype=dtype, device=device)
+    latent = kv.as_strided((num_tokens, rank + rope), (kv_stride, 1))
+    kv_c, k_pe = latent.split([rank, rope], -1)
+    cos = torch.zeros(num_tokens, rope // 2, dtype=torch.float32, device=device)
+    return q, kv_c, k_pe, cos
+
+
+def _norm_rope_once(layout: tuple, cache_dtype: torch.dtype | None, num_tokens: int) -> None:
+    """One warm-up launch (`mla_norm_rope_warm_up_tasks`'s layout)."""
+    q_strides, kv_stride, dims, num_heads, weight, interleaved, dtype = layout
+    dev = weight.device
+    q, kv_c, k_pe, cos = warm_up_rows(num_tokens, num_heads, q_strides, kv_stride, dims, dtype, dev)
+    q_pe = q[..., dims[0] :]
+    if cache_dtype is None:  # the MHA prefill's: q_pe roped inside q's own rows
+        mla_norm_rope(kv_c, k_pe, q_pe, weight, 1e-6, cos, cos, interleaved, q_pe_out=q_pe)
+        return
+    cache = torch.zeros(num_tokens, 1, dims[1] + dims[2], dtype=cache_dtype, device=dev)
+    slots = torch.arange(num_tokens, device=dev)
+    mla_norm_rope(kv_c, k_pe, q_pe, weight, 1e-6, cos, cos, interleaved, cache, slots, 1.0)
 
 
 def norm_rope_launch(

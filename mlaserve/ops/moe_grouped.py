@@ -44,10 +44,13 @@ bound by reading the touched experts' weights, and the sort, gather, SiLU, unsor
 and the shared MLP around two grouped GEMMs cost ~20 launches and more time than the bytes.
 Launches read no device value on the host, and every constexpr depends on the model and on
 the token count's bucket (pairs' power of two, block rows and columns) alone: CUDA-graph safe,
-and `moe_grouped_warm_up` compiles every variant at load.
+and `moe_grouped_warm_up_tasks` compile every variant at load.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 import triton
@@ -64,7 +67,11 @@ from mlaserve.ops.moe_weights import (
 )
 from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
-__all__ = ["moe_grouped", "moe_grouped_block_m", "moe_grouped_warm_up"]
+__all__ = [
+    "moe_grouped",
+    "moe_grouped_block_m",
+    "moe_grouped_warm_up_tasks",
+]
 
 
 @triton.jit
@@ -334,27 +341,37 @@ def moe_grouped(
     return y
 
 
-def moe_grouped_warm_up(
+def moe_grouped_warm_up_tasks(
     weights: MoeDecodeWeights, top_k: int, min_tokens: int, max_tokens: int, dtype: torch.dtype
-) -> None:
-    """Run one batch of every compiled variant between min_tokens and max_tokens (the pairs'
-    power-of-two bucket, the block rows and columns, Triton's divisibility specialisation), so
-    nothing compiles while serving."""
-    device = weights.w13.device
+) -> list[Callable[[], None]]:
+    """Tasks that together run one batch of every compiled variant between min_tokens and
+    max_tokens (the pairs' power-of-two bucket, the block rows and columns, Triton's
+    divisibility specialisation), so nothing compiles while serving. Batches that share the
+    GEMMs' variant (block rows, and the block_k / stages choice) are one task, in order: on
+    threads, two batches reaching one variant at once would both compile it. Tasks are
+    independent."""
     slots = top_k + weights.num_shared
     e_total = weights.w13.shape[0] + weights.num_shared
-    seen = set()
+    seen, groups = set(), {}
     for t in range(min_tokens, max_tokens + 1):
         pairs = t * slots  # Triton also specialises the align kernel on pairs % 16 == 0
-        key = (
-            _num_pairs_bucket(pairs),
-            moe_grouped_block_m(pairs, e_total),
-            pairs % 16 == 0,
-            t <= 128,  # the default block_k and stages
-        )
-        if key in seen:
-            continue
-        seen.add(key)
+        gemms = (moe_grouped_block_m(pairs, e_total), t <= 128)  # t: default block_k, stages
+        key = (_num_pairs_bucket(pairs), pairs % 16 == 0, *gemms)
+        if key not in seen:
+            seen.add(key)
+            groups.setdefault(gemms, []).append(t)
+    return [
+        functools.partial(_grouped_batches, counts, weights, top_k, dtype)
+        for counts in groups.values()
+    ]
+
+
+def _grouped_batches(
+    counts: list[int], weights: MoeDecodeWeights, top_k: int, dtype: torch.dtype
+) -> None:
+    """One batch of zeros of each token count in `counts`, in order."""
+    device = weights.w13.device
+    for t in counts:
         x = torch.zeros(t, weights.hidden, dtype=dtype, device=device)
         ids = torch.arange(t * top_k, device=device).view(t, top_k) % weights.w13.shape[0]
         moe_grouped(x, torch.zeros(t, top_k, device=device), ids, weights)

@@ -336,6 +336,7 @@ class MTPDrafter:
                 self._draft_extend(de_batch(q, size), target_hidden(q, size))
             self._draft(size, bound)
         torch.cuda.synchronize(self.runner.device)
+        self.runner.join_kernel_warm_up()  # no other thread launches during a capture
         for size in sizes:
             for q in q_lens:
                 batch, hidden = de_batch(q, size), target_hidden(q, size)

@@ -189,7 +189,9 @@ class Tokenizer:
 def _takes_generic_fast_class(path: Path) -> bool:
     """Whether the folder loads as `PreTrainedTokenizerFast` (tokenizer.json as written).
 
-    - It declares that class (the shipped default model): AutoTokenizer would pick it too.
+    - It declares that class (the shipped default model), or transformers 5's name for it,
+      "TokenizersBackend" (what its `save_pretrained` writes for a tokenizers-backed folder):
+      AutoTokenizer would pick it too.
     - DeepSeek V2/V3 declare "LlamaTokenizerFast" but ship a ByteLevel tokenizer.json. Several
       transformers 5.x releases rebuild such tokenizers with Llama's Metaspace pre-tokenizer,
       which silently drops every space (transformers#45488); the generic class does not.
@@ -198,7 +200,7 @@ def _takes_generic_fast_class(path: Path) -> bool:
         return False
     config = _read_json(path / "tokenizer_config.json")
     declared = str(config.get("tokenizer_class") or "")
-    if declared == "PreTrainedTokenizerFast":
+    if declared in ("PreTrainedTokenizerFast", "TokenizersBackend"):
         return True
     if declared.removesuffix("Fast") != "LlamaTokenizer":
         return False

@@ -144,3 +144,38 @@ def test_overlap_schedule_changes_no_token_and_never_syncs_while_launching() -> 
         engine.step()
     stats = engine.get_stats()
     assert stats.num_free_pages == stats.num_total_pages
+
+
+def test_kernel_warm_up_runs_beside_start_up_and_ends_before_any_capture(monkeypatch) -> None:
+    """One GPU: the decode kernels' warm-up is still on its threads when the engine's
+    construction returns, every CUDA graph capture (target, prefill pieces, MTP draft) begins
+    after it was joined, its wait is the kernel_warmup phase, and serving afterwards at every
+    decode batch size compiles nothing."""
+    from mlaserve.config import EngineConfig
+    from mlaserve.llm_engine import LLMEngine
+
+    engine = LLMEngine(
+        EngineConfig(
+            device="cuda", speculative_config={"method": "mtp", "num_speculative_tokens": 2}
+        )
+    )
+    assert engine.runner.kernel_warm_up is not None  # still running, or done and not joined
+    captures = []
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def capture_begin(graph, *args, **kwargs):
+        captures.append(engine.runner.kernel_warm_up is None)
+        return begin(graph, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", capture_begin)
+    engine.warmup()
+    assert engine.runner.kernel_warm_up is None
+    assert len(captures) > 10 and all(captures)
+    assert "kernel_warmup" in engine.startup.seconds()
+    for bs in (1, 3, 16, 40):
+        for i in range(bs):
+            params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+            engine.add_request(f"{bs}-{i}", list(range(1, 20 + i)), params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert engine.compile_watch.compiles_since_ready == 0

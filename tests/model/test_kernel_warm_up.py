@@ -1,6 +1,7 @@
-"""`warm_up_concurrently`: every call runs, on the caller's device, and a failure reaches the
-caller. On the GPU the calls run on threads; the kernel variants they compile are the ones the
-model's decode then uses (tests/engine's compile watch: none compiles while serving)."""
+"""`warm_up_concurrently` and `KernelWarmUp`: every task runs, on the caller's device, and a
+failure reaches the caller. On the GPU the tasks run on threads, in the background until
+`join`; the kernel variants they compile are the ones the model's decode then uses (tests/engine's
+compile watch: none compiles while serving)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from mlaserve.model.kernel_warm_up import warm_up_concurrently
+from mlaserve.model.kernel_warm_up import KernelWarmUp, warm_up_concurrently
 
 
 def test_cpu_runs_every_call_in_order_here() -> None:
@@ -55,3 +56,76 @@ def test_gpu_calls_run_on_threads_on_the_callers_device() -> None:
 
     with pytest.raises(RuntimeError, match="variant failed"):
         warm_up_concurrently([lambda: None, broken], device)
+
+
+def test_background_warm_up_needs_a_gpu() -> None:
+    with pytest.raises(ValueError, match="a CUDA device"):
+        KernelWarmUp.start([lambda: None], torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_background_tasks_run_while_the_caller_goes_on_until_join() -> None:
+    """The tasks wait for an event only the caller sets after `start` returned: they can finish
+    only if the caller went on while they ran. `join` re-raises a task's failure once every
+    task has ended, and refuses a second call."""
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    go, done = threading.Event(), []
+
+    def task(i: int) -> None:
+        assert go.wait(timeout=60)
+        done.append((i, torch.cuda.current_device(), float(torch.ones(4, device=device).sum())))
+
+    warm_up = KernelWarmUp.start([lambda i=i: task(i) for i in range(6)], device)
+    assert not warm_up.joined and done == []
+    go.set()
+    warm_up.join()
+    assert warm_up.joined
+    assert sorted(done) == [(i, device.index, 4.0) for i in range(6)]
+    assert warm_up.busy_s > 0
+    with pytest.raises(RuntimeError, match="joined twice"):
+        warm_up.join()
+
+    ended = []
+
+    def slow() -> None:
+        threading.Event().wait(0.2)
+        ended.append(True)
+
+    def broken() -> None:
+        raise RuntimeError("variant failed")
+
+    warm_up = KernelWarmUp.start([broken, slow], device)
+    with pytest.raises(RuntimeError, match="variant failed"):
+        warm_up.join()
+    assert ended == [True]  # the failure was raised after every task ended
+
+
+def test_layer_tasks_run_each_decoder_layer_kind_once_per_token_count(monkeypatch) -> None:
+    """`layer_warm_up_tasks`: one task per (token count, decoder-layer kind), the kinds being
+    the layers of distinct FFN and parameter shapes (the default model: its dense first layer
+    and its MoE layers, the MTP layer one of them), each running that layer's `warm_up_ffn` at
+    the count, here on the CPU."""
+    from mlaserve.config import ModelConfig, default_model_path
+    from mlaserve.model import load_model
+    from mlaserve.model.layers.decoder_layer import DeepseekDecoderLayer
+
+    config = ModelConfig.from_pretrained(default_model_path())
+    model = load_model(config, default_model_path(), dtype=torch.bfloat16)
+    ran = []
+    real = DeepseekDecoderLayer.warm_up_ffn
+
+    def record(layer, num_tokens, act_dtype):
+        ran.append((type(layer.mlp).__name__, num_tokens, act_dtype))
+        real(layer, num_tokens, act_dtype)
+
+    monkeypatch.setattr(DeepseekDecoderLayer, "warm_up_ffn", record)
+    tasks = model.layer_warm_up_tasks([1, 24])
+    for task in tasks:
+        task()
+    layers = [m for m in model.modules() if isinstance(m, DeepseekDecoderLayer)]
+    assert len(layers) > 2  # several MoE layers, warmed once
+    kinds = sorted({type(m.mlp).__name__ for m in layers})
+    assert kinds == ["DeepseekMLP", "DeepseekMoE"]
+    expected = {(kind, n, torch.bfloat16) for kind in kinds for n in (1, 24)}
+    assert len(ran) == len(tasks) == len(expected) and set(ran) == expected

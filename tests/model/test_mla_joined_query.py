@@ -51,7 +51,8 @@ def _fused_layer(config, seed: int):
         p.data.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
     layer.kv_a_layernorm.weight.data.add_(1.0)
     layer.process_weights_after_loading()
-    layer.warm_up_kernels(F16)
+    for task in layer.warm_up_tasks(F16):
+        task()
     return layer
 
 

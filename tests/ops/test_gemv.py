@@ -179,13 +179,14 @@ def test_gemv_config_covers_the_sms():
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=gpu, id="cuda")])
 def test_warm_up_compiles_every_bucket(device):
-    """After `gemv_warm_up(max_m=5)`, calls at every M up to 5 compile nothing (M is a runtime
-    value within a power-of-two bucket): what keeps compiles out of serving."""
+    """After `gemv_warm_up_tasks(max_m=5)` ran, calls at every M up to 5 compile nothing (M is a
+    runtime value within a power-of-two bucket): what keeps compiles out of serving."""
     from mlaserve.graph_runner.compile_watch import CompileWatch
-    from mlaserve.ops.gemv import gemv, gemv_warm_up
+    from mlaserve.ops.gemv import gemv, gemv_warm_up_tasks
 
     w = torch.randn(136, 264, device=device, dtype=torch.bfloat16)  # a shape no other test has
-    gemv_warm_up(w, None, 5, torch.bfloat16)
+    for task in gemv_warm_up_tasks(w, None, 5, torch.bfloat16):
+        task()
     watch = CompileWatch()
     watch.mark_ready()
     for m in range(1, 6):
@@ -193,3 +194,21 @@ def test_warm_up_compiles_every_bucket(device):
     assert watch.compiles_since_ready == 0
     gemv(torch.randn(9, 264, device=device, dtype=torch.bfloat16), w)  # bucket 16: not warmed
     assert watch.compiles_since_ready == 1
+
+
+def test_warm_up_tasks_one_per_bucket(monkeypatch):
+    """`gemv_warm_up_tasks`: one task per M bucket (powers of two, the last clipped to max_m),
+    each one call at its bucket's largest M; none for max_m 0. Calls recorded, not run (CPU)."""
+    from mlaserve.ops import gemv as module
+
+    ran = []
+    monkeypatch.setattr(module, "gemv", lambda x, w, s, out_dtype=None: ran.append(x.shape))
+    w = torch.zeros(32, 64)
+    assert module.gemv_warm_up_tasks(w, None, 0, torch.float32) == []
+    for max_m, ms in ((5, [1, 2, 4, 5]), (16, [1, 2, 4, 8, 16]), (40, [1, 2, 4, 8, 16])):
+        ran.clear()
+        tasks = module.gemv_warm_up_tasks(w, None, max_m, torch.float32)
+        assert len(tasks) == len(ms)
+        for task in tasks:
+            task()
+        assert ran == [(m, 64) for m in ms]

@@ -167,3 +167,28 @@ def test_head_gemv_rejects_a_tail_or_out_that_does_not_fit(device):
         head_gemv(x, w, out=torch.zeros(2, 22, 4, dtype=f16).transpose(1, 2), tail=pe)
     with pytest.raises(ValueError, match="out must be"):  # without a tail: x's dtype only
         head_gemv(x, w, out=torch.zeros(2, 4, 16, dtype=FP8))
+
+
+def test_warm_up_tasks_one_per_variant(monkeypatch):
+    """`head_gemv_warm_up_tasks`: per M bucket one plain task and, with a tail, one joined task
+    per output dtype, each a single call with the laid-out strides. Calls recorded (CPU)."""
+    from mlaserve.ops import head_gemv as module
+
+    ran = []
+
+    def record(x, w, out=None, tail=None):
+        ran.append((x.shape[0], x.stride()[:2], None if out is None else out.dtype))
+
+    monkeypatch.setattr(module, "head_gemv", record)
+    heads, k, n, dr = 4, 16, 32, 8
+    w = torch.zeros(heads, k, n)
+    tasks = module.head_gemv_warm_up_tasks(
+        (heads * (k + dr), k + dr), heads, w, 3, tail=(dr, (heads * (k + dr), k + dr)),
+        out_dtypes=(torch.float32, torch.float16),
+    )  # fmt: skip
+    for task in tasks:
+        task()
+    strides = (heads * (k + dr), k + dr)
+    assert ran == [
+        (m, strides, out) for m in (1, 2) for out in (None, torch.float32, torch.float16)
+    ]

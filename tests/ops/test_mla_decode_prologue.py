@@ -126,3 +126,28 @@ def test_prologue_refuses_what_it_cannot_run(device):
         w_uk, cache, slots[:0], 1.0,
     )  # fmt: skip
     assert latent.shape == (0, w_uk.shape[0], w_uk.shape[2]) and roped.shape[0] == 0
+
+
+def test_warm_up_tasks_one_per_variant(monkeypatch):
+    """`mla_decode_prologue_warm_up_tasks`: one task per (token bucket, cache dtype, with or
+    without the joined query), each one call. Calls recorded, not run (CPU)."""
+    from mlaserve.ops import mla_decode_prologue as module
+
+    ran = []
+
+    def record(kv_c, k_pe, q_nope, q_pe, weight, eps, cos, sin, inter, w_uk, cache, slots, scale,
+               joined=None):  # fmt: skip
+        ran.append((kv_c.shape[0], cache.dtype, None if joined is None else joined.dtype))
+
+    monkeypatch.setattr(module, "mla_decode_prologue", record)
+    heads, nope, rope, rank = 2, 16, 8, 32
+    w_uk = torch.zeros(heads, nope, rank, dtype=torch.bfloat16)
+    dtypes = (torch.bfloat16, torch.float8_e4m3fn)
+    tasks = module.mla_decode_prologue_warm_up_tasks(
+        (heads * (nope + rope), nope + rope), rank + rope, (nope, rope, rank),
+        torch.ones(rank, dtype=torch.bfloat16), w_uk, False, dtypes, 5,
+    )  # fmt: skip
+    for task in tasks:
+        task()
+    expected = [(m, d, out) for m in (1, 2, 4) for d in dtypes for out in (None, d)]
+    assert ran == expected

@@ -127,3 +127,30 @@ def test_q_pe_roped_in_place_inside_the_query_rows(num_tokens, interleaved, devi
     assert not changed_q[..., :nope].any() and not changed[:, heads * (nope + rope) :].any()
     with pytest.raises(ValueError, match="q_pe_out"):
         mla_norm_rope(kv_c, k_pe, q_pe, weight, 1e-6, cos, sin, interleaved, q_pe_out=q_pe.float())
+
+
+def test_warm_up_tasks_one_per_variant(monkeypatch):
+    """`mla_norm_rope_warm_up_tasks`: the MHA prefill's variant (q_pe roped in place inside q's
+    rows, no cache) and one KV-writing variant per cache dtype, each one call on rows laid out
+    with the given strides. Calls recorded, not run (CPU)."""
+    from mlaserve.ops import mla_norm_rope as module
+
+    ran = []
+
+    def record(kv_c, k_pe, q_pe, weight, eps, cos, sin, inter, kv_cache=None, slots=None,
+               scale=1.0, q_pe_out=None):  # fmt: skip
+        in_place = q_pe_out is not None and q_pe_out.data_ptr() == q_pe.data_ptr()
+        cache = None if kv_cache is None else kv_cache.dtype
+        ran.append((kv_c.shape[0], kv_c.stride(0), q_pe.stride()[:2], cache, in_place))
+
+    monkeypatch.setattr(module, "mla_norm_rope", record)
+    heads, nope, rope, rank = 2, 16, 8, 32
+    q_strides, kv_stride = (heads * (nope + rope) + 40, nope + rope), rank + rope + 40
+    dtypes = (torch.bfloat16, torch.float8_e4m3fn)
+    tasks = module.mla_norm_rope_warm_up_tasks(
+        q_strides, kv_stride, (nope, rope, rank), heads, torch.ones(rank), False,
+        torch.bfloat16, dtypes, 16,
+    )  # fmt: skip
+    for task in tasks:
+        task()
+    assert ran == [(16, kv_stride, q_strides, d, d is None) for d in (None, *dtypes)]

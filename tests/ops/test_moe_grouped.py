@@ -127,3 +127,37 @@ def test_f16_rows_hold_every_bf16_row_exactly(device):
     _f16_rows_kernel[(1,)](a, q, s, K=k, M=m)
     assert torch.equal(q.float() * s[:, None], a.float())
     assert q.float().abs().amax(dim=1)[[i for i in range(m) if i != 5]].min() >= 2**14
+
+
+def test_warm_up_tasks_cover_every_variant_once_grouped_by_the_gemms(monkeypatch) -> None:
+    """`moe_grouped_warm_up_tasks`: every variant key the token counts make (the pairs' bucket,
+    pairs % 16, the GEMMs' block rows and block_k / stages choice) is run by exactly one batch;
+    one task holds the batches that share the GEMMs' variant (on threads, two batches reaching
+    one GEMM variant at once would both compile it). The batches are recorded, not run (CPU)."""
+    from types import SimpleNamespace
+
+    from mlaserve.ops import moe_grouped as module
+
+    ran: list[int] = []
+    monkeypatch.setattr(module, "moe_grouped", lambda x, *_: ran.append(x.shape[0]))
+    weights = SimpleNamespace(w13=torch.zeros(64, 1, 1), num_shared=2, hidden=8)
+    top_k, lo, hi = 6, 17, 512
+    tasks = module.moe_grouped_warm_up_tasks(weights, top_k, lo, hi, torch.bfloat16)
+
+    def key(t: int) -> tuple:
+        pairs = t * (top_k + 2)
+        return (module._num_pairs_bucket(pairs), pairs % 16 == 0, *gemms(t))
+
+    def gemms(t: int) -> tuple:
+        return (module.moe_grouped_block_m(t * (top_k + 2), 66), t <= 128)
+
+    per_task = []
+    for task in tasks:
+        before = len(ran)
+        task()
+        per_task.append(ran[before:])
+    assert sorted(ran) == ran == sorted(set(ran))  # each count once, in order within a task
+    assert {key(t) for t in ran} == {key(t) for t in range(lo, hi + 1)}
+    assert len({key(t) for t in ran}) == len(ran)  # one batch per variant
+    assert [len({gemms(t) for t in batch}) for batch in per_task] == [1] * len(tasks)
+    assert len({gemms(batch[0]) for batch in per_task}) == len(tasks) > 1

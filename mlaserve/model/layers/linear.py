@@ -36,6 +36,7 @@ token's output bits then depend on its own row alone; off CUDA its torch form, o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -213,13 +214,14 @@ class _Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
-    def warm_up_gemv(self, act_dtype: torch.dtype) -> None:
-        """Compile the GEMV for every token bucket up to `gemv_max_m` (activations in
-        `act_dtype`), before serving."""
-        if self.gemv_max_m:
-            from mlaserve.ops.gemv import gemv_warm_up
+    def warm_up_tasks(self, act_dtype: torch.dtype) -> list[Callable[[], None]]:
+        """The GEMV's compiles for every token bucket up to `gemv_max_m` (activations in
+        `act_dtype`), a task each (`model/kernel_warm_up.py`), for before serving."""
+        if not self.gemv_max_m:
+            return []
+        from mlaserve.ops.gemv import gemv_warm_up_tasks
 
-            gemv_warm_up(self.weight, self.weight_scale_inv, self.gemv_max_m, act_dtype)
+        return gemv_warm_up_tasks(self.weight, self.weight_scale_inv, self.gemv_max_m, act_dtype)
 
     def fp8_weight_loader(
         self,

@@ -31,6 +31,7 @@ prefill, no fused decode prologue, nothing chosen by the token count.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -306,32 +307,41 @@ class MLAAttention(nn.Module):
         """o [T, H * d_v] -> [T, hidden], or [n, hidden] of `rows` alone."""
         return self.o_proj(o if rows is None else o.index_select(0, rows))
 
-    def warm_up_kernels(self, act_dtype: torch.dtype) -> None:
-        """Compile the decode kernels for every token bucket they take, before serving: W_UK's
-        (in the prologue, `mla_decode_prologue`, or alone) with q_nope as a view of the q
-        projection's rows, also as the joined query, in each dtype a backend may want it in
-        (the cache's is unknown here, so bf16 activations compile both bf16 and, where e4m3
-        casts compile (SM89+), fp8; others their own dtype only); W_UV's on a contiguous
-        latent."""
+    def warm_up_tasks(self, act_dtype: torch.dtype) -> list[Callable[[], None]]:
+        """The decode kernels' compiles for every token bucket they take, a task per variant
+        (`model/kernel_warm_up.py`), for before serving (and the fused norm + RoPE's of wider
+        steps and prefills): W_UK's (in the prologue,
+        `mla_decode_prologue`, or alone) with q_nope as a view of the q projection's rows, also
+        as the joined query, in each dtype a backend may want it in (the cache's is unknown
+        here, so bf16 activations compile both bf16 and, where e4m3 casts compile (SM89+), fp8;
+        others their own dtype only); W_UV's on a contiguous latent."""
         if self._head_gemv is None or self.w_uk is None:  # x takes the weights' dtype
-            return
-        from mlaserve.ops.head_gemv import head_gemv_warm_up
-        from mlaserve.ops.mla_decode_prologue import mla_decode_prologue_warm_up
+            return []
+        from mlaserve.ops.head_gemv import head_gemv_warm_up_tasks
+        from mlaserve.ops.mla_decode_prologue import mla_decode_prologue_warm_up_tasks
+        from mlaserve.ops.mla_norm_rope import mla_norm_rope_warm_up_tasks
 
         dtype, dev = self.w_uk.dtype, self.w_uk.device
         h, d_r, r = self.num_heads, self.qk_rope_head_dim, self.kv_lora_rank
         fp8 = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 9)
         out_dtypes = (dtype, torch.float8_e4m3fn) if dtype == torch.bfloat16 and fp8 else (dtype,)
         q_strides = (self._q_row_stride, self.qk_nope_head_dim + d_r)
+        dims = (self.qk_nope_head_dim, d_r, r)
+        # The prefill's and the wide uniform steps' norm + RoPE (their token count does not
+        # select a variant: 16 rows stand for all)
+        tasks = mla_norm_rope_warm_up_tasks(
+            q_strides, self._latent_row_stride, dims, h, self.kv_a_layernorm.weight,
+            self.rope_interleaved, dtype, out_dtypes, 16,
+        )  # fmt: skip
         if self._prologue is not None:
-            mla_decode_prologue_warm_up(
+            tasks += mla_decode_prologue_warm_up_tasks(
                 q_strides, self._latent_row_stride, (self.qk_nope_head_dim, d_r, r),
                 self.kv_a_layernorm.weight, self.w_uk, self.rope_interleaved, out_dtypes,
                 self._head_gemv_max_m,
             )  # fmt: skip
         # alone: for backends that take no written KV (and the joined query without prologue)
         tail = None if self._prologue is not None else (d_r, (h * d_r, d_r))
-        head_gemv_warm_up(
+        tasks += head_gemv_warm_up_tasks(
             q_strides, h, self.w_uk, self._head_gemv_max_m, tail=tail, out_dtypes=out_dtypes
         )
-        head_gemv_warm_up((h * r, r), h, self.w_uv, self._head_gemv_max_m)
+        return tasks + head_gemv_warm_up_tasks((h * r, r), h, self.w_uv, self._head_gemv_max_m)

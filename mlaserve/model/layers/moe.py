@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -234,20 +235,20 @@ class DeepseekMoE(nn.Module):
             block_n=block_n, block_k=block_k, num_warps=num_warps, combine=combine,
         )  # fmt: skip
 
-    def warm_up_kernels(self, act_dtype: torch.dtype) -> None:
-        """Compile every variant of the grouped kernels the token counts they serve take, and
-        the sorted path's (SiLU-and-mul of the routed and shared experts) past them: the engine's
-        warm-up request alone no longer reaches it."""
+    def warm_up_tasks(self, act_dtype: torch.dtype) -> list[Callable[[], None]]:
+        """The compiles of every variant of the grouped kernels the token counts they serve
+        take, and of the sorted path's (SiLU-and-mul of the routed and shared experts) past them
+        (the engine's warm-up request alone no longer reaches it), as tasks
+        (`model/kernel_warm_up.py`) for before serving."""
         if self.decode_weights is None:
-            return
+            return []
         if self.deterministic:  # one path: its kernels at one token
-            device = self.experts.gate_up_proj.device
-            self(torch.zeros(1, self.experts.hidden_size, dtype=act_dtype, device=device))
-            return
+            return [functools.partial(self._run_zeros, 1, act_dtype)]
+        tasks: list[Callable[[], None]] = []
         if self.grouped_max_tokens > self.decode_max_tokens:
-            from mlaserve.ops.moe_grouped import moe_grouped_warm_up
+            from mlaserve.ops.moe_grouped import moe_grouped_warm_up_tasks
 
-            moe_grouped_warm_up(
+            tasks += moe_grouped_warm_up_tasks(
                 self.decode_weights,
                 self.gate.config.num_experts_per_tok,
                 self.decode_max_tokens + 1,
@@ -255,8 +256,11 @@ class DeepseekMoE(nn.Module):
                 act_dtype,
             )
         past = max(self.decode_max_tokens, self.grouped_max_tokens) + 1
+        return [functools.partial(self._run_zeros, past, act_dtype), *tasks]
+
+    def _run_zeros(self, num_tokens: int, act_dtype: torch.dtype) -> None:
         device = self.experts.gate_up_proj.device
-        self(torch.zeros(past, self.experts.hidden_size, dtype=act_dtype, device=device))
+        self(torch.zeros(num_tokens, self.experts.hidden_size, dtype=act_dtype, device=device))
 
     def forward(
         self, x: torch.Tensor, *, combine: bool = True

@@ -13,6 +13,8 @@ Routing (`select_experts`, pure function, fp32):
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -111,19 +113,27 @@ class TopKRouter(nn.Module):
             self.gemv_max_m = narrow_gemv_max_m(config.hidden_size)
             self._router_logits = router_logits
 
-    def warm_up_gemv(self, act_dtype: torch.dtype) -> None:
-        """Compile the logits' and the selection's kernels for every token count they take,
-        before serving."""
+    def warm_up_tasks(self, act_dtype: torch.dtype) -> list[Callable[[], None]]:
+        """The logits' and the selection's compiles for every token count they take, a task
+        each (`model/kernel_warm_up.py`), for before serving."""
+        tasks: list[Callable[[], None]] = []
         if self.gemv_max_m:
-            from mlaserve.ops.gemv import gemv_warm_up
+            from mlaserve.ops.gemv import gemv_warm_up_tasks
 
-            gemv_warm_up(self.weight, None, self.gemv_max_m, act_dtype, torch.float32)
+            tasks += gemv_warm_up_tasks(
+                self.weight, None, self.gemv_max_m, act_dtype, torch.float32
+            )
         if self._router_logits is not None and act_dtype != torch.float32:
             from mlaserve.ops.router_logits import router_logits_variants
 
             num_experts, hidden = self.weight.shape
             for num_tokens in [1, *router_logits_variants(num_experts, hidden)]:
-                self(torch.zeros(num_tokens, hidden, dtype=act_dtype, device=self.weight.device))
+                tasks.append(functools.partial(self._run_zeros, num_tokens, act_dtype))
+        return tasks
+
+    def _run_zeros(self, num_tokens: int, act_dtype: torch.dtype) -> None:
+        hidden = self.weight.shape[1]
+        self(torch.zeros(num_tokens, hidden, dtype=act_dtype, device=self.weight.device))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, K] fp32, ids [T, K] int64)"""
