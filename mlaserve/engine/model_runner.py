@@ -109,9 +109,10 @@ class ModelRunner:
         # This process's device memory before its weights: what it allocates outside torch's
         # allocator (NCCL's buffers) counts against --gpu-memory-utilization too.
         free_at_start = free_device_memory(self.device)
-        # One GPU: the decode kernels' warm-up runs on threads in the background from the end
-        # of construction until the first capture joins it (`join_kernel_warm_up`). Under TP the
-        # loader runs it in order (its MoE forward all-reduces, in every rank's order).
+        # One GPU: the kernel warm-up (decode kernels, decoder layers, the backend's) runs on
+        # threads in the background from the KV pool's allocation until the first capture joins
+        # it (`join_kernel_warm_up`). Under TP the loader runs the decode kernels' in order (the
+        # MoE's warm-up forward all-reduces, in every rank's order).
         background_warm_up = (
             tp.size == 1 and self.device.type == "cuda" and switches.background_warm_up()
         )

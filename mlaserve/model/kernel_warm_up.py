@@ -47,7 +47,7 @@ class KernelWarmUp:
         if device.type != "cuda":
             raise ValueError(f"kernel warm-up on threads: a CUDA device, not {device}")
         self.num_tasks = 0
-        self.workers = _num_workers(max(len(tasks), MAX_THREADS))
+        self.workers = _num_workers()
         self._start = time.perf_counter()
         self._end = self._start
         self._lock = threading.Lock()
@@ -116,8 +116,8 @@ def warm_up_concurrently(
     KernelWarmUp.start(calls, device).join()
 
 
-def _num_workers(num_tasks: int) -> int:
-    """One thread per core but the caller's (which goes on with start-up), at most
-    MAX_THREADS."""
+def _num_workers() -> int:
+    """One thread per core but the caller's (which goes on with start-up), at most MAX_THREADS
+    (the pool starts them as tasks arrive)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(num_tasks, (cores or 1) - 1, MAX_THREADS))
+    return max(1, min((cores or 1) - 1, MAX_THREADS))
