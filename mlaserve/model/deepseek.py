@@ -159,7 +159,7 @@ class DeepseekForCausalLM(nn.Module):
         rest: list[Callable[[], None]] = []
         for module in self.modules():
             make = getattr(module, "warm_up_tasks", None)
-            kind = (type(module), *((p.shape, p.dtype) for p in module.parameters()))
+            kind = _kind(module)
             if make is not None and kind not in warmed:  # linears, the router, MoE, MLA
                 warmed.add(kind)
                 tasks = make(self.params_dtype)
@@ -173,8 +173,7 @@ class DeepseekForCausalLM(nn.Module):
         kinds: dict[tuple, DeepseekDecoderLayer] = {}
         for layer in self.modules():
             if isinstance(layer, DeepseekDecoderLayer):
-                kind = (type(layer.mlp), *((p.shape, p.dtype) for p in layer.parameters()))
-                kinds.setdefault(kind, layer)
+                kinds.setdefault((type(layer.mlp), *_kind(layer)), layer)
         return [
             partial(layer.warm_up_ffn, num_tokens, self.params_dtype)
             for num_tokens in token_counts
@@ -187,3 +186,9 @@ class DeepseekForCausalLM(nn.Module):
         order, which threads would not keep)."""
         device = next(self.parameters()).device
         warm_up_concurrently(self.kernel_warm_up_tasks(), device, in_order=self.tp.size > 1)
+
+
+def _kind(module: nn.Module) -> tuple:
+    """Its type and its parameters' shapes and dtypes: modules of one kind compile the same
+    kernel variants, so warm-up runs one of them."""
+    return (type(module), *((p.shape, p.dtype) for p in module.parameters()))

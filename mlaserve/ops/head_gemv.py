@@ -48,6 +48,7 @@ __all__ = [
     "HEAD_GEMV_MAX_M",
     "HeadGemvLaunch",
     "head_gemv",
+    "head_gemv_buckets",
     "head_gemv_launch",
     "head_gemv_program",
     "head_gemv_warm_up_tasks",
@@ -279,16 +280,18 @@ def head_gemv_warm_up_tasks(
     specialises on their divisibility) and weight `w` [H, K, N]; with `tail` = (DR, its (token,
     head) strides), also the joined-query variant for each of `out_dtypes` (out contiguous
     [T, H, N + DR], as the layer allocates it). Tasks are independent (run on threads)."""
-    tasks: list[Callable[[], None]] = []
-    bucket = 1
-    while bucket <= min(max_m, HEAD_GEMV_MAX_M):
-        tasks.append(functools.partial(_head_gemv_once, bucket, x_strides, heads, w, None, None))
-        if tail is not None:
-            for dtype in out_dtypes:
-                once = functools.partial(_head_gemv_once, bucket, x_strides, heads, w, tail, dtype)
-                tasks.append(once)
-        bucket *= 2
-    return tasks
+    variants = [(None, None)] + ([(tail, dtype) for dtype in out_dtypes] if tail else [])
+    return [
+        functools.partial(_head_gemv_once, m, x_strides, heads, w, *variant)
+        for m in head_gemv_buckets(max_m)
+        for variant in variants
+    ]
+
+
+def head_gemv_buckets(max_m: int) -> list[int]:
+    """The M buckets (powers of two) up to `max_m` tokens, HEAD_GEMV_MAX_M at most: one
+    compiled variant each."""
+    return [1 << i for i in range(max(0, min(max_m, HEAD_GEMV_MAX_M)).bit_length())]
 
 
 def _head_gemv_once(

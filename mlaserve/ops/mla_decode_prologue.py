@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.ops.head_gemv import HEAD_GEMV_MAX_M, head_gemv_launch, head_gemv_program
+from mlaserve.ops.head_gemv import head_gemv_buckets, head_gemv_launch, head_gemv_program
 from mlaserve.ops.mla_norm_rope import norm_rope_launch, norm_rope_program, warm_up_rows
 from mlaserve.ops.pdl import pdl_args, wait_and_hold_next_kernel, wait_for_previous_kernel
 
@@ -151,19 +151,10 @@ def mla_decode_prologue_warm_up_tasks(
     layout = (q_strides, kv_stride, dims, weight, w_uk, interleaved)
     return [
         functools.partial(_prologue_once, bucket, layout, cache_dtype, joined)
-        for bucket in _buckets(min(max_m, HEAD_GEMV_MAX_M))
+        for bucket in head_gemv_buckets(max_m)
         for cache_dtype in cache_dtypes
         for joined in (False, True)
     ]
-
-
-def _buckets(max_m: int) -> list[int]:
-    """The powers of two up to `max_m`."""
-    out, bucket = [], 1
-    while bucket <= max_m:
-        out.append(bucket)
-        bucket *= 2
-    return out
 
 
 def _prologue_once(m: int, layout: tuple, cache_dtype: torch.dtype, joined: bool) -> None:

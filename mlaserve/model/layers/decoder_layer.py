@@ -89,9 +89,8 @@ class DeepseekDecoderLayer(nn.Module):
         as it calls them (the first layer's lone norm, the fused residual norms, the FFN, and
         the next layer's norm summing its uncombined output), so that they compile for that
         token count before serving (`model/kernel_warm_up.py` runs this on a thread)."""
-        device = self.input_layernorm.weight.device
-        x = torch.zeros(num_tokens, self.input_layernorm.weight.shape[0], dtype=act_dtype,
-                        device=device)  # fmt: skip
+        weight = self.input_layernorm.weight  # [hidden]
+        x = torch.zeros(num_tokens, weight.shape[0], dtype=act_dtype, device=weight.device)
         h, residual = self.input_layernorm(x), x
         h, residual = self.input_layernorm.forward_with_residual(h, residual)
         h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)

@@ -310,11 +310,11 @@ class MLAAttention(nn.Module):
     def warm_up_tasks(self, act_dtype: torch.dtype) -> list[Callable[[], None]]:
         """The decode kernels' compiles for every token bucket they take, a task per variant
         (`model/kernel_warm_up.py`), for before serving (and the fused norm + RoPE's of wider
-        steps and prefills): W_UK's (in the prologue,
-        `mla_decode_prologue`, or alone) with q_nope as a view of the q projection's rows, also
-        as the joined query, in each dtype a backend may want it in (the cache's is unknown
-        here, so bf16 activations compile both bf16 and, where e4m3 casts compile (SM89+), fp8;
-        others their own dtype only); W_UV's on a contiguous latent."""
+        steps and prefills): W_UK's (in the prologue, `mla_decode_prologue`, or alone) with
+        q_nope as a view of the q projection's rows, also as the joined query, in each dtype a
+        backend may want it in (the cache's is unknown here, so bf16 activations compile both
+        bf16 and, where e4m3 casts compile (SM89+), fp8; others their own dtype only); W_UV's on
+        a contiguous latent."""
         if self._head_gemv is None or self.w_uk is None:  # x takes the weights' dtype
             return []
         from mlaserve.ops.head_gemv import head_gemv_warm_up_tasks
@@ -335,7 +335,7 @@ class MLAAttention(nn.Module):
         )  # fmt: skip
         if self._prologue is not None:
             tasks += mla_decode_prologue_warm_up_tasks(
-                q_strides, self._latent_row_stride, (self.qk_nope_head_dim, d_r, r),
+                q_strides, self._latent_row_stride, dims,
                 self.kv_a_layernorm.weight, self.w_uk, self.rope_interleaved, out_dtypes,
                 self._head_gemv_max_m,
             )  # fmt: skip
