@@ -25,6 +25,7 @@ logger = logging.getLogger("mlaserve.llm_engine")  # the start-up lines under th
 def warm_up(engine: Any) -> None:
     """A throwaway request (prefill + decode + sampling), then every graph shape eagerly and its
     capture. Ends the start-up times (`engine.startup`) and logs them, phase by phase."""
+    engine.runner.wait_kernel_compiles()  # its own phase (kernel_warmup)
     t0 = time.perf_counter()
     prompt_len = min(WARM_UP_PROMPT_LEN, engine.model_config.vocab_size, engine.max_model_len - 2)
     prompt = list(range(prompt_len))
@@ -57,6 +58,7 @@ def warm_up(engine: Any) -> None:
     eager_s = min(eager_s, max(0.0, t2 - t1 - waited))
     engine.startup.add("warmup", t1 - t0 + eager_s)
     engine.startup.add("capture", max(0.0, t2 - t1 - eager_s - waited))
+    engine.compile_watch.record_build(cache_hit=False, count=engine.runner.process_compiles)
     engine.compile_watch.mark_ready()
     engine.startup.mark_ready(num_compiles=engine.compile_watch.compiled)
     logger.info("%s", engine.startup.describe())

@@ -23,6 +23,7 @@ __all__ = [
     "all_reduce_one_shot_max_bytes",
     "all_reduce_two_shot_max_bytes",
     "background_warm_up",
+    "compile_processes",
     "decode_prologue",
     "fused_ops",
     "fused_routing",
@@ -171,6 +172,16 @@ SWITCHES: tuple[Switch, ...] = (
         "engine/model_runner.py",
     ),
     Switch(
+        "MLASERVE_COMPILE_PROCESSES",
+        "bool",
+        "on",
+        "one GPU, background warm-up on, Triton's cache empty at start-up: the warm-up's kernel "
+        "variants compile on worker processes before the tasks load them "
+        "(`kernel_compile_pool.py`); 0: on the warm-up's threads (read by the engine "
+        "process's start and when the model runner is built)",
+        "kernel_compile_pool.py",
+    ),
+    Switch(
         "MLASERVE_ALL_REDUCE_ONE_SHOT_MAX_BYTES",
         "int",
         "measured, per GPU count (`MEASURED_PLANS`)",
@@ -278,6 +289,11 @@ def absorbed_hit() -> bool:
 def background_warm_up() -> bool:
     """`MLASERVE_BACKGROUND_WARM_UP`: the kernel warm-up beside start-up, on one GPU."""
     return _bool("MLASERVE_BACKGROUND_WARM_UP")
+
+
+def compile_processes() -> bool:
+    """`MLASERVE_COMPILE_PROCESSES`: start-up's kernel compiles on worker processes."""
+    return _bool("MLASERVE_COMPILE_PROCESSES")
 
 
 def all_reduce_one_shot_max_bytes(default: int) -> int:

@@ -45,6 +45,7 @@ BOOL_READERS = {
     "MLASERVE_PREFIX_SPLIT": switches.prefix_split,
     "MLASERVE_ABSORBED_HIT": switches.absorbed_hit,
     "MLASERVE_BACKGROUND_WARM_UP": switches.background_warm_up,
+    "MLASERVE_COMPILE_PROCESSES": switches.compile_processes,
 }
 
 

@@ -32,6 +32,11 @@ from mlaserve.engine.request import Request
 from mlaserve.engine.scheduler import SchedulerOutput
 from mlaserve.engine.step_broadcast import StepSender
 from mlaserve.engine.token_rows import TokenRows
+from mlaserve.kernel_compile_pool import (
+    KernelCompilePool,
+    compile_processes_wanted,
+    stop_compile_server,
+)
 from mlaserve.kernels_adapter import get_backend_class, resolve_backend_name
 from mlaserve.kv_cache import MLAKVPool
 from mlaserve.model import load_kv_scales, load_model
@@ -117,6 +122,7 @@ class ModelRunner:
             tp.size == 1 and self.device.type == "cuda" and switches.background_warm_up()
         )
         self.kernel_warm_up: KernelWarmUp | None = None
+        self.process_compiles = 0  # Triton kernels the compile pool's workers compiled
         self._startup = startup
         logger.info(
             "loading weights from %s (%s on %s, load format %s)",
@@ -208,12 +214,19 @@ class ModelRunner:
         # k+1 tokens).
         self.read_backs = ReadBackRows(config.max_num_seqs * 32, self.device)
         if not background_warm_up:  # in order, here (else on the threads below)
-            for task in self.attn_backend.warm_up_tasks():
+            for task in self._attention_warm_up_tasks():
                 task()
         if startup is not None:
             startup.add("kv_pool", time.perf_counter() - loaded)
         if background_warm_up:
-            self.kernel_warm_up = KernelWarmUp.start(self._first_warm_up_tasks(), self.device)
+            # An empty cache (a cold host, `mlaserve precompile`): the tasks' kernels compile on
+            # worker processes first (`kernel_compile_pool.py`).
+            pool = None
+            if compile_processes_wanted(self.device.type, tp.size):
+                pool = KernelCompilePool()
+            else:
+                stop_compile_server()  # one the engine process started early for nothing
+            self.kernel_warm_up = KernelWarmUp.start(self._first_warm_up_tasks(), self.device, pool)
         logger.info(
             "KV cache: %d pages x %d tokens, %s, backend=%s",
             self.num_pages,
@@ -223,16 +236,20 @@ class ModelRunner:
         )
 
     def _first_warm_up_tasks(self) -> list[Callable[[], None]]:
-        """The background warm-up's tasks known here: the attention backend's, greedy sampling's
-        argmax, the decoder layers at WARM_UP_PROMPT_LEN tokens first (the kernels every token
-        count shares: a later task at another count finds them compiled instead of compiling
-        them again beside it), then the decode kernels' variants."""
-        tasks = self.attn_backend.warm_up_tasks()
+        """The background warm-up's tasks known here: the attention backend's and the KV
+        pool's, greedy sampling's argmax, the decoder layers at WARM_UP_PROMPT_LEN tokens first
+        (the kernels every token count shares: a later task at another count finds them
+        compiled instead of compiling them again beside it), then the decode kernels' variants."""
+        tasks = self._attention_warm_up_tasks()
         if argmax_available(self.device):
             logits = (1, self.model_config.vocab_size)
             tasks.append(lambda: fused_argmax(torch.zeros(logits, device=self.device)))
         tasks += self.model.layer_warm_up_tasks([WARM_UP_PROMPT_LEN])
         return tasks + self.model.kernel_warm_up_tasks()
+
+    def _attention_warm_up_tasks(self) -> list[Callable[[], None]]:
+        """The attention backend's kernels and the KV pool's write, for this model's dtype."""
+        return self.attn_backend.warm_up_tasks(self.dtype) + self.kv_pool.warm_up_tasks(self.dtype)
 
     def extend_kernel_warm_up(self, token_counts: Sequence[int]) -> None:
         """Queue the decoder layers' warm-up at `token_counts` too (the engine's: its captured
@@ -240,6 +257,26 @@ class ModelRunner:
         if self.kernel_warm_up is not None:
             counts = sorted(set(token_counts) - {WARM_UP_PROMPT_LEN})
             self.kernel_warm_up.add(self.model.layer_warm_up_tasks(counts))
+
+    def wait_kernel_compiles(self) -> None:
+        """Before start-up's own forwards: wait for the kernel compiles queued on worker
+        processes (none without a compile pool), which those forwards would otherwise repeat
+        on this thread. The wait is part of start-up's `kernel_warmup` phase."""
+        warm_up = self.kernel_warm_up
+        if warm_up is None or warm_up.compile_pool is None:
+            return
+        waited = warm_up.wait_compiled()
+        if self._startup is not None:
+            self._startup.add("kernel_warmup", waited)
+        pool = warm_up.compile_pool
+        logger.info(
+            "kernel compiles on %d processes: %d variants (%d compiled, %d failed); waited %.2f s",
+            pool.workers, pool.num_variants, pool.num_compiled(), len(pool.failures()), waited,
+        )  # fmt: skip
+        for variant, error in pool.failures()[:3]:
+            logger.warning(
+                "compile of %s.%s on a worker failed: %s", variant.module, variant.name, error
+            )
 
     def join_kernel_warm_up(self) -> float:
         """Wait for the background kernel warm-up (`model/kernel_warm_up.py`) and re-raise its
@@ -251,6 +288,8 @@ class ModelRunner:
             return 0.0
         t0 = time.perf_counter()
         warm_up.join()
+        if warm_up.compile_pool is not None:
+            self.process_compiles = warm_up.compile_pool.num_compiled()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         waited = time.perf_counter() - t0

@@ -81,13 +81,15 @@ class CompileWatch:
         compilation.listener = listener
         self._listening = True
 
-    def record_build(self, cache_hit: bool) -> None:
-        """One Triton kernel built: loaded from the on-disk cache (`cache_hit`) or compiled."""
+    def record_build(self, cache_hit: bool, count: int = 1) -> None:
+        """`count` Triton kernels built: loaded from the on-disk cache (`cache_hit`) or
+        compiled (also: by start-up's worker processes, `kernel_compile_pool.py`, whose
+        kernels this process then loads)."""
         with self._lock:
             if cache_hit:
-                self.num_cache_loads += 1
+                self.num_cache_loads += count
             else:
-                self.num_compiled += 1
+                self.num_compiled += count
 
     @property
     def compiled(self) -> int:

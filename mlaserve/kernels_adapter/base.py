@@ -205,10 +205,10 @@ class AttentionBackend(ABC):
                     "heads on dim 0, the heads this rank attends"
                 )
 
-    def warm_up_tasks(self) -> list[Callable[[], None]]:
-        """The backend's own compiles for before serving, as independent tasks on private
-        tensors (the engine runs them on threads beside its start-up: `model/kernel_warm_up.py`,
-        or in order); none by default."""
+    def warm_up_tasks(self, act_dtype: torch.dtype) -> list[Callable[[], None]]:
+        """The backend's own compiles for before serving, for the layers' `act_dtype`, as
+        independent tasks on private tensors (the engine runs them on threads beside its
+        start-up: `model/kernel_warm_up.py`, or in order); none by default."""
         return []
 
     @abstractmethod

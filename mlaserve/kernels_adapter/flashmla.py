@@ -41,6 +41,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -219,9 +220,54 @@ class FlashMLABackend(AttentionBackend):
                     self.device,
                 )
 
-    def warm_up_tasks(self) -> list[Callable[[], None]]:
-        """The prefill path's fused merge (`FlashVarlenAttention.warm_up_tasks`)."""
-        return self._prefill.warm_up_tasks()
+    def warm_up_tasks(self, act_dtype: torch.dtype) -> list[Callable[[], None]]:
+        """The prefill path's fused merge (`FlashVarlenAttention.warm_up_tasks`); with fused ops
+        also the MHA prefill's key assembly and latent gather, the query's preparation and a
+        task per variant of the small-batch decode kernel. Each on tensors of its own (a page,
+        a workspace): they run beside the engine's forwards (`model/kernel_warm_up.py`)."""
+        tasks = self._prefill.warm_up_tasks()
+        if self._mha_key is None:
+            return tasks
+        tasks += [partial(self._warm_up_prefill, act_dtype), partial(self._warm_up_q, act_dtype)]
+        if self._small_rows > 0:
+            from mlaserve.ops.mla_decode import MlaDecodeWorkspace, mla_decode_warm_up_tasks
+
+            page = torch.zeros(
+                1, self.page_size, self.kv_lora_rank + self.qk_rope_head_dim,
+                dtype=self.kv_cache_dtype, device=self.device,
+            )  # fmt: skip
+            workspace = MlaDecodeWorkspace(
+                self._small_rows, self.max_q_len, self.num_heads, self.kv_lora_rank, self.device
+            )  # the same rows as the forwards' (they bound the splits: a variant's key)
+            tasks += mla_decode_warm_up_tasks(
+                page, torch.ones(1, device=self.device), self.num_heads, act_dtype,
+                self._small_rows, self.max_q_len, max_rows=self._small_rows,
+                rope_dim=self.qk_rope_head_dim, workspace=workspace,
+            )  # fmt: skip
+        return tasks
+
+    def _warm_up_prefill(self, act_dtype: torch.dtype) -> None:
+        """`forward_extend_mha`'s kernels on one context row laid out as the forward lays it
+        (`mha_extend.mha_context_kv`): the fp8 latent's gather, the per-head keys."""
+        r, d_r = self.kv_lora_rank, self.qk_rope_head_dim
+        d_n, d_v = self.model_config.qk_nope_head_dim, self.model_config.v_head_dim
+        if self.is_fp8:
+            rows = torch.zeros(
+                self.page_size, r + d_r, dtype=self.kv_cache_dtype, device=self.device
+            )
+            slots = torch.zeros(1, dtype=torch.int64, device=self.device)
+            latent = self._gather_dequant(rows, slots, 1.0, act_dtype)
+        else:
+            latent = torch.zeros(1, r + d_r, dtype=act_dtype, device=self.device)
+        kv = torch.zeros(1, self.num_heads * (d_n + d_v), dtype=act_dtype, device=self.device)
+        self._mha_key(kv.view(1, self.num_heads, d_n + d_v), latent[:, r:], d_n)
+
+    def _warm_up_q(self, act_dtype: torch.dtype) -> None:
+        """`_join_query`'s kernel (FlashMLA's wider batches, the absorbed hit)."""
+        shape = (1, self.num_heads)
+        q_nope = torch.zeros(*shape, self.kv_lora_rank, dtype=act_dtype, device=self.device)
+        q_pe = torch.zeros(*shape, self.qk_rope_head_dim, dtype=act_dtype, device=self.device)
+        self._prepare_q(q_nope, q_pe, self._q_dtype)
 
     def attends_absorbed(self, q_lens: tuple[int, ...], seq_lens: tuple[int, ...]) -> bool:
         """Whether an EXTEND batch of these host lengths is attended in the absorbed form."""

@@ -22,7 +22,8 @@ their writes land somewhere harmless.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -81,6 +82,19 @@ class MLAKVPool:
             from mlaserve.ops.kv_write import write_kv
 
             self._fused_write = write_kv
+
+    def warm_up_tasks(self, act_dtype: torch.dtype) -> list[Callable[[], None]]:
+        """The fused write's compile for `act_dtype` rows, as a task on a page of its own (the
+        engine runs it beside its start-up: `model/kernel_warm_up.py`); none without it."""
+        return [] if self._fused_write is None else [partial(self._warm_up_write, act_dtype)]
+
+    def _warm_up_write(self, act_dtype: torch.dtype) -> None:
+        page = torch.zeros(1, self.page_size, self.dim, dtype=self.dtype, device=self.device)
+        # kv_c and k_pe as the layers pass them: views of one latent row
+        latent = torch.zeros(1, self.dim, dtype=act_dtype, device=self.device)
+        kv_c, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        slots = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._fused_write(page, slots, kv_c, k_pe, 1.0)
 
     @property
     def bytes_per_token(self) -> int:

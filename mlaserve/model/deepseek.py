@@ -168,14 +168,14 @@ class DeepseekForCausalLM(nn.Module):
 
     def layer_warm_up_tasks(self, token_counts: Sequence[int]) -> list[Callable[[], None]]:
         """A task per decoder-layer kind (dense or MoE FFN) and token count: its kernels but
-        attention's, at that count (`DeepseekDecoderLayer.warm_up_ffn`), for the token counts
-        the engine's forwards take (the captured batch sizes, the prefill buckets)."""
+        the attention kernel's, at that count (`DeepseekDecoderLayer.warm_up`), for the token
+        counts the engine's forwards take (the captured batch sizes, the prefill buckets)."""
         kinds: dict[tuple, DeepseekDecoderLayer] = {}
         for layer in self.modules():
             if isinstance(layer, DeepseekDecoderLayer):
                 kinds.setdefault((type(layer.mlp), *_kind(layer)), layer)
         return [
-            partial(layer.warm_up_ffn, num_tokens, self.params_dtype)
+            partial(layer.warm_up, num_tokens, self.params_dtype)
             for num_tokens in token_counts
             for layer in kinds.values()
         ]

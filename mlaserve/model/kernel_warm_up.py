@@ -19,7 +19,14 @@ may be in flight, and why it is safe:
 - Triton's in-memory kernel cache (a dict) and its on-disk cache (files written by rename): two
   threads that reach one variant both compile it, and either result is the same kernel;
 - autograd's grad and inference modes (per thread): each thread takes the caller's.
-Tasks must not depend on each other's results; every failure is raised by `join`. Under tensor
+Tasks must not depend on each other's results, and launch their kernels on tensors they make;
+every failure is raised by `join`.
+
+With a `KernelCompilePool` (`kernel_compile_pool.py`: a cold cache), `add` first collects on the
+caller's thread the kernel variants each task will build and hands them to the pool's worker
+processes; a task's thread waits for its variants' compiles, then runs it (loading them from
+the disk cache). `wait_compiled` lets the caller wait for every compile before its own forwards,
+which would otherwise compile the same variants again on its thread. Under tensor
 parallelism the tasks run in order on the caller's thread (`warm_up_concurrently(in_order=
 True)`): the MoE's warm-up forward all-reduces, and every rank must issue its collectives in
 one order.
@@ -30,10 +37,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 
 import torch
+
+from mlaserve.kernel_compile_pool import KernelCompilePool, collect
 
 __all__ = ["KernelWarmUp", "warm_up_concurrently"]
 
@@ -43,10 +53,17 @@ MAX_THREADS = 16
 class KernelWarmUp:
     """Warm-up tasks running on threads of this process (module doc). `join()` once."""
 
-    def __init__(self, tasks: Sequence[Callable[[], None]], device: torch.device) -> None:
+    def __init__(
+        self,
+        tasks: Sequence[Callable[[], None]],
+        device: torch.device,
+        compile_pool: KernelCompilePool | None = None,
+    ) -> None:
         if device.type != "cuda":
             raise ValueError(f"kernel warm-up on threads: a CUDA device, not {device}")
         self.num_tasks = 0
+        self.compile_pool = compile_pool
+        self._compiles: list[Future[bool]] = []
         self.workers = _num_workers()
         self._start = time.perf_counter()
         self._end = self._start
@@ -65,19 +82,38 @@ class KernelWarmUp:
         if self._pool is None:
             raise RuntimeError("kernel warm-up: tasks added after join")
         self.num_tasks += len(tasks)
-        self._futures += [self._pool.submit(self._on_device, task) for task in tasks]
+        if self.compile_pool is None:
+            self._futures += [self._pool.submit(self._on_device, task, []) for task in tasks]
+            return
+        with _modes(*self._modes):
+            found = collect(tasks)
+        for task, variants in zip(tasks, found, strict=True):
+            compiles = [self.compile_pool.submit(v) for v in variants]
+            self._compiles += compiles
+            self._futures.append(self._pool.submit(self._on_device, task, compiles))
 
-    def _on_device(self, task: Callable[[], None]) -> None:
+    def _on_device(self, task: Callable[[], None], compiles: list[Future[bool]]) -> None:
+        wait(compiles)  # a failed compile: the task compiles here and raises what is wrong
         torch.cuda.set_device(self._index)
-        grad, inference = self._modes
-        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+        with _modes(*self._modes):
             task()
         with self._lock:
             self._end = time.perf_counter()
 
     @classmethod
-    def start(cls, tasks: Sequence[Callable[[], None]], device: torch.device) -> KernelWarmUp:
-        return cls(tasks, device)
+    def start(
+        cls,
+        tasks: Sequence[Callable[[], None]],
+        device: torch.device,
+        compile_pool: KernelCompilePool | None = None,
+    ) -> KernelWarmUp:
+        return cls(tasks, device, compile_pool)
+
+    def wait_compiled(self) -> float:
+        """Wait for the compile pool's compiles queued so far -> the seconds waited."""
+        t0 = time.perf_counter()
+        wait(self._compiles)
+        return time.perf_counter() - t0
 
     @property
     def joined(self) -> bool:
@@ -94,6 +130,8 @@ class KernelWarmUp:
                 future.exception()  # waits; the first failure is raised below, in task order
         finally:
             pool.shutdown(wait=True)
+            if self.compile_pool is not None:
+                self.compile_pool.shutdown()
         for future in self._futures:
             future.result()
 
@@ -121,3 +159,10 @@ def _num_workers() -> int:
     (the pool starts them as tasks arrive)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min((cores or 1) - 1, MAX_THREADS))
+
+
+@contextmanager
+def _modes(grad: bool, inference: bool) -> Iterator[None]:
+    """Autograd's grad and inference modes (per thread), entered together."""
+    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+        yield

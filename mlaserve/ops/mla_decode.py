@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,7 +81,7 @@ __all__ = [
     "choose_num_splits",
     "head_groups",
     "mla_decode",
-    "mla_decode_warm_up",
+    "mla_decode_warm_up_tasks",
     "mla_decode_workspace_rows",
 ]
 
@@ -579,7 +580,7 @@ def mla_decode(
     return out
 
 
-def mla_decode_warm_up(
+def mla_decode_warm_up_tasks(
     kv_cache: torch.Tensor,
     k_scale: torch.Tensor | None,
     num_heads: int,
@@ -587,22 +588,28 @@ def mla_decode_warm_up(
     max_bs: int,
     max_q_len: int,
     *,
+    max_rows: int | None = None,
     rope_dim: int = 64,
     q_pe_strides: tuple[int, int] | None = None,
     workspace: MlaDecodeWorkspace | None = None,
     config: MlaDecodeConfig = _DEFAULT_CONFIG,
-) -> None:
-    """Compile every kernel variant batches of 1..max_bs sequences x 1..max_q_len tokens use
-    (BLOCK_M bucket, direct or split + combine, the combine's tiles) for this cache and q dtype,
-    so none compiles while serving. q_nope is taken contiguous; `q_pe_strides` (token, head):
-    its layout when it is a view into wider rows (Triton specialises on their divisibility).
-    Runs each variant once on page 0 (its output is discarded)."""
+) -> list[Callable[[], None]]:
+    """One task per kernel variant that batches of 1..max_bs sequences x 1..max_q_len tokens
+    (bs * q_len <= `max_rows`, when given) use (BLOCK_M bucket, direct or split + combine, the
+    combine's tiles) for this cache and q dtype, so that none compiles while serving. Each runs
+    its variant once on page 0 of `kv_cache` (read only; its output is discarded) with
+    `workspace`'s partials, so tasks that run beside serving-shaped forwards (the engine's
+    start-up: `model/kernel_warm_up.py`) take a workspace and a cache of their own. q_nope is
+    taken contiguous; `q_pe_strides` (token, head): its layout when it is a view into wider rows
+    (Triton specialises on their divisibility)."""
     device = kv_cache.device
     rank = kv_cache.shape[2] - rope_dim
     sms = workspace.num_sms if workspace is not None else _num_sms(device)
     seen: dict[tuple, tuple[int, int]] = {}
     for q_len in range(1, min(max_q_len, MLA_DECODE_MAX_Q_LEN) + 1):
         for bs in range(1, max_bs + 1):
+            if max_rows is not None and bs * q_len > max_rows:
+                break
             splits = choose_num_splits(bs, q_len, num_heads, sms, config)
             if workspace is not None:
                 splits = min(splits, workspace.rows // (bs * q_len * num_heads))
@@ -611,17 +618,33 @@ def mla_decode_warm_up(
                 block_s = triton.next_power_of_2(splits)
                 key += (block_s, _combine_block_r(rank, block_s))
             seen.setdefault(key, (bs, q_len))
-    for bs, q_len in seen.values():
-        t = bs * q_len
-        q_nope = torch.zeros(t, num_heads, rank, dtype=q_dtype, device=device)
-        if q_pe_strides is None:
-            q_pe = torch.zeros(t, num_heads, rope_dim, dtype=q_dtype, device=device)
-        else:
-            buf = torch.zeros(t * q_pe_strides[0], dtype=q_dtype, device=device)
-            q_pe = buf.as_strided((t, num_heads, rope_dim), (*q_pe_strides, 1))
-        mla_decode(
-            q_nope, q_pe, kv_cache, k_scale,
-            torch.zeros(bs, 1, dtype=torch.int32, device=device),
-            torch.full((bs,), q_len, dtype=torch.int32, device=device),
-            q_len, 1.0, workspace=workspace, config=config,
-        )  # fmt: skip
+    args = (kv_cache, k_scale, num_heads, q_dtype, rope_dim, q_pe_strides, workspace, config)
+    return [functools.partial(_run_once, bs, q_len, *args) for bs, q_len in seen.values()]
+
+
+def _run_once(
+    bs: int,
+    q_len: int,
+    kv_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    num_heads: int,
+    q_dtype: torch.dtype,
+    rope_dim: int,
+    q_pe_strides: tuple[int, int] | None,
+    workspace: MlaDecodeWorkspace | None,
+    config: MlaDecodeConfig,
+) -> None:
+    device, t = kv_cache.device, bs * q_len
+    rank = kv_cache.shape[2] - rope_dim
+    q_nope = torch.zeros(t, num_heads, rank, dtype=q_dtype, device=device)
+    if q_pe_strides is None:
+        q_pe = torch.zeros(t, num_heads, rope_dim, dtype=q_dtype, device=device)
+    else:
+        buf = torch.zeros(t * q_pe_strides[0], dtype=q_dtype, device=device)
+        q_pe = buf.as_strided((t, num_heads, rope_dim), (*q_pe_strides, 1))
+    mla_decode(
+        q_nope, q_pe, kv_cache, k_scale,
+        torch.zeros(bs, 1, dtype=torch.int32, device=device),
+        torch.full((bs,), q_len, dtype=torch.int32, device=device),
+        q_len, 1.0, workspace=workspace, config=config,
+    )  # fmt: skip

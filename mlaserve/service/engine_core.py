@@ -221,6 +221,15 @@ class EngineCore:
         return (ADD, add_id, requests, arrival_time, grammars)
 
     def _load(self) -> LLMEngine:
+        # A start that will compile (an empty cache): the compile workers' fork server imports
+        # torch beside this process's own import (`kernel_compile_pool.py`).
+        from mlaserve.kernel_compile_pool import (
+            compile_processes_wanted,
+            start_compile_server,
+        )
+
+        if compile_processes_wanted(self.config.device, self.config.tensor_parallel_size):
+            start_compile_server()
         # torch's import timed on its own: the engine's start-up phase `torch_import`.
         t_import = time.perf_counter()
         fresh = "torch" not in sys.modules

@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
+from mlaserve.kernel_compile_pool import main_hidden
 from mlaserve.service import engine_core as core
 from mlaserve.service.engine_inbox import EngineInbox
 from mlaserve.startup_times import process_age_s
@@ -189,10 +190,5 @@ def _main_not_reimported() -> Iterator[None]:
     if main is None or not _is_mlaserve_cli(main):
         yield
         return
-    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__spec__ = None
-    try:
+    with main_hidden():
         yield
-    finally:
-        main.__dict__.update(saved)

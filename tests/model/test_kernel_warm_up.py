@@ -104,7 +104,7 @@ def test_gpu_background_tasks_run_while_the_caller_goes_on_until_join() -> None:
 def test_layer_tasks_run_each_decoder_layer_kind_once_per_token_count(monkeypatch) -> None:
     """`layer_warm_up_tasks`: one task per (token count, decoder-layer kind), the kinds being
     the layers of distinct FFN and parameter shapes (the default model: its dense first layer
-    and its MoE layers, the MTP layer one of them), each running that layer's `warm_up_ffn` at
+    and its MoE layers, the MTP layer one of them), each running that layer's `warm_up` at
     the count, here on the CPU."""
     from mlaserve.config import ModelConfig, default_model_path
     from mlaserve.model import load_model
@@ -113,13 +113,13 @@ def test_layer_tasks_run_each_decoder_layer_kind_once_per_token_count(monkeypatc
     config = ModelConfig.from_pretrained(default_model_path())
     model = load_model(config, default_model_path(), dtype=torch.bfloat16)
     ran = []
-    real = DeepseekDecoderLayer.warm_up_ffn
+    real = DeepseekDecoderLayer.warm_up
 
     def record(layer, num_tokens, act_dtype):
         ran.append((type(layer.mlp).__name__, num_tokens, act_dtype))
         real(layer, num_tokens, act_dtype)
 
-    monkeypatch.setattr(DeepseekDecoderLayer, "warm_up_ffn", record)
+    monkeypatch.setattr(DeepseekDecoderLayer, "warm_up", record)
     tasks = model.layer_warm_up_tasks([1, 24])
     for task in tasks:
         task()
@@ -129,3 +129,62 @@ def test_layer_tasks_run_each_decoder_layer_kind_once_per_token_count(monkeypatc
     assert kinds == ["DeepseekMLP", "DeepseekMoE"]
     expected = {(kind, n, torch.bfloat16) for kind in kinds for n in (1, 24)}
     assert len(ran) == len(tasks) == len(expected) and set(ran) == expected
+
+
+# A fresh interpreter (Triton's in-memory kernels are per process: in this one earlier tests
+# built them): the engine built, its background warm-up joined before anything else runs, then
+# start-up's forwards (the throwaway request, the graphs' eager runs and captures, the MTP
+# draft's and the step-cost measurement) with a hook on every Triton kernel built from then on.
+# The hook fires whether the kernel compiles or loads from the on-disk cache, so a filled cache
+# proves the same as an empty one.
+_COVERAGE = r"""
+import json, sys
+from triton import knobs
+from mlaserve.config import EngineConfig
+from mlaserve.llm_engine import LLMEngine
+
+engine = LLMEngine(EngineConfig(device="cuda", **json.loads(sys.argv[1])))
+engine.runner.join_kernel_warm_up()
+built = []
+knobs.runtime.jit_post_compile_hook = lambda *a, **k: built.append(str(k.get("repr")))
+engine.warmup()
+print("BUILT " + json.dumps(built))
+print("PROCESS_COMPILES " + str(engine.runner.process_compiles))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    ("options", "empty_cache"),
+    [
+        ({}, False),
+        ({"speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}, False),
+        ({}, True),
+    ],
+    ids=["default", "mtp3", "default-empty-cache"],
+)
+def test_gpu_warm_up_tasks_build_every_kernel_start_up_runs(options, empty_cache, tmp_path) -> None:
+    """Every Triton kernel variant start-up's forwards take is one a warm-up task built: after
+    the join, the engine's warm-up builds none. A variant left out would compile on the
+    start-up's main thread, one at a time, instead of beside it (issue 44's cold start). On an
+    empty cache the variants compile on worker processes first (`kernel_compile_pool.py`)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    if empty_cache:
+        env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    proc = subprocess.run(
+        [sys.executable, "-c", _COVERAGE, json.dumps(options)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("BUILT "))
+    built = json.loads(line.removeprefix("BUILT "))
+    assert built == [], "built after the join:\n" + "\n".join(built)
+    if empty_cache:  # the default model has ~124 variants
+        line = next(x for x in proc.stdout.splitlines() if x.startswith("PROCESS_COMPILES "))
+        assert int(line.removeprefix("PROCESS_COMPILES ")) > 50

@@ -399,18 +399,21 @@ def test_cuda_graph_replay_matches_eager(kv_dtype, device):
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=gpu, id="cuda")])
 def test_warm_up_compiles_every_variant(device):
-    """After `mla_decode_warm_up(max_bs=8, max_q_len=4)`, calls at every bs and q_len up to those
-    compile nothing (q_len and num_splits are runtime values within a BLOCK_M bucket)."""
+    """After `mla_decode_warm_up_tasks(max_bs=8, max_q_len=4)` ran, calls at every bs and q_len up
+    to those compile nothing (q_len and num_splits are runtime values within a BLOCK_M bucket)."""
     from mlaserve.graph_runner.compile_watch import CompileWatch
-    from mlaserve.ops.mla_decode import MlaDecodeWorkspace, mla_decode, mla_decode_warm_up
+    from mlaserve.ops.mla_decode import MlaDecodeWorkspace, mla_decode, mla_decode_warm_up_tasks
 
     heads, (rank, rope, page) = 24, DIMS[device]  # a head count no other test has
     kv = torch.zeros(8, page, rank + rope, dtype=FP8, device=device)
     scale = torch.ones(1, device=device)
     ws = MlaDecodeWorkspace(8, 4, heads, rank, device)
     qp_rows = torch.zeros(8 * 4, heads, 192, dtype=BF16, device=device)
-    mla_decode_warm_up(kv, scale, heads, BF16, 8, 4, q_pe_strides=qp_rows.stride()[:2],
-                       workspace=ws)  # fmt: skip
+    tasks = mla_decode_warm_up_tasks(
+        kv, scale, heads, BF16, 8, 4, q_pe_strides=qp_rows.stride()[:2], workspace=ws
+    )
+    for task in tasks:
+        task()
     watch = CompileWatch()
     watch.mark_ready()
     for q_len in range(1, 5):
@@ -426,12 +429,20 @@ def test_warm_up_compiles_every_variant(device):
 @pytest.mark.parametrize("device", [cpu_case()])
 def test_warm_up_runs(device):
     """The warm-up's calls run (under the interpreter here: tiny shapes)."""
-    from mlaserve.ops.mla_decode import MlaDecodeWorkspace, mla_decode_warm_up
+    from mlaserve.ops.mla_decode import MlaDecodeWorkspace, mla_decode_warm_up_tasks
 
     rank, rope, page = DIMS["cpu"]
     kv = torch.zeros(2, page, rank + rope, dtype=F16)
     ws = MlaDecodeWorkspace(2, 2, 3, rank, "cpu")
-    mla_decode_warm_up(kv, None, 3, F16, 2, 2, rope_dim=rope, workspace=ws)
+    tasks = mla_decode_warm_up_tasks(kv, None, 3, F16, 2, 2, rope_dim=rope, workspace=ws)
+    assert tasks
+    for task in tasks:
+        task()
+    # max_rows bounds bs * q_len: 1 leaves bs 1 x q_len 1 alone, one variant
+    bounded = mla_decode_warm_up_tasks(
+        kv, None, 3, F16, 2, 2, max_rows=1, rope_dim=rope, workspace=ws
+    )
+    assert len(bounded) == 1
 
 
 _AOT = r"""

@@ -84,15 +84,17 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
     @torch.no_grad()
-    def warm_up_ffn(self, num_tokens: int, act_dtype: torch.dtype) -> None:
-        """Run every kernel of `forward_residual` but attention's on `num_tokens` rows of zeros,
-        as it calls them (the first layer's lone norm, the fused residual norms, the FFN, and
-        the next layer's norm summing its uncombined output), so that they compile for that
+    def warm_up(self, num_tokens: int, act_dtype: torch.dtype) -> None:
+        """Run every kernel of `forward_residual` but the attention kernel's (which needs a
+        batch) on `num_tokens` rows of zeros, as it calls them: the first layer's lone norm,
+        the fused residual norms, attention's projections (the q_a norm's included), the FFN,
+        and the next layer's norm summing its uncombined output; so that they compile for that
         token count before serving (`model/kernel_warm_up.py` runs this on a thread)."""
         weight = self.input_layernorm.weight  # [hidden]
         x = torch.zeros(num_tokens, weight.shape[0], dtype=act_dtype, device=weight.device)
         h, residual = self.input_layernorm(x), x
         h, residual = self.input_layernorm.forward_with_residual(h, residual)
+        self.self_attn.project(h)
         h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
         out = self.mlp(h, combine=False) if isinstance(self.mlp, DeepseekMoE) else self.mlp(h)
         self.input_layernorm.forward_with_residual(out, residual)

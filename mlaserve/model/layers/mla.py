@@ -189,7 +189,7 @@ class MLAAttention(nn.Module):
         if self._head_matmul is not None:
             return self._forward_invariant(x, cos, sin, batch, rows)
         num_tokens = x.shape[0]
-        q, kv_c, k_pe = self._project(x)
+        q, kv_c, k_pe = self.project(x)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         backend = batch.attn_backend
         mha = backend.mha_extend and not batch.mode.is_uniform
@@ -264,7 +264,7 @@ class MLAAttention(nn.Module):
             torch.bmm(o_latent.transpose(0, 1), self.w_uv, out=o.transpose(0, 1))
         return self._o_proj(o.view(num_tokens, self.num_heads * self.v_head_dim), rows)
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> q [T, H, d_nope + d_r], kv_c [T, r], k_pe [T, d_r] (kv_c and k_pe
         views of one latent row; before the kv_a norm and RoPE). Callers split q into q_nope
         and q_pe views: the MHA prefill ropes q_pe in place and then reads q whole."""
@@ -293,7 +293,7 @@ class MLAAttention(nn.Module):
         phase, each step a function of the token's own row (and, in attention, of the cache
         bytes of its keys 0..p, its own written first)."""
         num_tokens, head_matmul = x.shape[0], self._head_matmul
-        q, kv_c, k_pe = self._project(x)
+        q, kv_c, k_pe = self.project(x)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)  # [T, r]
         q_pe = apply_rope(q_pe, cos, sin, self.rope_interleaved)  # [T, H, d_r]
