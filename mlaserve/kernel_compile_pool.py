@@ -52,6 +52,7 @@ __all__ = [
     "collect",
     "compile_processes_wanted",
     "main_hidden",
+    "spare_cores",
     "start_compile_server",
     "stop_compile_server",
     "triton_cache_is_empty",
@@ -73,6 +74,13 @@ class Variant:
     module: str
     name: str
     specialization: str
+
+
+def spare_cores(limit: int) -> int:
+    """One worker per core this process may run on but the caller's (which goes on with
+    start-up), at least 1 and at most `limit`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min((cores or 1) - 1, limit))
 
 
 def triton_cache_dir() -> Path:
@@ -225,7 +233,7 @@ class KernelCompilePool:
             get_cache_invalidating_env_vars(),
             knobs.cache.dir,
         )
-        self.workers = workers or min(MAX_WORKERS, max(1, (os.cpu_count() or 2) - 1))
+        self.workers = workers or spare_cores(MAX_WORKERS)
         self._pool: ProcessPoolExecutor | None = ProcessPoolExecutor(
             self.workers, mp_context=multiprocessing.get_context("forkserver")
         )

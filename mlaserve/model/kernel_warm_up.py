@@ -34,7 +34,6 @@ one order.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -43,7 +42,7 @@ from contextlib import contextmanager
 
 import torch
 
-from mlaserve.kernel_compile_pool import KernelCompilePool, collect
+from mlaserve.kernel_compile_pool import KernelCompilePool, collect, spare_cores
 
 __all__ = ["KernelWarmUp", "warm_up_concurrently"]
 
@@ -64,7 +63,7 @@ class KernelWarmUp:
         self.num_tasks = 0
         self.compile_pool = compile_pool
         self._compiles: list[Future[bool]] = []
-        self.workers = _num_workers()
+        self.workers = spare_cores(MAX_THREADS)  # the pool starts them as tasks arrive
         self._start = time.perf_counter()
         self._end = self._start
         self._lock = threading.Lock()
@@ -152,13 +151,6 @@ def warm_up_concurrently(
             call()
         return
     KernelWarmUp.start(calls, device).join()
-
-
-def _num_workers() -> int:
-    """One thread per core but the caller's (which goes on with start-up), at most MAX_THREADS
-    (the pool starts them as tasks arrive)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min((cores or 1) - 1, MAX_THREADS))
 
 
 @contextmanager

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from mlaserve.kernel_compile_pool import compile_processes_wanted, start_compile_server
 from mlaserve.service.engine_errors import EngineNotReadyError
 from mlaserve.service.output_wire import encode_outputs
 
@@ -223,11 +224,6 @@ class EngineCore:
     def _load(self) -> LLMEngine:
         # A start that will compile (an empty cache): the compile workers' fork server imports
         # torch beside this process's own import (`kernel_compile_pool.py`).
-        from mlaserve.kernel_compile_pool import (
-            compile_processes_wanted,
-            start_compile_server,
-        )
-
         if compile_processes_wanted(self.config.device, self.config.tensor_parallel_size):
             start_compile_server()
         # torch's import timed on its own: the engine's start-up phase `torch_import`.
