@@ -15,10 +15,12 @@ How, and what each step may touch:
 2. `collect(tasks)`: each task run on the calling thread with Triton's `jit_cache_hook`
    answering "skip" there (and only there: other threads compile and launch as usual). Every
    kernel variant the task would build is recorded, by its module, name and Triton's own
-   specialisation data, and neither compiled nor launched. Warm-up tasks launch their kernels on
-   tensors they made (`kernel_warm_up.py`'s rule), so the skipped launches change nothing
-   outside them; a task that fails half-way keeps what it recorded, and fails again, with its
-   real error, when it runs.
+   specialisation data, and neither compiled nor launched. torch's operators launch nothing
+   either (`device_dry_run.py`): they would read what the skipped kernels did not write (a
+   garbage offset fed to `torch._grouped_mm` asserted on the device and ended a V3-lite start).
+   Warm-up tasks launch their kernels on tensors they made (`kernel_warm_up.py`'s rule), so
+   nothing outside them changes; a task that stops or fails half-way keeps what it recorded,
+   and compiles the rest, or fails again with its real error, when it runs.
 3. `KernelCompilePool.submit(variant)`: the variant compiled on a worker with this process's
    target, cache-invalidating environment and cache folder, so it is stored under the key this
    process computes at the launch; the worker then builds its C launcher too (a C compile,
@@ -199,13 +201,20 @@ def _install_hook() -> None:
 
 
 def collect(tasks: Sequence[Callable[[], None]]) -> list[list[Variant]]:
-    """The kernel variants each task would build, its kernels skipped (module doc, step 2)."""
+    """The kernel variants each task would build, nothing launched (module doc, step 2)."""
+    from mlaserve.device_dry_run import DeviceDryRun, DryRunStopped
+
     _install_hook()
     found: list[list[Variant]] = []
     for task in tasks:
         _collecting.variants = variants = []
         try:
-            task()
+            with DeviceDryRun("cuda"):
+                task()
+        except DryRunStopped as e:  # the rest compile when the task runs
+            logger.debug(
+                "kernel collection: a task stopped after %d variants: %s", len(variants), e
+            )
         except Exception as e:  # raised again, for real, when the task runs
             logger.debug("kernel collection: a task failed after %d variants: %s", len(variants), e)
         finally:

@@ -88,8 +88,12 @@ class LLMEngine:
         self.max_model_len = config.resolved_max_model_len(self.model_config)
         self.model_name = config.served_model_name or config.model or "mlaserve-default"
         with self.startup.phase("tokenizer"):
+            # The engine decodes; transformers' import waits for a use that needs it (encoding
+            # a text prompt, a chat template, a grammar's vocabulary): `tokenizer.py`.
             self.tokenizer = Tokenizer.from_pretrained(
-                config.tokenizer_path, trust_remote_code=config.trust_remote_code
+                config.tokenizer_path,
+                trust_remote_code=config.trust_remote_code,
+                defer_transformers=True,
             )
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

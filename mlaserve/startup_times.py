@@ -8,7 +8,7 @@
                         imports; torch's own import is its phase when the engine process makes
                         it, as `mlaserve serve`'s does)
     torch_import        `import torch` (absent where torch came before the engine: `LLM()`)
-    tokenizer           the tokenizer's files (and transformers' import)
+    tokenizer           the tokenizer's files (transformers' import too, unless deferred)
     tp_start            tensor parallelism: the worker processes spawned, the groups joined
     device_init         the CUDA context (nothing on the CPU)
     model_construction  the modules built on the device, weights uninitialised

@@ -27,6 +27,7 @@ NAMES = (
     "FLASHINFER_WORKSPACE_BASE",
     "CUTE_DSL_CACHE_DIR",
     "CUDA_CACHE_PATH",
+    "PYTHONPYCACHEPREFIX",
 )
 
 
@@ -41,7 +42,7 @@ def test_every_variable_points_under_the_root_and_the_folders_exist(tmp_path: Pa
             continue
         folder = Path(environ[name])
         assert folder.parent == tmp_path / "jit" and folder.is_dir(), name
-    assert len({environ[n] for n in NAMES if n != "TORCHINDUCTOR_FX_GRAPH_CACHE"}) == 5
+    assert len({environ[n] for n in NAMES if n != "TORCHINDUCTOR_FX_GRAPH_CACHE"}) == 6
     assert str(tmp_path / "jit") in cache.describe(environ)
 
 
@@ -127,3 +128,48 @@ def test_the_engine_and_its_tp_worker_get_the_cache(
             assert {n: environ.get(n) for n in NAMES} == want, where
     finally:
         engine.shutdown()
+
+
+_IMPORT_PROBE = """
+import sys
+from mlaserve.jit_cache import apply_jit_cache, cache_python_bytecode
+cache_dir = sys.argv[1]
+apply_jit_cache(cache_dir)  # the server's step before it spawns the engine
+print(sys.flags.dont_write_bytecode, cache_python_bytecode(cache_dir), flush=True)
+sys.path.insert(0, sys.argv[2])
+import probe_module
+"""
+
+
+@pytest.mark.parametrize("users_prefix", [False, True])
+def test_python_bytecode_goes_to_the_cache_even_where_writing_it_is_off(
+    tmp_path: Path, users_prefix: bool
+) -> None:
+    """Under PYTHONDONTWRITEBYTECODE (the GPU hosts', the image's) a process that calls
+    `cache_python_bytecode` writes the bytecode of what it imports next under the cache's
+    `python` folder, and nothing beside the source; a prefix the user set is left alone (the
+    process then writes nothing). A fresh interpreter each, as the engine process is."""
+    import subprocess
+    import sys
+
+    sources = tmp_path / "src"
+    sources.mkdir()
+    (sources / "probe_module.py").write_text("VALUE = 1\n")
+    env = {k: v for k, v in os.environ.items() if k not in NAMES}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    if users_prefix:
+        env["PYTHONPYCACHEPREFIX"] = str(tmp_path / "theirs")
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_PROBE, str(tmp_path / "jit"), str(sources)],
+        env=env, capture_output=True, text=True, timeout=120, check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    flag, cached = done.stdout.split()
+    assert flag == "1"  # the interpreter started with writing off
+    written = list((tmp_path / "jit" / "python").rglob("probe_module*.pyc"))
+    assert not (sources / "__pycache__").exists()
+    if users_prefix:
+        assert cached == "False" and written == []
+        assert not (tmp_path / "theirs").exists()
+    else:
+        assert cached == "True" and len(written) == 1, written

@@ -105,6 +105,44 @@ def test_gpu_collected_variants_compile_on_workers_and_then_load(tmp_path) -> No
     assert got["loads"] == [True, True] and got["written"]
 
 
+_DRY_RUN = r"""
+import json, torch
+from mlaserve.kernel_compile_pool import collect
+from mlaserve.ops.rms_norm import rms_norm
+
+dev = torch.device("cuda")
+x = torch.randn(8, 256, device=dev)
+def task():
+    y = rms_norm(torch.ones(4, 256, dtype=torch.bfloat16, device=dev), torch.ones(256, device=dev), 1e-6)
+    # What a skipped kernel leaves for torch's operators: an index out of range, which
+    # index_select checks on the device (an assert that ends the CUDA context).
+    bad = torch.full((4,), 1 << 40, dtype=torch.long, device=dev)
+    picked = torch.index_select(x, 0, bad) + y.float()[:, :1]
+    int(picked.sum())  # a read to the host: collection stops here
+    rms_norm(torch.ones(4, 256, dtype=torch.float32, device=dev), torch.ones(256, device=dev), 1e-6)
+found = collect([task])
+torch.cuda.synchronize()
+print("RESULT " + json.dumps([[v.module, v.name] for v in found[0]]))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_collection_launches_no_torch_operator_on_what_skipped_kernels_left(tmp_path) -> None:
+    """Collection runs torch's operators dry (`device_dry_run.py`): one fed an out-of-range
+    index, as a skipped kernel's output can be, launches nothing (the process and its device
+    survive), and a read to the host ends the task's collection with what it recorded."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    proc = subprocess.run(
+        [sys.executable, "-c", _DRY_RUN], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    assert json.loads(line.removeprefix("RESULT ")) == [
+        ["mlaserve.ops.rms_norm", "_rms_norm_kernel"]
+    ]
+
+
 _UNGUARDED = r"""
 import os, sys
 print("RAN", flush=True)  # a script's top level, no `if __name__ == "__main__"` guard

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from mlaserve import switches
+from mlaserve import switches, triton_key
 from mlaserve.config import ConfigError, EngineConfig, ModelConfig
 from mlaserve.engine.forward_batch import ForwardBatch
 from mlaserve.engine.forward_route import ForwardRoute
@@ -111,6 +111,8 @@ class ModelRunner:
                 f"backend {backend_name!r}'s max_uniform_q_len {backend_cls.max_uniform_q_len}"
             )
 
+        if self.device.type == "cuda":
+            triton_key.start()  # hashed beside the load; the kernel warm-up waits for it
         # This process's device memory before its weights: what it allocates outside torch's
         # allocator (NCCL's buffers) counts against --gpu-memory-utilization too.
         free_at_start = free_device_memory(self.device)

@@ -90,10 +90,11 @@ def worker_main(
 ) -> None:
     for key, value in MULTICAST_OFF.items():
         os.environ.setdefault(key, value)
-    from mlaserve.jit_cache import apply_jit_cache
+    from mlaserve.jit_cache import apply_jit_cache, cache_python_bytecode
 
     # Inherited from rank 0 already; applied again in case a worker is started another way.
     apply_jit_cache(config.cache_dir)
+    cache_python_bytecode(config.cache_dir)  # before torch's import: its bytecode
     import torch
 
     from mlaserve.config import ModelConfig

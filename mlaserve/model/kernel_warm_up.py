@@ -42,6 +42,7 @@ from contextlib import contextmanager
 
 import torch
 
+from mlaserve import triton_key
 from mlaserve.kernel_compile_pool import KernelCompilePool, collect, spare_cores
 
 __all__ = ["KernelWarmUp", "warm_up_concurrently"]
@@ -74,6 +75,8 @@ class KernelWarmUp:
             self.workers, thread_name_prefix="kernel-warm-up"
         )
         self._futures: list[Future[None]] = []
+        # Before any thread launches: else each computes Triton's key at once (`triton_key.py`).
+        triton_key.wait()
         self.add(tasks)
 
     def add(self, tasks: Sequence[Callable[[], None]]) -> None:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlaserve.config import ConfigError
 from mlaserve.config.vllm_flags import VLLM_FLAGS, VllmFlag, translate
-from mlaserve.jit_cache import apply_jit_cache
+from mlaserve.jit_cache import apply_jit_cache, cache_python_bytecode
 from mlaserve.service.settings import (
     CHOICES,
     CONFIG_ENV,
@@ -254,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command, settings = parse_settings(argv, os.environ)
         # Before the engine process is spawned: it inherits the cache's variables.
         apply_jit_cache(settings.engine.cache_dir)
+        cache_python_bytecode(settings.engine.cache_dir)  # this process's imports from here on
         from mlaserve.service.preflight import preflight  # the tokenizer's files: transformers
 
         settings = preflight(settings)

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from mlaserve.jit_cache import cache_python_bytecode
 from mlaserve.kernel_compile_pool import compile_processes_wanted, start_compile_server
 from mlaserve.service.engine_errors import EngineNotReadyError
 from mlaserve.service.output_wire import encode_outputs
@@ -222,6 +223,8 @@ class EngineCore:
         return (ADD, add_id, requests, arrival_time, grammars)
 
     def _load(self) -> LLMEngine:
+        # Before torch's import: its bytecode read from (and written to) the cache folder.
+        cache_python_bytecode(self.config.cache_dir)
         # A start that will compile (an empty cache): the compile workers' fork server imports
         # torch beside this process's own import (`kernel_compile_pool.py`).
         if compile_processes_wanted(self.config.device, self.config.tensor_parallel_size):

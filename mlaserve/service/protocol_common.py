@@ -16,6 +16,14 @@ from pydantic import (
 )
 
 from mlaserve.sampling_params import MAX_TEMPERATURE, StructuredOutputsParams
+from mlaserve.service.request_limits import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_PROMPT_TOKENS,
+    MAX_PROMPTS,
+    MAX_SEED,
+    MAX_STOP_STRINGS,
+)
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -46,15 +54,6 @@ __all__ = [
 STOP_REASON_DOC = (
     "the stop string or stop token id that ended the choice (vLLM's field); null otherwise"
 )
-
-MAX_N = 16  # choices per request
-MAX_LOGPROBS = 20  # top-logprobs per token (OpenAI's limit)
-MAX_STOP_STRINGS = 16
-MAX_SEED = 2**63 - 1
-# Hard ceilings of the schema (the server's own limits, `--max-prompts-per-request` and
-# `--max-prompt-tokens-per-request`, may only be lower): what a body may hold at all.
-MAX_PROMPTS = 2048
-MAX_PROMPT_TOKENS = 1 << 20
 
 
 def _encodable(text: str) -> str:

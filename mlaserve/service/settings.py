@@ -30,7 +30,7 @@ from mlaserve.config import (
 )
 from mlaserve.config.vllm_flags import normalize_engine_values
 from mlaserve.service.parsers import REASONING_PARSERS, TOOL_PARSERS
-from mlaserve.service.protocol import MAX_LOGPROBS, MAX_PROMPT_TOKENS, MAX_PROMPTS
+from mlaserve.service.request_limits import MAX_LOGPROBS, MAX_PROMPT_TOKENS, MAX_PROMPTS
 
 __all__ = ["ENV_PREFIX", "Option", "ServerConfig", "Settings", "load_settings", "options"]
 

@@ -5,6 +5,16 @@ The wrapper pins down the choices the server depends on: no network, no remote c
 rendered to text first and then encoded without extra special tokens (the template writes BOS
 itself), as vLLM does.
 
+Decoding without transformers (`defer_transformers=True`, the engine's): the engine process
+only decodes (the server tokenizes), and transformers' import is 1.5 s of its start (issue 44).
+A folder that loads as the generic fast class then decodes through the `tokenizers` library
+straight from tokenizer.json, which is what transformers' fast decode calls, and the special
+tokens' ids come from tokenizer_config.json; transformers is imported at the first use that
+needs it (`hf`: encoding, chat templates, xgrammar). Only where the files leave transformers
+nothing to change: every special token the config names is a special added token of
+tokenizer.json, and its `added_tokens_decoder` agrees with tokenizer.json's (else it loads at
+once, as without the option). tests/tokenizer checks both ways agree.
+
 NOTE: HF fast tokenizers are not safe to call from several threads at once (the Rust side
 raises "Already borrowed"); keep one Tokenizer per thread or serialise calls.
 """
@@ -13,38 +23,74 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
 import tokenizers
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from mlaserve.tokenizer.tokenizer_files import TOKENIZER_FILES, remote_code_class
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 __all__ = ["TOKENIZER_FILES", "ChatTemplateError", "Tokenizer"]
+
+# transformers' special-token attributes (SPECIAL_TOKENS_ATTRIBUTES), and its lists of more
+_SPECIAL_KEYS = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+)  # fmt: skip
+_SPECIAL_LISTS = ("additional_special_tokens", "extra_special_tokens")
 
 
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered: no chat template, or the template rejected them."""
 
 
+@dataclass(frozen=True)
+class _Deferred:
+    """A folder decoded without transformers until `hf` is first used (module doc)."""
+
+    load: Callable[[], PreTrainedTokenizerBase]  # transformers' tokenizer for the folder
+    backend: tokenizers.Tokenizer  # tokenizer.json, as transformers' fast class would hold it
+    special_ids: dict[str, int | None]  # "eos_token" -> id (None: the folder names none)
+
+
 class Tokenizer:
-    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase, name: str = "") -> None:
-        self.hf = hf_tokenizer
-        self.name = name or getattr(hf_tokenizer, "name_or_path", "")
+    def __init__(
+        self,
+        hf: PreTrainedTokenizerBase | None,
+        name: str = "",
+        *,
+        deferred: _Deferred | None = None,
+    ) -> None:
+        """`hf` loaded, or None with `deferred` (`from_pretrained(defer_transformers=True)`)."""
+        if (hf is None) == (deferred is None):
+            raise ValueError("Tokenizer: give a transformers tokenizer or a deferred load")
+        self._hf = hf
+        self._deferred = deferred
+        self._hf_lock = threading.Lock()
+        self._backend: tokenizers.Tokenizer | None = (
+            deferred.backend if deferred is not None else getattr(hf, "backend_tokenizer", None)
+        )
+        self.name = name or getattr(hf, "name_or_path", "")
         self._piece_cache: dict[int, str] = {}
         self._max_piece_chars: int | None = None
 
     @classmethod
     def from_pretrained(
-        cls, path: str | os.PathLike[str], trust_remote_code: bool = False
+        cls,
+        path: str | os.PathLike[str],
+        trust_remote_code: bool = False,
+        defer_transformers: bool = False,
     ) -> Tokenizer:
         """Load tokenizer.json + tokenizer_config.json from a local directory. A folder whose
         tokenizer class is Python code it ships (tokenizer_config.json's `auto_map`, e.g.
         Kimi-K2's tiktoken tokenizer) loads only with `trust_remote_code`; without it, a
-        `ValueError` names the class and the flag."""
+        `ValueError` names the class and the flag. `defer_transformers`: decode without
+        importing transformers where the folder allows it (module doc)."""
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer path {path} is not a directory")
@@ -54,16 +100,30 @@ class Tokenizer:
                 "copy the model's tokenizer there or name its folder with `tokenizer`"
             )
         custom = remote_code_class(path, trust_remote_code)  # ValueError: refused
-        kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": trust_remote_code}
-        if custom is None and _takes_generic_fast_class(path):
-            hf = PreTrainedTokenizerFast.from_pretrained(str(path), **kwargs)
-        else:
-            # Imported here: transformers' auto classes import its modelling and generation
-            # code (4.5 s of an engine process's start on the GPU host, transformers 5.17).
-            from transformers import AutoTokenizer
+        generic = custom is None and _takes_generic_fast_class(path)
 
-            hf = AutoTokenizer.from_pretrained(str(path), **kwargs)
-        return cls(hf, name=str(path))
+        def load() -> PreTrainedTokenizerBase:
+            return _load_transformers(path, generic, trust_remote_code)
+
+        if generic and defer_transformers:
+            backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+            special_ids = _special_token_ids(path, backend)
+            if special_ids is not None:
+                return cls(None, name=str(path), deferred=_Deferred(load, backend, special_ids))
+        return cls(load(), name=str(path))
+
+    @property
+    def hf(self) -> PreTrainedTokenizerBase:
+        """The transformers tokenizer (imported and loaded here on first use when deferred)."""
+        hf = self._hf
+        if hf is None:
+            with self._hf_lock:
+                if self._hf is None and self._deferred is not None:
+                    self._hf = self._deferred.load()
+                hf = self._hf
+        if hf is None:
+            raise RuntimeError(f"tokenizer {self.name!r}: no transformers tokenizer")
+        return hf
 
     # ---- ids <-> text ----
 
@@ -103,9 +163,11 @@ class Tokenizer:
         """The Rust `tokenizers.Tokenizer` behind a fast tokenizer (None for others). Its
         `decode` is `self.decode` without the transformers layer (which never cleans up spaces
         here)."""
-        return getattr(self.hf, "backend_tokenizer", None)
+        return self._backend
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._deferred is not None:  # what transformers' fast decode calls
+            return self._deferred.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(
             list(ids),
             skip_special_tokens=skip_special_tokens,
@@ -114,6 +176,8 @@ class Tokenizer:
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """Raw vocabulary pieces (byte-level BPE shows a space as "Ġ")."""
+        if self._deferred is not None:
+            return [self._deferred.backend.id_to_token(i) for i in ids]
         return list(self.hf.convert_ids_to_tokens(list(ids)))
 
     def id_to_piece(self, token_id: int) -> str:
@@ -145,6 +209,8 @@ class Tokenizer:
                 "or add a chat_template to its tokenizer_config.json"
             )
         _check_messages(messages)
+        import jinja2  # here: a decoding-only engine process never renders
+
         try:
             text = self.hf.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
@@ -165,14 +231,20 @@ class Tokenizer:
 
     @property
     def bos_token_id(self) -> int | None:
+        if self._deferred is not None:
+            return self._deferred.special_ids["bos_token"]
         return self.hf.bos_token_id
 
     @property
     def eos_token_id(self) -> int | None:
+        if self._deferred is not None:
+            return self._deferred.special_ids["eos_token"]
         return self.hf.eos_token_id
 
     @property
     def pad_token_id(self) -> int | None:
+        if self._deferred is not None:
+            return self._deferred.special_ids["pad_token"]
         return self.hf.pad_token_id
 
     @property
@@ -183,7 +255,73 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of ids the tokenizer can produce, added tokens included (the model's logits
         may be wider: checkpoints pad the embedding)."""
+        if self._deferred is not None:  # what a fast tokenizer's len() counts
+            return self._deferred.backend.get_vocab_size(with_added_tokens=True)
         return len(self.hf)
+
+
+def _load_transformers(
+    path: Path, generic: bool, trust_remote_code: bool
+) -> PreTrainedTokenizerBase:
+    kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": trust_remote_code}
+    if generic:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path), **kwargs)
+    # Imported here: transformers' auto classes import its modelling and generation code (4.5 s
+    # of an engine process's start on the GPU host, transformers 5.17).
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), **kwargs)
+
+
+def _special_token_ids(path: Path, backend: tokenizers.Tokenizer) -> dict[str, int | None] | None:
+    """The special tokens' ids as transformers resolves them for this folder (each named token
+    -> its id, None where the config names none), read without transformers; None where
+    transformers could change what decoding skips: a named token that is not a special added
+    token of tokenizer.json, an `added_tokens_decoder` disagreeing with tokenizer.json's, the
+    config and special_tokens_map.json naming a token differently, or a form not recognised."""
+    config = _read_json(path / "tokenizer_config.json")
+    if config.get("from_slow"):
+        return None
+    named = dict(config)
+    for key, value in _read_json(path / "special_tokens_map.json").items():
+        if key in named and named[key] is not None and named[key] != value:
+            return None
+        named[key] = value
+    added = backend.get_added_tokens_decoder()  # id -> AddedToken
+    for key, entry in (config.get("added_tokens_decoder") or {}).items():
+        token = added.get(int(key)) if str(key).isdigit() else None
+        if (
+            token is None
+            or not isinstance(entry, dict)
+            or token.content != entry.get("content")
+            or token.special != bool(entry.get("special"))
+        ):
+            return None
+    special = {t.content: i for i, t in added.items() if t.special}
+
+    def token_id(value: object) -> int | None:
+        content = value.get("content") if isinstance(value, dict) else value
+        if not isinstance(content, str) or content not in special:
+            raise LookupError(content)
+        return special[content]
+
+    ids: dict[str, int | None] = {}
+    try:
+        for key in _SPECIAL_KEYS:
+            ids[key] = None if named.get(key) is None else token_id(named[key])
+        for key in _SPECIAL_LISTS:
+            more = named.get(key) or []
+            if isinstance(more, dict):  # transformers 5's extra_special_tokens: name -> token
+                more = list(more.values())
+            if not isinstance(more, list):
+                return None
+            for value in more:
+                token_id(value)
+    except LookupError:
+        return None
+    return ids
 
 
 def _takes_generic_fast_class(path: Path) -> bool:
