@@ -19,19 +19,25 @@ Layer 3 (README, "Layers"): nothing from mlaserve.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 
 __all__ = ["start", "wait"]
+
+logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 
 
 def _compute() -> None:
-    from triton.runtime.cache import triton_key
+    try:
+        from triton.runtime.cache import triton_key
 
-    triton_key()
+        triton_key()
+    except Exception as e:  # the first launch computes it again, and raises there
+        logger.debug("Triton's cache key, computed ahead: %s", e)
 
 
 def start() -> None:

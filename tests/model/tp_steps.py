@@ -34,8 +34,11 @@ FP32_MAX_REL = 1e-5
 # 128-wide group): an input a float32 rounding away from TP1's can land on the other side of an
 # e4m3 step (or of a routing near-tie) and move a whole row. Measured 2026-11-27: one decode row
 # of 15 at 8.3e-3, every other row of prefill and decode <= 5e-7 (the dense-only variant: <= 4e-7
-# on every row). Bounds: each row 2e-2, the median row 1e-6, argmax equal everywhere.
-FP8_MAX_REL = 2e-2
+# on every row); 2026-11-29, another CPU machine (the same code): a prefill row at 1.64e-2 and
+# the decode row at 2.16e-2 (which inputs flip depends on the host's float32 summation order). An e4m3 step is 1/8 of its
+# value, so one flipped input can move a row by a few percent. Bounds: each row 5e-2, the
+# median row 1e-6, argmax equal everywhere.
+FP8_MAX_REL = 5e-2
 FP8_MEDIAN_ROW_REL = 1e-6
 # A tiny V3 whose every TP2 split lands on a 128 boundary (q_b 256 rows, o_proj 256 columns,
 # dense / shared / expert intermediates 256): FP8 under TP2 loads block-aligned.
