@@ -66,13 +66,13 @@ class DeviceDryRun(TorchDispatchMode):
         target = kwargs.get("device")
         if target is not None and torch.device(target).type != self.device_type:
             raise DryRunStopped(f"{func}: a copy off the device")
-        meta_args, meta_kwargs = tree_unflatten([_meta(t) for t in leaves], spec)
+        meta_args, meta_kwargs = tree_unflatten([_empty_on(t, "meta") for t in leaves], spec)
         try:
             out = func(*meta_args, **meta_kwargs)
         except (NotImplementedError, RuntimeError) as e:
             raise DryRunStopped(f"{func}: no meta kernel ({e})") from e
         if not func._schema.is_mutable:
-            return tree_map(lambda o: _empty_like_on(o, device), out)
+            return tree_map(lambda o: _empty_on(o, device), out)
         written = _written_arguments(func, args, kwargs)
         if any(isinstance(w, torch.Tensor) and not self._on_device(w) for w in written):
             raise DryRunStopped(f"{func}: a copy off the device")
@@ -91,14 +91,9 @@ def _metadata_only(func: Any) -> bool:
     )
 
 
-def _meta(value: Any) -> Any:
-    if not isinstance(value, torch.Tensor) or value.device.type == "meta":
-        return value
-    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-
-
-def _empty_like_on(value: Any, device: torch.device) -> Any:
-    if not isinstance(value, torch.Tensor):
+def _empty_on(value: Any, device: torch.device | str) -> Any:
+    """A tensor's shape, strides and dtype, uninitialised on `device`; anything else as it is."""
+    if not isinstance(value, torch.Tensor) or value.device == torch.device(device):
         return value
     return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
 

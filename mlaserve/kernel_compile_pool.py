@@ -211,12 +211,11 @@ def collect(tasks: Sequence[Callable[[], None]]) -> list[list[Variant]]:
         try:
             with DeviceDryRun("cuda"):
                 task()
-        except DryRunStopped as e:  # the rest compile when the task runs
+        except Exception as e:  # the task compiles the rest, or raises this for real, when it runs
+            how = "stopped" if isinstance(e, DryRunStopped) else "failed"
             logger.debug(
-                "kernel collection: a task stopped after %d variants: %s", len(variants), e
+                "kernel collection: a task %s after %d variants: %s", how, len(variants), e
             )
-        except Exception as e:  # raised again, for real, when the task runs
-            logger.debug("kernel collection: a task failed after %d variants: %s", len(variants), e)
         finally:
             _collecting.variants = None
         found.append(variants)

@@ -229,23 +229,23 @@ class Tokenizer:
 
     # ---- special tokens ----
 
+    def _special_id(self, key: str) -> int | None:
+        """`key`'s ("eos_token") id: read from the folder when deferred, else transformers'."""
+        if self._deferred is not None:
+            return self._deferred.special_ids[key]
+        return getattr(self.hf, f"{key}_id")
+
     @property
     def bos_token_id(self) -> int | None:
-        if self._deferred is not None:
-            return self._deferred.special_ids["bos_token"]
-        return self.hf.bos_token_id
+        return self._special_id("bos_token")
 
     @property
     def eos_token_id(self) -> int | None:
-        if self._deferred is not None:
-            return self._deferred.special_ids["eos_token"]
-        return self.hf.eos_token_id
+        return self._special_id("eos_token")
 
     @property
     def pad_token_id(self) -> int | None:
-        if self._deferred is not None:
-            return self._deferred.special_ids["pad_token"]
-        return self.hf.pad_token_id
+        return self._special_id("pad_token")
 
     @property
     def all_special_ids(self) -> list[int]:
