@@ -58,6 +58,12 @@ SHAPES = {
     "v3.q_b": (24576, 1536),
     "v3.kv_a": (576, 7168),
     "v3.o_proj": (7168, 16384),
+    # one rank's share under tensor parallelism (q_a | kv_a replicated, merged)
+    "v3.q_kv_a": (2112, 7168),
+    "v3tp2.q_b": (12288, 1536),
+    "v3tp2.o_proj": (7168, 8192),
+    "v3tp4.q_b": (6144, 1536),
+    "v3tp4.o_proj": (7168, 4096),
 }
 PER_ROW_SCALES: set[str] = set()  # every shape here has 128-aligned seams
 BF16_ONLY = {"v2lite.router"}

@@ -3,9 +3,12 @@ and the grouped kernels (`mlaserve/ops/moe_grouped.py`) vs the sorted grouped-GE
 MLP they replace, against the layer's bytes floor.
 
     python3 bench/moe_decode.py [--tokens 1 2 4 8 16 32 64 128 256] [--iters 20] [--sweep]
+    python3 bench/moe_decode.py --arch v3tp2 --weights fp8 --tokens 1 2 4 8 --sweep
 
-DeepSeek-V2-Lite's MoE layer (hidden 2048, 64 experts top-6 softmax, 2 shared, width 1408),
-random weights, bf16 and FP8 (block scales). `--layers` distinct layers are called in turn so
+DeepSeek-V2-Lite's MoE layer (hidden 2048, 64 experts top-6 softmax, 2 shared, width 1408), or
+with `--arch v3tp2` one tensor-parallel rank's share of a DeepSeek-V3 layer at TP2 (hidden 7168,
+256 experts top-8 sigmoid in 8 groups, 1 shared, width 2048 / 2 = 1024: the shapes each rank's
+kernels see), random weights, bf16 and FP8 (block scales). `--layers` distinct layers are called in turn so
 that no expert stays in L2 between calls (one layer's experts are 1.1 GB in bf16). Each variant
 runs `--iters` calls captured in one CUDA graph, timed with CUDA events (median of 5 replays, `bench/fusions.py`'s timer):
 GPU time per layer call, routing included, launch overhead excluded, as in the decode graph.
@@ -50,6 +53,22 @@ V2LITE = {
     "model_type": "deepseek_v2",
     "topk_method": "greedy",
 }
+V3_TP2 = {
+    **V2LITE,
+    "hidden_size": 7168,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 1024,
+    "model_type": "deepseek_v3",
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "n_group": 8,
+    "topk_group": 4,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+}
+ARCHS = {"v2lite": V2LITE, "v3tp2": V3_TP2}
 REPS = 5  # timed replays of each captured graph (median)
 # decode kernels: (block_n, num_warps, block_k) of (gate_up, down); FP8 takes a block_k over
 # 128 only with block_n dividing 128 (moe_decode's uniform scales)
@@ -152,7 +171,10 @@ def bench_weights(
     """Every token count for one weight format; appends to `rows` (and `sweep`)."""
     layers = [make_layer(config, fp8, seed) for seed in range(args.layers)]
     for tokens in args.tokens:
-        xs = [torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16) for _ in layers]
+        xs = [
+            torch.randn(tokens, config.hidden_size, device="cuda", dtype=torch.bfloat16)
+            for _ in layers
+        ]
 
         def call(i, mode, xs=xs):
             layers[i].decode_max_tokens, layers[i].grouped_max_tokens = MODES[mode]
@@ -207,15 +229,18 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="v2lite")
+    ap.add_argument("--weights", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
     args = ap.parse_args()
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(torch.device("cuda"))
-    config = ModelConfig.from_dict(V2LITE)
+    config = ModelConfig.from_dict(ARCHS[args.arch])
     rows, sweep = [], []
-    for fp8 in (False, True):
+    for fp8 in (w == "fp8" for w in args.weights):
         bench_weights(config, fp8, args, bandwidth, rows, sweep)
         torch.cuda.empty_cache()
-    print(f"device: {torch.cuda.get_device_name()}  copy BW {bandwidth / 1e12:.2f} TB/s")
+    print(f"device: {torch.cuda.get_device_name()}  layer {args.arch}  copy BW "
+          f"{bandwidth / 1e12:.2f} TB/s")  # fmt: skip
     print(f"{'weights':>7} {'T':>3} {'unfused us':>10} {'decode us':>9} {'grouped us':>10} "
           f"{'speedup':>7} {'floor us':>8} {'fused/floor':>11} {'unfused/floor':>13}")  # fmt: skip
     for r in rows:
@@ -235,6 +260,7 @@ def main() -> None:
             {
                 "bench": "moe_decode",
                 "device": torch.cuda.get_device_name(),
+                "arch": args.arch,
                 "copy_bandwidth_tbs": bandwidth / 1e12,
                 "rows": rows,
                 "sweep": sweep,

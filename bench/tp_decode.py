@@ -5,6 +5,8 @@ weights from `--load-format dummy`, against its floor; and the 61-layer V3 TPOT 
     python3 bench/tp_decode.py --tp 2 --batch-sizes 1 8 --fit-layers 0
     python3 bench/tp_decode.py --tp 4 --graphs             # graphed steps, once TP captures graphs
     python3 bench/tp_decode.py --tp 4 --graphs --arch k2   # Kimi-K2's width (64 heads, 384 experts)
+    python3 bench/tp_decode.py --tp 1 --graphs             # the same model on one GPU (TP N's reference)
+    python3 bench/tp_decode.py --tp 2 --graphs --profile 20   # + rank 0's 20 costliest kernels per bs
 
 The model: V3's config (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, qk_nope 128, rope 64,
 v 128, 256 routed experts top-8 in 8 groups (top 4) + 1 shared, moe_intermediate 2048, dense
@@ -142,9 +144,10 @@ def write_model(folder: Path, layers: int, arch: str = "v3") -> Path:
     return folder
 
 
-def count_all_reduces(llm: Any) -> int:
-    """All-reduce kernels in one engine step on rank 0 (NCCL's AllReduce, symmetric memory's
-    one_shot / two_shot_all_reduce), from a torch.profiler trace."""
+def step_kernels(llm: Any) -> list[tuple[str, float, float]]:
+    """(name, GPU us, us it adds to the span) of every kernel one engine step runs on rank 0, in
+    start order (torch.profiler; memcpy / memset left out): `decode.replay_kernels`' accounting
+    for a step that every rank replays (a graph with collectives cannot replay on one rank)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -152,8 +155,23 @@ def count_all_reduces(llm: Any) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.engine.step()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return sum("allreduce" in name.lower().replace("_", "") for name in names)
+    events = sorted(
+        (e.time_range.start, e.time_range.end, e.name, e.device_time)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and not e.name.lower().startswith(("memcpy", "memset"))
+    )
+    out, last_end = [], None
+    for _start, end, name, us in events:
+        adds = 0.0 if last_end is None else max(0.0, end - last_end)
+        last_end = end if last_end is None else max(last_end, end)
+        out.append((name, us, adds))
+    return out
+
+
+def count_all_reduces(kernels: list[tuple[str, float, float]]) -> int:
+    """All-reduce kernels among one step's (NCCL's AllReduce, symmetric memory's one_shot /
+    two_shot_all_reduce)."""
+    return sum("allreduce" in name.lower().replace("_", "") for name, _, _ in kernels)
 
 
 def run_depth(args: argparse.Namespace) -> dict[str, Any]:
@@ -198,14 +216,17 @@ def _time_batch_sizes(llm: Any, args: argparse.Namespace, bandwidth: float,
     for bs in args.batch_sizes:
         decode.fake_prefill(llm, bs, args.context, new_tokens=new_tokens)
         steps = [decode.time_steps(llm, args.steps) for _ in range(args.rounds)]
-        all_reduces = count_all_reduces(llm)
+        kernels = step_kernels(llm)
         decode.finish_all(llm)
+        if args.profile:
+            print(f"rank 0, layers {args.layers}, bs {bs}: one step's kernels", flush=True)
+            decode.print_kernel_table(kernels, args.layers, args.profile)
         rows.append(
             {
                 "bs": bs,
                 "step_ms": statistics.median(steps),
                 "step_ms_range": [min(steps), max(steps)],
-                "all_reduces": all_reduces,
+                "all_reduces": count_all_reduces(kernels),
                 "bytes_floor_ms": decode.floor_ms(
                     llm, bs, args.context, bandwidth, upper_bound=False
                 ),
@@ -233,7 +254,8 @@ def child_run(args: argparse.Namespace, layers: int) -> dict[str, Any]:
         cmd = [sys.executable, __file__, "--child", str(out), "--tp", str(args.tp),
                "--layers", str(layers), "--arch", args.arch, "--context", str(args.context), "--steps",
                str(args.steps), "--rounds", str(args.rounds), "--batch-sizes",
-               *map(str, args.batch_sizes if layers == args.layers else [1])]  # fmt: skip
+               *map(str, args.batch_sizes if layers == args.layers else [1]),
+               "--profile", str(args.profile if layers == args.layers else 0)]  # fmt: skip
         if args.graphs:
             cmd.append("--graphs")
         subprocess.run(cmd, check=True)
@@ -262,6 +284,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--graphs", action="store_true", help="graphed steps (needs graphs under TP)")
+    ap.add_argument("--profile", type=int, default=0, metavar="K",
+                    help="print rank 0's K costliest kernels of one step per batch size")  # fmt: skip
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # internal: one depth's run
     args = ap.parse_args()
     if args.child:
@@ -272,7 +296,11 @@ def main() -> None:
     import all_reduce
     import torch
 
-    ar = all_reduce.measure(args.tp, [HIDDEN], sorted({1, *args.batch_sizes}))  # 1: the fit
+    sizes = sorted({1, *args.batch_sizes})  # 1: the fit
+    if args.tp > 1:
+        ar = all_reduce.measure(args.tp, [HIDDEN], sizes)
+    else:  # TP1, the reference for TP N: no collective in its step or its floor
+        ar = {"rows": [{"bs": bs, "best_us": 0.0, "chosen": "-"} for bs in sizes], "plan": None}
     ar_by_bs = {r["bs"]: r for r in ar["rows"]}
     deep = child_run(args, args.layers)
     shallow = child_run(args, args.fit_layers) if args.fit_layers else None

@@ -14,8 +14,8 @@ Setups, each a real `mlaserve serve` (node 0 on --port) started, measured and st
 
 Greedy: `--prompts` prompts x `--max-tokens` tokens, temperature 0, ignore_eos, one request at a
 time; each setup's texts against `single`'s. Decode step at batch size bs: bs streamed requests
-at once (`--max-tokens` each, ignore_eos); step = median over the requests of the median gap
-between consecutive chunks after the first (one chunk per step), as the client sees it.
+at once (`--max-tokens` each, ignore_eos); step = median over the requests of their time per
+output token after the first (first event to last, over `--max-tokens` - 1), as the client sees it.
 Worker loss (`--kill`, on `nodes-default`): node 1's launcher is SIGKILLed mid-stream; reported
 are the stream's last event, the seconds until node 0 exits and its code, and the GPU
 processes left (nvidia-smi). Prints a table and one JSON line.
@@ -24,7 +24,6 @@ processes left (nvidia-smi). Prints a table and one JSON line.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import signal
@@ -56,7 +55,9 @@ def _launch(args: argparse.Namespace, nodes: int, env: dict[str, str], dist_port
             cmd += ["--nnodes", str(nodes), "--node-rank", str(rank),
                     "--dist-init-addr", f"127.0.0.1:{dist_port}"]  # fmt: skip
         half = gpus[rank * len(gpus) // nodes : (rank + 1) * len(gpus) // nodes]
-        full = {**os.environ, **env, "PYTHONPATH": str(REPO)}
+        # the repository first, then what the caller's path already had (a --target site)
+        path = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
+        full = {**os.environ, **env, "PYTHONPATH": path}
         if args.device != "cpu":
             full["CUDA_VISIBLE_DEVICES"] = ",".join(half)
         log = open(Path(args.logs) / f"{args.setup}-node{rank}.log", "wb")  # noqa: SIM115
@@ -89,27 +90,32 @@ def _model(url: str) -> str:
     return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
-def _stream_gaps(url: str, body: dict, out: list) -> None:
-    times = []
+def _stream_tpot(url: str, body: dict, out: list) -> None:
+    """One stream's seconds per output token after the first: its first event to its last, over
+    `max_tokens - 1` (ignore_eos: every token comes). A span, not the median gap between events:
+    under load several tokens can share one event, and the median gap then reads near zero."""
+    first = last = None
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                times.append(time.perf_counter())
-    gaps = [b - a for a, b in itertools.pairwise(times[1:])]
-    if gaps:
-        out.append(statistics.median(gaps))
+                last = time.perf_counter()
+                first = last if first is None else first
+    if first is not None and last is not None and body["max_tokens"] > 1:
+        out.append((last - first) / (body["max_tokens"] - 1))
 
 
 def _step_ms(url: str, bs: int, args: argparse.Namespace) -> float:
     body = {"model": _model(url), "prompt": "Once upon a time", "max_tokens": args.max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
-    medians: list[float] = []
-    threads = [threading.Thread(target=_stream_gaps, args=(url, body, medians)) for _ in range(bs)]
+    per_token: list[float] = []
+    threads = [
+        threading.Thread(target=_stream_tpot, args=(url, body, per_token)) for _ in range(bs)
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return 1e3 * statistics.median(medians)
+    return 1e3 * statistics.median(per_token)
 
 
 def _stop(procs: list) -> list[int | None]:

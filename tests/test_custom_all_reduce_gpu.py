@@ -115,7 +115,10 @@ def _custom_vs_nccl(tp: Any) -> dict[str, Any]:
     if tp.custom is None:
         raise RuntimeError("init_tensor_parallel set up no custom all-reduce (see the log)")
     biggest = max(r * c for r, c in SHAPES) * 4
-    forced = CustomAllReduce.create(tp.group, device, AllReducePlan(biggest, biggest))
+    # Its own group: symmetric memory rendezvouses once per group name in a process, and the
+    # default group already did (tp.custom); a second rendezvous there is refused by design.
+    forced_group = torch.distributed.new_group(list(range(tp.size)), backend="nccl")
+    forced = CustomAllReduce.create(forced_group, device, AllReducePlan(biggest, biggest))
     if forced is None:
         raise RuntimeError("the forced-plan CustomAllReduce could not be made (see the log)")
     paths: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

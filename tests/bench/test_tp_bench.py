@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.all_reduce import implied_plan
-from bench.tp_decode import V3_LAYERS, extrapolate, write_model
+from bench.tp_decode import V3_LAYERS, count_all_reduces, extrapolate, write_model
 from mlaserve.config import ModelConfig
 from mlaserve.custom_all_reduce import MEASURED_PLANS
 from mlaserve.tensor_parallel import TensorParallel
@@ -109,3 +109,17 @@ def test_tp_agreement_runs_each_variant_in_its_own_process_on_the_cpu() -> None:
     rows = {(r["variant"], r["reference"]): r for r in report["rows"]}
     assert set(rows) == {("tp2", "tp1"), ("tp2_eager", "tp2"), ("tp2_mtp2", "tp2")}
     assert all(r["identical"] == r["of"] == 2 for r in rows.values()), rows
+
+
+def test_a_steps_all_reduces_are_counted_by_kernel_name() -> None:
+    """NCCL's AllReduce kernels and symmetric memory's one-shot / two-shot kernels count; its
+    broadcast, all-gather and everything else do not (names as torch.profiler reports them)."""
+    names = [
+        "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+        "void (anonymous namespace)::one_shot_all_reduce_kernel<c10::BFloat16, 16, 2>(...)",
+        "void (anonymous namespace)::two_shot_all_reduce_kernel<c10::BFloat16, 16, 2>(...)",
+        "ncclDevKernel_Broadcast_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+        "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+        "_gate_up_kernel",
+    ]
+    assert count_all_reduces([(n, 1.0, 1.0) for n in names]) == 3

@@ -231,6 +231,33 @@ def test_bf16_layers_bound_by_their_expert_bytes_switch_to_grouped_kernels_soone
     assert layer.decode_max_tokens == 5
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU suites run the compiled kernels")
+def test_fp8_layers_wider_than_the_decode_tiles_take_the_grouped_kernels_from_one_token(
+    monkeypatch,
+) -> None:
+    """FP8 experts wider than FP8_DECODE_MAX_HIDDEN (V3's 7168) never take the decode kernels:
+    the grouped kernels serve from one token; at V2-Lite's 2048 the decode kernels keep
+    DECODE_MAX_TOKENS. The override still wins."""
+    pytest.importorskip("triton")
+    from mlaserve.config import QuantizationConfig
+    from mlaserve.model.layers import moe as moe_module
+
+    monkeypatch.setenv("MLASERVE_FUSED_OPS", "1")
+    config = make_config("softmax_greedy")
+    limit = moe_module.FP8_DECODE_MAX_HIDDEN
+    for hidden, want in ((limit, moe_module.DECODE_MAX_TOKENS), (limit + 128, 0)):
+        cfg = dataclasses.replace(config, hidden_size=hidden, moe_intermediate_size=128)
+        layer = DeepseekMoE(cfg, params_dtype=torch.bfloat16, quant=QuantizationConfig())
+        assert layer.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+        layer.process_weights_after_loading()
+        assert layer.decode_max_tokens == want
+        assert layer.grouped_max_tokens == moe_module.GROUPED_MAX_TOKENS_FP8
+        assert layer.decode_weights is not None  # the grouped kernels run on them
+    monkeypatch.setenv("MLASERVE_MOE_DECODE_MAX_TOKENS", "4")
+    layer.process_weights_after_loading()
+    assert layer.decode_max_tokens == 4
+
+
 def test_decode_kernels_can_be_turned_off(monkeypatch) -> None:
     monkeypatch.setenv("MLASERVE_FUSED_OPS", "1")
     monkeypatch.setenv("MLASERVE_MOE_DECODE_MAX_TOKENS", "0")

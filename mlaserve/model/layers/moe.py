@@ -76,6 +76,12 @@ logger = logging.getLogger(__name__)
 DECODE_MAX_TOKENS = 8
 DECODE_MAX_TOKENS_BYTES_BOUND = 3  # bf16 / fp16 experts of >= BYTES_BOUND_EXPERT_BYTES
 BYTES_BOUND_EXPERT_BYTES = 1 << 20  # one expert's gate_up + down
+# FP8 experts take the decode kernels only up to this hidden size. Their FP8 tiles read whole
+# 2048-column runs of a row per step (`decode_tiles`): one step at V2-Lite's 2048, where they
+# beat the grouped kernels; at V3's 7168 they ran 3.6x (1 token) and 4.9x (8 tokens) slower than
+# the grouped kernels on 2 H200s (bench/tp_decode.py, bench/RESULTS.md), so wider FP8 layers
+# take the grouped kernels from one token on.
+FP8_DECODE_MAX_HIDDEN = 2048
 # Up to this many tokens the grouped MoE kernels run (past DECODE_MAX_TOKENS), bf16 and FP8
 # weights; past it the sorted path is as fast or faster.
 GROUPED_MAX_TOKENS = 256
@@ -167,6 +173,8 @@ class DeepseekMoE(nn.Module):
         )
         bytes_bound = not fp8 and expert_bytes >= BYTES_BOUND_EXPERT_BYTES
         decode_max = DECODE_MAX_TOKENS_BYTES_BOUND if bytes_bound else DECODE_MAX_TOKENS
+        if fp8 and self.experts.hidden_size > FP8_DECODE_MAX_HIDDEN:
+            decode_max = 0
         limit = switches.moe_decode_max_tokens(decode_max)
         default = GROUPED_MAX_TOKENS_FP8 if fp8 else GROUPED_MAX_TOKENS
         grouped = switches.moe_grouped_max_tokens(default)
