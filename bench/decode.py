@@ -150,7 +150,6 @@ def replay_kernels(graph: torch.cuda.CUDAGraph) -> list[tuple[str, float, float]
     wait for the previous one, so durations overlap; what a kernel adds to the span, its end
     past every earlier kernel's end, is its share of the critical path (the adds sum to the
     span from the first kernel's end to the last one's)."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     graph.replay()
@@ -158,6 +157,14 @@ def replay_kernels(graph: torch.cuda.CUDAGraph) -> list[tuple[str, float, float]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
+    return kernel_spans(prof)
+
+
+def kernel_spans(prof) -> list[tuple[str, float, float]]:
+    """(name, GPU us, us it adds to the span) of a torch.profiler trace's kernels, in start
+    order, memcpy and memset left out (`replay_kernels` says what "adds" means)."""
+    from torch.autograd import DeviceType
+
     events = sorted(
         (e.time_range.start, e.time_range.end, e.name, e.device_time)
         for e in prof.events()

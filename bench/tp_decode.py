@@ -145,27 +145,17 @@ def write_model(folder: Path, layers: int, arch: str = "v3") -> Path:
 
 
 def step_kernels(llm: Any) -> list[tuple[str, float, float]]:
-    """(name, GPU us, us it adds to the span) of every kernel one engine step runs on rank 0, in
-    start order (torch.profiler; memcpy / memset left out): `decode.replay_kernels`' accounting
-    for a step that every rank replays (a graph with collectives cannot replay on one rank)."""
+    """(name, GPU us, us it adds to the span) of every kernel one engine step runs on rank 0
+    (`decode.kernel_spans`): a step every rank replays, since a graph with collectives cannot
+    replay on one rank alone."""
+    import decode
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.engine.step()
         torch.cuda.synchronize()
-    events = sorted(
-        (e.time_range.start, e.time_range.end, e.name, e.device_time)
-        for e in prof.events()
-        if e.device_type == DeviceType.CUDA and not e.name.lower().startswith(("memcpy", "memset"))
-    )
-    out, last_end = [], None
-    for _start, end, name, us in events:
-        adds = 0.0 if last_end is None else max(0.0, end - last_end)
-        last_end = end if last_end is None else max(last_end, end)
-        out.append((name, us, adds))
-    return out
+    return decode.kernel_spans(prof)
 
 
 def count_all_reduces(kernels: list[tuple[str, float, float]]) -> int:

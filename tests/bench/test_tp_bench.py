@@ -123,3 +123,26 @@ def test_a_steps_all_reduces_are_counted_by_kernel_name() -> None:
         "_gate_up_kernel",
     ]
     assert count_all_reduces([(n, 1.0, 1.0) for n in names]) == 3
+
+
+def test_kernel_spans_count_what_each_kernel_adds_past_the_earlier_ends() -> None:
+    """bench/decode.py's accounting, on a made-up trace: kernels in start order, memcpy / memset
+    and host events left out, each kernel's "adds" its end past every earlier kernel's end."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from bench.decode import kernel_spans
+
+    def event(name, start, end, device=DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device, device_time=end - start,
+                               time_range=SimpleNamespace(start=start, end=end))  # fmt: skip
+
+    trace = SimpleNamespace(events=lambda: [
+        event("b", 5.0, 12.0),  # overlaps a (PDL): adds only past a's end
+        event("a", 0.0, 10.0),
+        event("Memcpy HtoD", 12.0, 30.0),
+        event("c", 13.0, 20.0),
+        event("host op", 0.0, 50.0, DeviceType.CPU),
+    ])  # fmt: skip
+    assert kernel_spans(trace) == [("a", 10.0, 0.0), ("b", 7.0, 2.0), ("c", 7.0, 8.0)]
