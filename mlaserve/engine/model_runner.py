@@ -44,6 +44,7 @@ from mlaserve.model.checkpoint_tensor import log_rank_reads
 from mlaserve.model.kernel_warm_up import KernelWarmUp
 from mlaserve.sampling import GreedyRows, Sampler, SamplerOutput, SamplingBatch, SamplingSlots
 from mlaserve.sampling.argmax_kernel import argmax_available, fused_argmax
+from mlaserve.sampling.noise_kernel import fused_noise_available, gumbel_argmax_warm_up_tasks
 from mlaserve.startup_times import StartupTimes
 from mlaserve.tensor_parallel import NO_TP, TensorParallel
 
@@ -239,13 +240,16 @@ class ModelRunner:
 
     def _first_warm_up_tasks(self) -> list[Callable[[], None]]:
         """The background warm-up's tasks known here: the attention backend's and the KV
-        pool's, greedy sampling's argmax, the decoder layers at WARM_UP_PROMPT_LEN tokens first
-        (the kernels every token count shares: a later task at another count finds them
-        compiled instead of compiling them again beside it), then the decode kernels' variants."""
+        pool's, greedy sampling's argmax and sampled requests' draw, the decoder layers at
+        WARM_UP_PROMPT_LEN tokens first (the kernels every token count shares: a later task at
+        another count finds them compiled instead of compiling them again beside it), then the
+        decode kernels' variants."""
         tasks = self._attention_warm_up_tasks()
         if argmax_available(self.device):
             logits = (1, self.model_config.vocab_size)
             tasks.append(lambda: fused_argmax(torch.zeros(logits, device=self.device)))
+        if fused_noise_available(self.device):  # sampled requests' draw
+            tasks += gumbel_argmax_warm_up_tasks(self.model_config.vocab_size, self.device)
         tasks += self.model.layer_warm_up_tasks([WARM_UP_PROMPT_LEN])
         return tasks + self.model.kernel_warm_up_tasks()
 

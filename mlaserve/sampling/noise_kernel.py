@@ -17,6 +17,9 @@ other case takes the torch path in `random.py`, the reference.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from mlaserve.ops.triton_support import interpreting
@@ -28,7 +31,12 @@ try:  # Optional: absent on CPU-only installs.
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-__all__ = ["fused_gumbel_argmax", "fused_noise", "fused_noise_available"]
+__all__ = [
+    "fused_gumbel_argmax",
+    "fused_noise",
+    "fused_noise_available",
+    "gumbel_argmax_warm_up_tasks",
+]
 
 _BLOCK = 1024
 # Columns per program of the argmax kernel: 129280 / 2048 = 64 programs per row, so one row
@@ -112,6 +120,21 @@ def fused_gumbel_argmax(
         num_warps=8,
     )
     return where.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1)
+
+
+def gumbel_argmax_warm_up_tasks(vocab_size: int, device: torch.device) -> list[Callable[[], None]]:
+    """Start-up's tasks for the draw's variants a sampled request meets first (the throwaway
+    request is greedy, so nothing else compiles them): whole rows of `vocab_size` columns, by
+    column (temperature alone) and by token id (top-p sorts the whole row). A top-k cut's rows of
+    the batch's largest k columns compile when first met."""
+
+    def draw(with_ids: bool) -> None:
+        x = torch.zeros(1, vocab_size, device=device)
+        keys = torch.zeros(1, dtype=torch.int64, device=device)
+        ids = torch.zeros(1, vocab_size, dtype=torch.int64, device=device) if with_ids else None
+        fused_gumbel_argmax(x, keys, keys, ids)
+
+    return [functools.partial(draw, False), functools.partial(draw, True)]
 
 
 if triton is not None:

@@ -131,6 +131,37 @@ def test_fused_gumbel_argmax_matches_reference_in_triton_interpreter() -> None:
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
+_CHECK_WARM_UP = textwrap.dedent(
+    """
+    import torch
+    from mlaserve.sampling import noise_kernel
+
+    calls = []
+    launch = noise_kernel.fused_gumbel_argmax
+    noise_kernel.fused_gumbel_argmax = lambda *a: calls.append(a) or launch(*a)
+    for task in noise_kernel.gumbel_argmax_warm_up_tasks(3000, torch.device("cpu")):
+        task()
+    assert [a[0].shape for a in calls] == [(1, 3000)] * 2, calls
+    assert calls[0][3] is None and calls[1][3].shape == (1, 3000) and calls[1][3].dtype == torch.int64
+    print("OK")
+    """
+)
+
+
+def test_the_draws_warm_up_tasks_run_both_variants_in_triton_interpreter() -> None:
+    """Start-up's tasks (the throwaway request is greedy) launch the draw over a whole row by
+    column and by token id, with the arguments the sampler passes."""
+    pytest.importorskip("triton.language", reason="Triton not installed (pip install triton)")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHECK_WARM_UP], env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fused_gumbel_argmax_on_cuda_matches_reference() -> None:
@@ -147,3 +178,14 @@ def test_fused_gumbel_argmax_on_cuda_matches_reference() -> None:
             shown = torch.arange(vocab, device=dev) if token_ids is None else token_ids
             ref = (x + reference_gumbel_noise(seeds, steps, shown)).argmax(dim=-1)
             assert torch.equal(gumbel_argmax(x, seeds, steps, token_ids), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_draws_warm_up_tasks_run_on_cuda_at_v3s_vocabulary() -> None:
+    pytest.importorskip("triton.language")
+    from mlaserve.sampling.noise_kernel import gumbel_argmax_warm_up_tasks
+
+    for task in gumbel_argmax_warm_up_tasks(129280, torch.device("cuda")):
+        task()
+    torch.cuda.synchronize()
