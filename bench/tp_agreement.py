@@ -138,10 +138,13 @@ FLOAT32 = {
 }
 
 
+# --dtype -> the options every variant adds
+DTYPE_OPTIONS = {"auto": {}, "float32": FLOAT32, "bfloat16": {"dtype": "bfloat16"}}
+
+
 def variant_kwargs(name: str, args) -> dict:
-    """The engine options of a variant: tp1, tpN, tp2_eager, tp2_mtpK (+ float32's)."""
-    extra = FLOAT32 if args.dtype == "float32" else {}
-    extra = {"dtype": "bfloat16"} if args.dtype == "bfloat16" else extra
+    """The engine options of a variant: tp1, tpN, tp2_eager, tp2_mtpK (+ --dtype's)."""
+    extra = DTYPE_OPTIONS[args.dtype]
     if name == "tp2_eager":
         return {"tensor_parallel_size": 2, "cuda_graph": False, "piecewise_cuda_graph": False,
                 **extra}  # fmt: skip
@@ -181,7 +184,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the engine's")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (gloo)")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    ap.add_argument("--dtype", default="auto", choices=list(DTYPE_OPTIONS),
                     help="float32: every variant in fp32 (docstring); bfloat16: the CPU's "
                     "torch path in bf16 (auto is fp32 there)")  # fmt: skip
     ap.add_argument("--run", help=argparse.SUPPRESS)  # internal: one variant, in this process
