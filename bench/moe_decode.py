@@ -107,6 +107,10 @@ GROUPED_TILES = [
     ((64, 32), 4, 3, None, None),
     ((16, 16), 4, 3, None, None),
     ((16, 16), 2, 4, None, None),
+    ((16, 64), 4, 4, None, None),
+    ((32, 64), 4, 5, None, None),
+    ((32, 128), 4, 4, None, None),
+    ((16, 128), 4, 4, None, None),
     # prefill-sized batches (past GROUPED_MAX_TOKENS): tensor-core tiles
     ((128, 128), 8, 3, 64, 64),
     ((128, 128), 4, 4, 64, 64),
@@ -196,7 +200,7 @@ def bench_weights(
         routed = [layer.gate(x) for layer, x in zip(layers, xs, strict=True)]
         tiles = [("decode", *t) for t in TILES]
         tiles = tiles if tokens <= DECODE_TIMED_MAX else []
-        tiles += [("grouped", *t) for t in GROUPED_TILES] if tokens > 1 else []
+        tiles += [("grouped", *t) for t in GROUPED_TILES]  # V3-wide FP8 layers: from 1 token
         for tile in tiles:
 
             def run(j, tile=tile, xs=xs, routed=routed):

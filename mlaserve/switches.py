@@ -36,6 +36,7 @@ __all__ = [
     "pdl",
     "prefix_split",
     "shared_overlap",
+    "tp_fp32_reduce",
 ]
 
 
@@ -96,7 +97,8 @@ SWITCHES: tuple[Switch, ...] = (
         "MLASERVE_MOE_DECODE_MAX_TOKENS",
         "int",
         "`DECODE_MAX_TOKENS` = 8 (`DECODE_MAX_TOKENS_BYTES_BOUND` = 3: byte-bound 16-bit experts;"
-        " 0: FP8 experts wider than `FP8_DECODE_MAX_HIDDEN` = 2048, as V3's and K2's)",
+        " `FP8_WIDE_DECODE_MAX_TOKENS` = 1: FP8 experts wider than `FP8_DECODE_MAX_HIDDEN` = 2048,"
+        " as V3's and K2's)",
         "tokens up to which a MoE layer runs `ops/moe_decode.py` (0: never)",
         "model/layers/moe.py",
     ),
@@ -122,6 +124,14 @@ SWITCHES: tuple[Switch, ...] = (
         "prefill MoE runs the shared experts on a side stream beside the routed ones; 0: in line "
         "(read once per device)",
         "model/layers/moe.py",
+    ),
+    Switch(
+        "MLASERVE_TP_FP32_REDUCE",
+        "bool",
+        "on",
+        "under tensor parallelism the row-parallel and MoE partial sums are all-reduced in fp32 "
+        "and rounded once; 0: each rank rounds its partial to the model dtype first",
+        "tensor_parallel.py",
     ),
     Switch(
         "MLASERVE_MLA_DECODE_ROWS",
@@ -260,6 +270,11 @@ def fused_routing() -> bool:
 def shared_overlap() -> bool:
     """`MLASERVE_SHARED_OVERLAP`: prefill MoE's shared experts on a side stream."""
     return _bool("MLASERVE_SHARED_OVERLAP")
+
+
+def tp_fp32_reduce() -> bool:
+    """`MLASERVE_TP_FP32_REDUCE`: tensor-parallel partial sums all-reduced in fp32."""
+    return _bool("MLASERVE_TP_FP32_REDUCE")
 
 
 def mla_decode_rows(default: int) -> int:

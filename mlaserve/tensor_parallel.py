@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mlaserve import switches
 from mlaserve.custom_all_reduce import CustomAllReduce
 
 __all__ = [
@@ -53,13 +54,22 @@ class TensorParallel:
     (None: NCCL / gloo for every size). Compared by rank, size and `expert_parallel` only.
     `expert_parallel` (`--enable-expert-parallel`): the MoE layers keep
     whole routed experts per rank over this group instead of splitting each (`model/layers/moe.py`);
-    the collectives are the same."""
+    the collectives are the same. `fp32_reduce`: see `wide_partials`."""
 
     rank: int = 0
     size: int = 1
     group: Any = field(default=None, compare=False, repr=False)
     custom: CustomAllReduce | None = field(default=None, compare=False, repr=False)
     expert_parallel: bool = False
+    fp32_reduce: bool = field(default=True, compare=False)
+
+    @property
+    def wide_partials(self) -> bool:
+        """Whether the partial sums the ranks all-reduce (row-parallel outputs, the MoE's routed
+        + shared sum) leave their kernels in fp32, are summed in fp32 and rounded once, as one
+        rank rounds its whole sum (`MLASERVE_TP_FP32_REDUCE`, on by default): TP1's bits up to
+        fp32 summation order. Off, each rank rounds its partial to the model dtype first."""
+        return self.size > 1 and self.fp32_reduce
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -169,7 +179,7 @@ def init_tensor_parallel(
     custom = None
     if backend == "nccl" and single_node:
         custom = CustomAllReduce.create(group, torch.device("cuda", torch.cuda.current_device()))
-    return TensorParallel(rank, size, group, custom)
+    return TensorParallel(rank, size, group, custom, fp32_reduce=switches.tp_fp32_reduce())
 
 
 def destroy_tensor_parallel(tp: TensorParallel) -> None:

@@ -46,6 +46,7 @@ BOOL_READERS = {
     "MLASERVE_ABSORBED_HIT": switches.absorbed_hit,
     "MLASERVE_BACKGROUND_WARM_UP": switches.background_warm_up,
     "MLASERVE_COMPILE_PROCESSES": switches.compile_processes,
+    "MLASERVE_TP_FP32_REDUCE": switches.tp_fp32_reduce,
 }
 
 

@@ -128,20 +128,25 @@ def block_fp8_linear(
     bias: torch.Tensor | None = None,
     *,
     backend: GemmBackend | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x [..., K] -> [..., N] in x's dtype. W_q [N, K] e4m3, S_w [ceil(N/128) or N, ceil(K/128)].
+    """x [..., K] -> [..., N] in `out_dtype` (default x's). W_q [N, K] e4m3, S_w [ceil(N/128) or
+    N, ceil(K/128)]. fp32 output (a tensor-parallel partial sum) is the accumulator unrounded from
+    the Triton GEMMs and the emulation; torch's blockwise scaled_mm and flashinfer's GEMM write
+    16-bit here (their result is widened).
 
     `backend` forces a GEMM (tests, bench); None picks by `gemm_backend`."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     m, k = x2.shape
     n = w_q.shape[0]
+    out_dtype = out_dtype or x.dtype
     if backend is None:
         backend = gemm_backend(x.device, m, n, k, w_s.shape[0], x.dtype)
     if backend == "emulated":
         x_q, x_s = per_token_group_quant_fp8_torch(x2)
         x_deq = dequantize_weight_block(x_q, x_s)  # [M, Kb] scales = 1 x 128 blocks
-        y = (x_deq @ dequantize_weight_block(w_q, w_s).t()).to(x.dtype)
+        y = (x_deq @ dequantize_weight_block(w_q, w_s).t()).to(out_dtype)
     elif backend == "torch_blockwise":
         x_q, x_s = per_token_group_quant_fp8(x2, column_major_scales=True, align_rows=4)
         y = F.scaled_mm(
@@ -152,21 +157,22 @@ def block_fp8_linear(
             w_s.t(),  # [Kb, Nb] view of the [Nb, Kb] block scales
             F.ScalingType.BlockWise128x128,
             output_dtype=x.dtype,
-        )
+        ).to(out_dtype)
     elif backend == "flashinfer":
         from flashinfer.gemm import gemm_fp8_nt_groupwise
 
         x_q, x_s = per_token_group_quant_fp8(x2, column_major_scales=True)
         y = gemm_fp8_nt_groupwise(x_q, w_q, x_s, w_s, out_dtype=x.dtype, backend="trtllm")
+        y = y.to(out_dtype)
     elif backend == "triton_w8a16":
         from mlaserve.ops.fp8_triton import w8a16_block_fp8_matmul_triton
 
-        y = w8a16_block_fp8_matmul_triton(x2, w_q, w_s)
+        y = w8a16_block_fp8_matmul_triton(x2, w_q, w_s, out_dtype=out_dtype)
     else:
         from mlaserve.ops.fp8_triton import w8a8_block_fp8_matmul_triton
 
         x_q, x_s = per_token_group_quant_fp8(x2)
-        y = w8a8_block_fp8_matmul_triton(x_q, x_s, w_q, w_s, out_dtype=x.dtype)
+        y = w8a8_block_fp8_matmul_triton(x_q, x_s, w_q, w_s, out_dtype=out_dtype)
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, n)

@@ -51,6 +51,7 @@ __all__ = [
 # switch to the tensor-core GEMMs (F.linear, fp8_gemm.py) well before.
 GEMV_MAX_M = 16
 _SCALE_BLOCK = 128  # FP8 block edge along N and K
+FP8_LONG_K = 4096  # FP8 at one token from this K on: `gemv_config`'s long-K tile
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8 = torch.float8_e4m3fn
 
@@ -152,6 +153,10 @@ def gemv_config(m: int, n: int, k: int, fp8: bool, num_sms: int = 132) -> GemvCo
     elements, else 8. This beat the rule below on V2-Lite's and V3's bf16 weights; FP8 at M = 2
     and V3's FP8 weights lost this way and keep the rule below.
 
+    FP8 at M = 1 with K >= FP8_LONG_K (V3's q_a | kv_a, K = 7168; its o_proj under TP2, K =
+    8192): two rows per program, the whole K (up to 8192) a step, 4 warps: 1.3-1.8x faster than
+    the rule below on those shapes, which left too few bytes in flight per program.
+
     Otherwise:
     - block_n: the largest power of two <= 16 that still gives >= 3 programs per SM. Rows per
       program are the only parallelism (no K split), and at ~1.5 programs per SM the SMs
@@ -162,6 +167,8 @@ def gemv_config(m: int, n: int, k: int, fp8: bool, num_sms: int = 132) -> GemvCo
     - block_k: 16 bytes of weight per thread per step (one 8-element vector of bf16, two of
       FP8: x's vectors are 8 elements), one vector at M > 8 where the per-thread accumulators
       (vectors x M) would crowd the registers. Capped at K's next power of two."""
+    if fp8 and m == 1 and k >= FP8_LONG_K:
+        return GemvConfig(2, min(8192, triton.next_power_of_2(k)), 4)
     if (m <= 2 and not fp8) or (m == 1 and k <= 2048 and n * k <= 1 << 23):
         block_k = min(2048 if fp8 else 1024, triton.next_power_of_2(k))
         block_n = 16

@@ -283,6 +283,9 @@ class DecodeTiles(NamedTuple):
     num_warps: int
 
 
+WIDE_FP8_HIDDEN = 2048  # FP8 layers wider than this take `decode_tiles`' wide-layer tiles
+
+
 def decode_tiles(weights: MoeDecodeWeights, num_tokens: int) -> DecodeTiles:
     """The tiles `bench/moe_decode.py --sweep` chose on an H100 (V2-Lite layer, kernels alone):
 
@@ -290,7 +293,12 @@ def decode_tiles(weights: MoeDecodeWeights, num_tokens: int) -> DecodeTiles:
       nothing).
     - FP8 with 128-row block scales: 8 rows of whole 2048-column runs, 4 warps. A one-byte row
       read 128 columns per step is one 128-byte line per row per step: short runs, and per-step
-      reductions over half the bytes of a bf16 step."""
+      reductions over half the bytes of a bf16 step.
+    - FP8 wider than WIDE_FP8_HIDDEN (V3, K2: 7168; the layer runs them at one token only):
+      16-row tiles of 128 columns, 4 warps; the 2048-column runs take four K steps there and ran
+      4x slower (bench/moe_decode.py --arch v3tp2, H200)."""
+    if weights.quantized and weights.block_scaled and weights.hidden > WIDE_FP8_HIDDEN:
+        return DecodeTiles((16, 16), (128, 128), 4)
     if weights.quantized and weights.block_scaled:
         wide = (min(2048, triton.next_power_of_2(weights.hidden)),
                 min(2048, triton.next_power_of_2(weights.inter)))  # fmt: skip

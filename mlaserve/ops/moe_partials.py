@@ -20,9 +20,11 @@ class MoePartials(NamedTuple):
     parts: torch.Tensor  # [T, slots, H] fp32
     dtype: torch.dtype
 
-    def total(self) -> torch.Tensor:
+    def total(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[T, H]: the slots summed in order, rounded to `dtype` (default `self.dtype`; fp32:
+        unrounded, a tensor-parallel rank's share before the all-reduce)."""
         num_tokens, slots, hidden = self.parts.shape
-        y = torch.empty(num_tokens, hidden, dtype=self.dtype, device=self.parts.device)
+        y = torch.empty(num_tokens, hidden, dtype=dtype or self.dtype, device=self.parts.device)
         if num_tokens:
             # here, not at the top: importing this module needs no Triton (a leaf, no cycle)
             from mlaserve.ops.moe_partials_combine import combine_partials

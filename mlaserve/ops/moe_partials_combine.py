@@ -1,7 +1,8 @@
 """Each token's per-slot fp32 partials summed into the layer's output (`MoePartials`' combine).
 
     part  [T * slots, H]  fp32, slot-major per token (the decode and grouped down kernels' output)
-    y     [T, H]          the model's dtype, written here
+    y     [T, H]          the model's dtype, written here (fp32: unrounded, a tensor-parallel
+                          rank's share before the all-reduce)
 
 The slots are summed in a fixed order (deterministic, unlike atomics) and rounded once. A leaf:
 `moe_decode`, `moe_grouped` and `moe_partials.MoePartials.total` all call it.

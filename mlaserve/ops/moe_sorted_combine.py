@@ -7,8 +7,9 @@ weighted sum of its K rows, plus the shared experts' output:
     rows     [T*K, H]  bf16 / fp16 / fp32, contiguous: row i is pair order[i]'s expert output
     order    [T*K]     int64: the sorted position -> pair (pair p = token p // K, slot p % K)
     weights  [T, K]    fp32 routing weights (`routed_scaling_factor` applied)
-    shared   [T, H]    rows' dtype, optional, contiguous
-    y        [T, H]    rows' dtype:  y = round(sum_k weights[t, k] * rows[pos(t, k)]) (+ shared)
+    shared   [T, H]    rows' dtype (or fp32), optional, contiguous
+    y        [T, H]    rows' dtype (or fp32: no rounding):
+                       y = round(sum_k weights[t, k] * rows[pos(t, k)]) (+ shared)
 
 where pos = order's inverse. The sum runs in fp32 over k = 0..K-1 in order and is rounded
 once; adding `shared` is a second rounding, as the torch reference's `y + shared` is.
@@ -83,10 +84,12 @@ def moe_sorted_combine(
     shared: torch.Tensor | None = None,
     *,
     pos: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """rows [T*K, H] (sorted by expert), order [T*K], weights [T, K] fp32, shared [T, H] or
-    None -> y [T, H] in rows' dtype. `pos`: order's inverse [T*K] int32, if the caller has it
-    (`ops.expert_sort`); else one launch computes it."""
+    """rows [T*K, H] (sorted by expert), order [T*K], weights [T, K] fp32, shared [T, H] (rows'
+    dtype, or fp32) or None -> y [T, H] in `out_dtype` (default rows' dtype; fp32: neither sum
+    rounded, a tensor-parallel rank's share). `pos`: order's inverse [T*K] int32, if the caller
+    has it (`ops.expert_sort`); else one launch computes it."""
     num_tokens, top_k = weights.shape
     num_pairs, hidden = rows.shape
     if num_pairs != num_tokens * top_k or order.shape != (num_pairs,):
@@ -98,7 +101,7 @@ def moe_sorted_combine(
         raise ValueError("moe_sorted_combine: weights must be fp32 and rows contiguous")
     if shared is not None and (shared.shape != (num_tokens, hidden) or not shared.is_contiguous()):
         raise ValueError(f"moe_sorted_combine: shared must be contiguous [{num_tokens}, {hidden}]")
-    y = torch.empty(num_tokens, hidden, dtype=rows.dtype, device=rows.device)
+    y = torch.empty(num_tokens, hidden, dtype=out_dtype or rows.dtype, device=rows.device)
     if num_tokens == 0:
         return y
     if pos is None:

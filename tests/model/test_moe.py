@@ -232,12 +232,15 @@ def test_bf16_layers_bound_by_their_expert_bytes_switch_to_grouped_kernels_soone
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU suites run the compiled kernels")
-def test_fp8_layers_wider_than_the_decode_tiles_take_the_grouped_kernels_from_one_token(
+def test_fp8_layers_wider_than_the_decode_tiles_take_the_grouped_kernels_from_two_tokens(
     monkeypatch,
 ) -> None:
-    """FP8 experts wider than FP8_DECODE_MAX_HIDDEN (V3's 7168) never take the decode kernels:
-    the grouped kernels serve from one token; at V2-Lite's 2048 the decode kernels keep
-    DECODE_MAX_TOKENS. The override still wins."""
+    """FP8 experts wider than FP8_DECODE_MAX_HIDDEN (V3's 7168) take the decode kernels at one
+    token only, with their wide-layer tiles; the grouped kernels serve from two; at V2-Lite's
+    2048 the decode kernels keep DECODE_MAX_TOKENS and their 2048-column runs. The override
+    still wins."""
+    from mlaserve.ops.moe_decode import DecodeTiles, decode_tiles
+
     pytest.importorskip("triton")
     from mlaserve.config import QuantizationConfig
     from mlaserve.model.layers import moe as moe_module
@@ -245,7 +248,8 @@ def test_fp8_layers_wider_than_the_decode_tiles_take_the_grouped_kernels_from_on
     monkeypatch.setenv("MLASERVE_FUSED_OPS", "1")
     config = make_config("softmax_greedy")
     limit = moe_module.FP8_DECODE_MAX_HIDDEN
-    for hidden, want in ((limit, moe_module.DECODE_MAX_TOKENS), (limit + 128, 0)):
+    wide = moe_module.FP8_WIDE_DECODE_MAX_TOKENS
+    for hidden, want in ((limit, moe_module.DECODE_MAX_TOKENS), (limit + 128, wide)):
         cfg = dataclasses.replace(config, hidden_size=hidden, moe_intermediate_size=128)
         layer = DeepseekMoE(cfg, params_dtype=torch.bfloat16, quant=QuantizationConfig())
         assert layer.experts.gate_up_proj.dtype == torch.float8_e4m3fn
@@ -253,6 +257,8 @@ def test_fp8_layers_wider_than_the_decode_tiles_take_the_grouped_kernels_from_on
         assert layer.decode_max_tokens == want
         assert layer.grouped_max_tokens == moe_module.GROUPED_MAX_TOKENS_FP8
         assert layer.decode_weights is not None  # the grouped kernels run on them
+        tiles = decode_tiles(layer.decode_weights, 1)
+        assert (tiles == DecodeTiles((16, 16), (128, 128), 4)) == (hidden > limit), tiles
     monkeypatch.setenv("MLASERVE_MOE_DECODE_MAX_TOKENS", "4")
     layer.process_weights_after_loading()
     assert layer.decode_max_tokens == 4

@@ -61,6 +61,7 @@ __all__ = [
     "failing_steps",
     "model_steps",
     "rank_tensor",
+    "row_parallel_bf16_steps",
 ]
 
 PROMPT_LENS = [1, 9, 23, 4, 16]
@@ -163,3 +164,29 @@ def failing_steps(tp: TensorParallel) -> None:
     if tp.rank == 1:
         raise ValueError("rank 1 fails on purpose")
     tp.all_reduce(torch.ones(1))
+
+
+def row_parallel_weights() -> tuple[torch.Tensor, torch.Tensor]:
+    """x [16, 2048] and W [512, 2048], bf16, the same on every rank (seeded)."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(16, 2048, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(512, 2048, generator=gen) / 2048**0.5).to(torch.bfloat16)
+    return x, w
+
+
+def row_parallel_bf16_steps(tp: TensorParallel) -> dict[str, torch.Tensor]:
+    """A bf16 RowParallelLinear on this rank's half of W's columns, with the partial sums
+    reduced in fp32 (`fp32_reduce`, the default) and rounded by each rank first (off)."""
+    from dataclasses import replace
+
+    from mlaserve.model.layers.linear import RowParallelLinear
+
+    x, w = row_parallel_weights()
+    out = {}
+    for name, fp32 in (("wide", True), ("narrow", False)):
+        layer_tp = replace(tp, fp32_reduce=fp32)
+        layer = RowParallelLinear(2048, 512, params_dtype=torch.bfloat16, tp=layer_tp)
+        cols = 2048 // tp.size
+        layer.weight.data.copy_(w[:, tp.rank * cols : (tp.rank + 1) * cols])
+        out[name] = layer(x[:, tp.rank * cols : (tp.rank + 1) * cols])
+    return out

@@ -29,6 +29,7 @@ SHAPES = {
     "v3_q_a": (1536, 7168),
     "v3_q_b": (24576, 1536),
     "v3_o": (7168, 16384),
+    "v3_tp2_o": (7168, 8192),  # one rank's o_proj at TP2: the FP8 long-K tile, one K step
     "ragged": (1000, 1400),  # partial N and K blocks at serving size
 }
 GPU_CASES = [
@@ -46,6 +47,7 @@ CPU_CASES = [
     cpu_case(8, 130, 260, "fp8_row", (64, 32, 4)),  # four K steps per scale column
     cpu_case(2, 130, 260, "fp8_block", (128, 64, 4)),
     cpu_case(1, 1, 200, "fp8_block", (1, 128, 4)),  # N = 1: both scale forms are one row
+    cpu_case(1, 6, 4096, "fp8_block", None),  # the FP8 long-K tile: 2 rows, the whole K a step
 ]
 POISON_ROWS = 16
 
@@ -169,6 +171,9 @@ def test_gemv_config_covers_the_sms():
 
     assert gemv_config(1, 576, 2048, fp8=False).block_n == 1  # 576 programs, not 36
     assert gemv_config(1, 24576, 1536, fp8=True).block_n == 16
+    assert gemv_config(1, 7168, 8192, fp8=True) == (2, 8192, 4)  # FP8 long K (FP8_LONG_K)
+    assert gemv_config(1, 7168, 16384, fp8=True) == (2, 8192, 4)
+    assert gemv_config(2, 7168, 8192, fp8=True) != (2, 8192, 4)  # one token only
     for m in (1, 2, 4, 8, 16):
         for n, k in SHAPES.values():
             for fp8 in (False, True):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.model.checkpoint_tensor import CheckpointTensor
-from mlaserve.model.layers.linear import NO_TP, TensorParallel, check_shape
+from mlaserve.model.layers.linear import NO_TP, TensorParallel, check_shape, wide_linear
 from mlaserve.tensor_parallel import all_gather, all_reduce
 
 __all__ = ["ParallelLMHead", "VocabParallelEmbedding"]
@@ -100,7 +100,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         """[N, hidden] -> [N, vocab] float32, the same on every rank."""
         if self._invariant is not None and self.tp.size == 1:
             return self._invariant(hidden, self.weight, out_dtype=torch.float32)
-        logits = F.linear(hidden, self.weight).float()  # [N, V / tp], this rank's slice
+        # [N, V / tp] fp32, this rank's slice: the accumulator unrounded, so near-equal logits
+        # stay apart (16-bit logits tie often) and a slice's bits do not depend on the rank count
+        logits = wide_linear(hidden, self.weight)
         if self.tp.size == 1:
             return logits
         logits = all_gather(logits, self.tp, dim=-1)  # [N, padded V]

@@ -67,6 +67,7 @@ __all__ = [
     "all_reduce",
     "check_shape",
     "default_weight_loader",
+    "wide_linear",
 ]
 
 
@@ -108,6 +109,20 @@ def gemv_max_m(weight: torch.Tensor) -> int:
     if fp8:
         return GEMV_MAX_M_FP8_UP_TO_4096 if n <= 4096 else GEMV_MAX_M_FP8
     return GEMV_MAX_M
+
+
+def wide_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias) -> [..., N] fp32, the accumulator never rounded to
+    x's dtype: cuBLAS's fp32-output GEMM for 16-bit operands on CUDA (`torch.mm`'s out_dtype),
+    the operands widened (exact) elsewhere."""
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.mm(x2, weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+    else:
+        y = F.linear(x.float(), weight.float())
+    return y if bias is None else y + bias.float()
 
 
 def check_shape(loaded: CheckpointTensor, expected: tuple[int, ...] | torch.Size) -> None:
@@ -196,20 +211,29 @@ class _Linear(nn.Module):
         split = self.split_dim == 0
         return [n // self.tp.size if split else n for n in self.stacked_sizes()]
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., in] -> [..., out]: F.linear, or the block-FP8 GEMM for an FP8 weight; the GEMV
-        for decode-sized x; the invariant matmul in the deterministic mode."""
+    def matmul(
+        self,
+        x: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """x [..., in] -> [..., out] in `out_dtype` (default x's): F.linear, or the block-FP8 GEMM
+        for an FP8 weight; the GEMV for decode-sized x; the invariant matmul in the deterministic
+        mode. fp32 `out_dtype` keeps the fp32 accumulator unrounded (`wide_linear`)."""
         if self._invariant is not None:
-            return self._invariant(x, self.weight, self.weight_scale_inv, bias)
+            return self._invariant(x, self.weight, self.weight_scale_inv, bias, out_dtype)
         if x.numel() <= self.gemv_max_m * x.shape[-1] and x.numel():
             from mlaserve.ops.gemv import gemv
 
             x2 = x.reshape(-1, x.shape[-1]).contiguous()
-            y = gemv(x2, self.weight, self.weight_scale_inv).view(*x.shape[:-1], -1)
+            y = gemv(x2, self.weight, self.weight_scale_inv, out_dtype=out_dtype)
+            y = y.view(*x.shape[:-1], -1)
             return y if bias is None else y + bias
         if self.weight_scale_inv is None:
-            return F.linear(x, self.weight, bias)
-        return block_fp8_linear(x, self.weight, self.weight_scale_inv, bias)
+            if out_dtype in (None, x.dtype):
+                return F.linear(x, self.weight, bias)
+            return wide_linear(x, self.weight, bias)
+        return block_fp8_linear(x, self.weight, self.weight_scale_inv, bias, out_dtype=out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -221,7 +245,12 @@ class _Linear(nn.Module):
             return []
         from mlaserve.ops.gemv import gemv_warm_up_tasks
 
-        return gemv_warm_up_tasks(self.weight, self.weight_scale_inv, self.gemv_max_m, act_dtype)
+        # a row-parallel layer's partial sums leave the GEMV in fp32 (`wide_partials`)
+        wide = self.split_dim == 1 and self.tp.wide_partials
+        return gemv_warm_up_tasks(
+            self.weight, self.weight_scale_inv, self.gemv_max_m, act_dtype,
+            torch.float32 if wide else None,
+        )  # fmt: skip
 
     def fp8_weight_loader(
         self,
@@ -346,8 +375,18 @@ class RowParallelLinear(_Linear):
         self.reduce_output = reduce_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x)
-        if self.reduce_output:
-            y = all_reduce(y, self.tp)
+        """[T, in / tp] -> [T, out]: x's dtype; with `reduce_output=False` and
+        `tp.wide_partials`, fp32 (a partial sum for the caller to reduce)."""
+        if not self.tp.wide_partials:
+            y = self.matmul(x)
+            if self.reduce_output:
+                y = all_reduce(y, self.tp)
+        else:
+            # The partial sums leave their GEMM in fp32 and are summed in fp32: the one rounding
+            # is of the whole sum, as on one rank (TP1's bits up to fp32 summation order).
+            y = self.matmul(x, out_dtype=torch.float32)
+            if not self.reduce_output:
+                return y  # the bias is the caller's too (none of DeepSeek's has one)
+            y = all_reduce(y, self.tp).to(x.dtype)
         # NOTE: the bias is added once, after the sum over ranks.
         return y if self.bias is None else y + self.bias

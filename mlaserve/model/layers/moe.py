@@ -30,7 +30,8 @@ decode sizes, much slower than the grouped GEMMs at prefill sizes (README, "Dete
 inference"). Off CUDA, the torch path one token at a time.
 
 Under tensor parallelism every routed and shared expert is split along its intermediate dim and
-the layer all-reduces routed + shared partial sums once. Expert parallelism
+the layer all-reduces routed + shared partial sums once, in fp32, rounding the sum once
+(`_reduce`). Expert parallelism
 (`--enable-expert-parallel`, `TensorParallel.expert_parallel`) keeps whole routed experts per
 rank (E / tp each, `moe_expert_weights.py`) over the same group, as SGLang and vLLM run EP over
 the TP group without an all-to-all: the router is replicated, each rank computes its experts'
@@ -76,12 +77,12 @@ logger = logging.getLogger(__name__)
 DECODE_MAX_TOKENS = 8
 DECODE_MAX_TOKENS_BYTES_BOUND = 3  # bf16 / fp16 experts of >= BYTES_BOUND_EXPERT_BYTES
 BYTES_BOUND_EXPERT_BYTES = 1 << 20  # one expert's gate_up + down
-# FP8 experts take the decode kernels only up to this hidden size. Their FP8 tiles read whole
-# 2048-column runs of a row per step (`decode_tiles`): one step at V2-Lite's 2048, where they
-# beat the grouped kernels; at V3's 7168 they ran 3.6x (1 token) and 4.9x (8 tokens) slower than
-# the grouped kernels on 2 H200s (bench/tp_decode.py, bench/RESULTS.md), so wider FP8 layers
-# take the grouped kernels from one token on.
+# FP8 experts wider than this hidden size (V3's and K2's 7168) take the decode kernels at one
+# token only (`decode_tiles`' wide-layer tiles), the grouped kernels from two on: at V3's width,
+# one TP2 rank's share, the decode kernels took 74 us a layer at one token against the grouped
+# kernels' 86, and 423 against 316 at eight (bench/moe_decode.py --arch v3tp2, H200).
 FP8_DECODE_MAX_HIDDEN = 2048
+FP8_WIDE_DECODE_MAX_TOKENS = 1
 # Up to this many tokens the grouped MoE kernels run (past DECODE_MAX_TOKENS), bf16 and FP8
 # weights; past it the sorted path is as fast or faster.
 GROUPED_MAX_TOKENS = 256
@@ -174,7 +175,7 @@ class DeepseekMoE(nn.Module):
         bytes_bound = not fp8 and expert_bytes >= BYTES_BOUND_EXPERT_BYTES
         decode_max = DECODE_MAX_TOKENS_BYTES_BOUND if bytes_bound else DECODE_MAX_TOKENS
         if fp8 and self.experts.hidden_size > FP8_DECODE_MAX_HIDDEN:
-            decode_max = 0
+            decode_max = FP8_WIDE_DECODE_MAX_TOKENS
         limit = switches.moe_decode_max_tokens(decode_max)
         default = GROUPED_MAX_TOKENS_FP8 if fp8 else GROUPED_MAX_TOKENS
         grouped = switches.moe_grouped_max_tokens(default)
@@ -281,18 +282,20 @@ class DeepseekMoE(nn.Module):
         if self.deterministic:
             return self._forward_invariant(x, combine)
         num_tokens, weights = x.shape[0], self.decode_weights
-        kw = {"combine": combine or self.tp.size > 1}
+        reduce, wide = self.tp.size > 1, self.tp.wide_partials
+        # under TP the kernels combine (wide: into fp32 partials, which `_reduce` sums)
+        kw = {"combine": (combine or reduce) and not wide}
         if weights is not None and num_tokens <= self.decode_max_tokens:
             if num_tokens <= self.select_in_kernel:  # the selection inside the first kernel
                 plan = self.gate.plan(x)
                 y = self._moe_decode(x, plan.weights, plan.ids, weights, routing=plan, **kw)
             else:
                 y = self._moe_decode(x, *self.gate(x), weights, **kw)
-            return y if isinstance(y, MoePartials) else all_reduce(y, self.tp)
+            return self._reduce(y, x.dtype, combine)
         grouped = num_tokens <= self.grouped_max_tokens and x.dtype != torch.float32
         if weights is not None and grouped:
             y = self._moe_grouped(x, *self.gate(x), weights, **kw)
-            return y if isinstance(y, MoePartials) else all_reduce(y, self.tp)
+            return self._reduce(y, x.dtype, combine)
         side = _side_stream(x.device) if self.shared_experts is not None else None
         shared, join = None, None
         if side is not None:
@@ -309,7 +312,28 @@ class DeepseekMoE(nn.Module):
         elif self.shared_experts is not None:
             shared = self.shared_experts(x)
         topk_weights, topk_ids = self.gate(x)
-        y = self.experts(x, topk_weights, topk_ids, shared, join=join, **kw)
+        y = self.experts(
+            x, topk_weights, topk_ids, shared, join=join, combine=combine or reduce,
+            out_dtype=torch.float32 if wide else None,
+        )  # fmt: skip
         if isinstance(y, SortedExpertRows):
             return y
-        return all_reduce(y, self.tp)  # one reduction for routed + shared partial sums
+        return self._reduce(y, x.dtype, combine)
+
+    def _reduce(
+        self, y: torch.Tensor | MoePartials, dtype: torch.dtype, combine: bool
+    ) -> torch.Tensor | MoePartials:
+        """Under TP, this rank's routed + shared partial sums (fp32: `MoePartials` or [T, H])
+        summed over the ranks in fp32 by one all-reduce, then rounded once to `dtype`, as one
+        rank's combine rounds its whole sum: TP1's bits up to fp32 summation order. On CUDA
+        with `combine=False` the rounding is left to the next norm (one slot of partials).
+        Without `tp.wide_partials` the all-reduce of `y` as it is (rounded by each rank), and
+        on one rank `y` as it is."""
+        if not self.tp.wide_partials:
+            return y if isinstance(y, MoePartials) else all_reduce(y, self.tp)
+        if isinstance(y, MoePartials):
+            y = y.total(torch.float32)
+        y = all_reduce(y, self.tp)
+        if not combine and y.is_cuda:
+            return MoePartials(y.view(y.shape[0], 1, y.shape[1]), dtype)
+        return y.to(dtype)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from mlaserve.config import QuantizationConfig
-from mlaserve.model.layers.linear import NO_TP, TensorParallel
+from mlaserve.model.layers.linear import NO_TP, TensorParallel, wide_linear
 from mlaserve.model.layers.mlp import silu_and_mul
 from mlaserve.model.layers.moe_expert_weights import ExpertWeights
 from mlaserve.ops import fused_ops_enabled
@@ -132,28 +132,33 @@ class FusedExperts(ExpertWeights):
         join: Callable[[], None] | None = None,
         *,
         combine: bool = True,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor | SortedExpertRows:
         """x [T, H]; topk_weights [T, K] fp32; topk_ids [T, K] global expert ids; shared [T, H]
-        (the shared experts' output, added last) or None -> [T, H] (partial under TP or EP).
+        (the shared experts' output, added last; x's dtype or fp32) or None -> [T, H] (partial
+        under TP or EP) in `out_dtype`: x's by default; fp32 (a tensor-parallel rank's share)
+        sums the routed rows and `shared` without rounding.
         `join`: called before `shared` is first read (it is still being computed on another
         stream).
         `combine=False`: the sorted path's fused kernels may return the rows uncombined
-        (`SortedExpertRows`), for the next norm to combine in its launch."""
+        (`SortedExpertRows`), for the next norm to combine in its launch (x's dtype only)."""
         join = join or _no_join
+        out_dtype = out_dtype or x.dtype
         if x.shape[0] == 0:
             join()
-            return torch.zeros_like(x)
+            return torch.zeros_like(x, dtype=out_dtype)
         if self.expert_parallel:
             topk_ids = self.local_ids(topk_ids)
+        args = (x, topk_weights, topk_ids, shared)
         if self.quant is not None:
-            return self._forward_sorted(x, topk_weights, topk_ids, shared, False, join, combine)
+            return self._forward_sorted(*args, False, join, combine, out_dtype)
         impl = self.resolved_impl(x)
         if impl == "dense":
-            y = self._forward_dense(x, topk_weights, topk_ids)
+            y = self._forward_dense(x, topk_weights, topk_ids)  # fp32
             join()
-            return y if shared is None else y + shared
+            return _add_shared(y, shared, out_dtype)
         grouped = impl == "grouped_mm"
-        return self._forward_sorted(x, topk_weights, topk_ids, shared, grouped, join, combine)
+        return self._forward_sorted(*args, grouped, join, combine, out_dtype)
 
     def _forward_sorted(
         self,
@@ -164,6 +169,7 @@ class FusedExperts(ExpertWeights):
         use_grouped_mm: bool,
         join: Callable[[], None],
         combine: bool = True,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor | SortedExpertRows:
         num_tokens, top_k = topk_ids.shape
         num_rows = topk_ids.numel()
@@ -202,26 +208,30 @@ class FusedExperts(ExpertWeights):
             out = torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)  # [T*K, H]
         else:
             xs = x[token]
-            out = torch.empty_like(xs)
+            wide = out_dtype == torch.float32  # a TP rank's share: its rows unrounded too
+            out = torch.empty_like(xs, dtype=torch.float32 if wide else xs.dtype)
             start = 0
             for e, n in enumerate(counts.tolist()):  # host sync: CPU path only
                 if n:
                     rows = xs[start : start + n]
                     h = silu_and_mul(F.linear(rows, self.gate_up_proj[e]))
-                    out[start : start + n] = F.linear(h, self.down_proj[e])
+                    down = self.down_proj[e]
+                    out[start : start + n] = wide_linear(h, down) if wide else F.linear(h, down)
                     start += n
         if self.expert_parallel:  # other ranks' pairs (the last rows) were never written
             out = torch.where(self._local_rows(counts, num_rows)[:, None], out, 0)
         join()
+        out_dtype = out_dtype or x.dtype
         if self._sorted_combine is not None:
-            if not combine and pos is not None:  # the next norm combines (the same bits)
-                weights = topk_weights.contiguous()
+            if not combine and pos is not None and out_dtype == x.dtype:
+                weights = topk_weights.contiguous()  # the next norm combines (the same bits)
                 return SortedExpertRows(out, order, pos, weights, shared)
-            return self._sorted_combine(out, order, topk_weights, shared, pos=pos)
+            return self._sorted_combine(
+                out, order, topk_weights, shared, pos=pos, out_dtype=out_dtype
+            )
         unsorted = torch.empty_like(out).index_copy_(0, order, out)  # back to pair order
         y = (unsorted.view(num_tokens, top_k, -1).float() * topk_weights[..., None]).sum(1)
-        y = y.to(x.dtype)
-        return y if shared is None else y + shared
+        return _add_shared(y, shared, out_dtype)
 
     def local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """EP: global expert ids [T, K] -> this rank's stack index, or E_local (the extra bin)
@@ -255,4 +265,13 @@ class FusedExperts(ExpertWeights):
         for e in range(self.num_experts):
             h = silu_and_mul(F.linear(x, self.gate_up_proj[e]))
             y += routing[:, e : e + 1] * F.linear(h, self.down_proj[e]).float()
-        return y.to(x.dtype)
+        return y  # fp32: `_add_shared` rounds
+
+
+def _add_shared(y: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The routed experts' fp32 sum y [T, H] plus `shared`, in `dtype`: rounded, then + shared
+    rounded again (the fused combine's roundings, `ops.moe_sorted_combine`); fp32: no rounding."""
+    if dtype == torch.float32:
+        return y if shared is None else y + shared.float()
+    y = y.to(dtype)
+    return y if shared is None else y + shared
