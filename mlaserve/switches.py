@@ -97,8 +97,7 @@ SWITCHES: tuple[Switch, ...] = (
         "MLASERVE_MOE_DECODE_MAX_TOKENS",
         "int",
         "`DECODE_MAX_TOKENS` = 8 (`DECODE_MAX_TOKENS_BYTES_BOUND` = 3: byte-bound 16-bit experts;"
-        " `FP8_WIDE_DECODE_MAX_TOKENS` = 1: FP8 experts wider than `FP8_DECODE_MAX_HIDDEN` = 2048,"
-        " as V3's and K2's)",
+        " 0: FP8 experts wider than `FP8_DECODE_MAX_HIDDEN` = 2048, as V3's and K2's)",
         "tokens up to which a MoE layer runs `ops/moe_decode.py` (0: never)",
         "model/layers/moe.py",
     ),

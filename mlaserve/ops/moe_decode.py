@@ -294,9 +294,10 @@ def decode_tiles(weights: MoeDecodeWeights, num_tokens: int) -> DecodeTiles:
     - FP8 with 128-row block scales: 8 rows of whole 2048-column runs, 4 warps. A one-byte row
       read 128 columns per step is one 128-byte line per row per step: short runs, and per-step
       reductions over half the bytes of a bf16 step.
-    - FP8 wider than WIDE_FP8_HIDDEN (V3, K2: 7168; the layer runs them at one token only):
-      16-row tiles of 128 columns, 4 warps; the 2048-column runs take four K steps there and ran
-      4x slower (bench/moe_decode.py --arch v3tp2, H200)."""
+    - FP8 wider than WIDE_FP8_HIDDEN (V3, K2: 7168; the layer takes the grouped kernels there
+      unless `MLASERVE_MOE_DECODE_MAX_TOKENS` says otherwise): 16-row tiles of 128 columns, 4
+      warps; the 2048-column runs take four K steps there and ran 3.4x slower at one token
+      (bench/moe_decode.py --arch v3tp2, H200)."""
     if weights.quantized and weights.block_scaled and weights.hidden > WIDE_FP8_HIDDEN:
         return DecodeTiles((16, 16), (128, 128), 4)
     if weights.quantized and weights.block_scaled:

@@ -68,6 +68,7 @@ from mlaserve.ops.moe_weights import (
 from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
 __all__ = [
+    "MAX_PAIRS",
     "moe_grouped",
     "moe_grouped_block_m",
     "moe_grouped_warm_up_tasks",
@@ -240,6 +241,12 @@ def _down_kernel(
         tl.store(part_ptrs, weight[:, None] * acc, mask=ok[:, None] & mask_n[None, :])
 
 
+# The align kernel holds every (token, slot) pair in one program: tested to 4096 pairs (512
+# tokens x 8 slots, tests/ops/test_moe_grouped.py); 9 million (a switch set to a million tokens)
+# ended in an illegal memory access on an H200.
+MAX_PAIRS = 4096
+
+
 def moe_grouped_block_m(num_pairs: int, num_experts: int) -> int:
     """Rows per GEMM block: 16 (tl.dot's minimum) while experts get a few rows each, larger
     where they get more, so an expert's weights are read fewer times."""
@@ -291,6 +298,9 @@ def moe_grouped(
     e_total = num_experts + shared
     e_pad = triton.next_power_of_2(e_total)
     pairs = num_tokens * slots
+    if pairs > MAX_PAIRS:
+        raise ValueError(f"moe_grouped: {num_tokens} tokens x {slots} slots = {pairs} pairs > "
+                         f"MAX_PAIRS = {MAX_PAIRS}: the sorted path serves batches this large")  # fmt: skip
     bm = block_m or moe_grouped_block_m(pairs, e_total)
     num_blocks = max_expert_blocks(pairs, e_total, bm)
     # int32 scratch: slot -> pair, padded ends, counts, the align kernel's counters and starts

@@ -125,8 +125,9 @@ def fused_gumbel_argmax(
 def gumbel_argmax_warm_up_tasks(vocab_size: int, device: torch.device) -> list[Callable[[], None]]:
     """Start-up's tasks for the draw's variants a sampled request meets first (the throwaway
     request is greedy, so nothing else compiles them): whole rows of `vocab_size` columns, by
-    column (temperature alone) and by token id (top-p sorts the whole row). A top-k cut's rows of
-    the batch's largest k columns compile when first met."""
+    column (temperature alone) and by token id (top-p sorts the whole row), and the materialised
+    uniform and Gumbel noise. A top-k cut's rows of the batch's largest k columns take the same
+    compiles (no size is specialised)."""
 
     def draw(with_ids: bool) -> None:
         x = torch.zeros(1, vocab_size, device=device)
@@ -134,7 +135,12 @@ def gumbel_argmax_warm_up_tasks(vocab_size: int, device: torch.device) -> list[C
         ids = torch.zeros(1, vocab_size, dtype=torch.int64, device=device) if with_ids else None
         fused_gumbel_argmax(x, keys, keys, ids)
 
-    return [functools.partial(draw, False), functools.partial(draw, True)]
+    def noise(gumbel: bool) -> None:  # the materialised noise (`random.uniform_noise` and kin)
+        keys = torch.zeros(1, dtype=torch.int64, device=device)
+        fused_noise(keys, torch.arange(vocab_size, device=device), gumbel)
+
+    return [functools.partial(draw, False), functools.partial(draw, True),
+            functools.partial(noise, False), functools.partial(noise, True)]  # fmt: skip
 
 
 if triton is not None:
@@ -145,7 +151,10 @@ if triton is not None:
         z = (z ^ (z >> 27)) * 0x94D049BB133111EB
         return z ^ (z >> 31)
 
-    @triton.jit
+    # Sizes are not specialised (Triton's divisible-by-16 and equal-to-1 variants): a top-k
+    # cut's row width is any k, and each variant would be a compile while serving (seven in
+    # one TP2 soak). Start-up's warm-up then covers every width.
+    @triton.jit(do_not_specialize=["cols", "blocks"])
     def _gumbel_argmax_kernel(x_ptr, seeds_ptr, steps_ptr, ids_ptr, best_ptr, where_ptr, cols,
                               blocks, BLOCK: tl.constexpr, HAS_IDS: tl.constexpr,
                               LIBDEVICE_LOG: tl.constexpr):  # fmt: skip
@@ -174,7 +183,7 @@ if triton is not None:
         tl.store(best_ptr + row * blocks + block, m)
         tl.store(where_ptr + row * blocks + block, block * BLOCK + i.to(tl.int64))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["vocab", "ids_row_stride"])
     def _noise_kernel(keys_ptr, ids_ptr, out_ptr, vocab, ids_row_stride, BLOCK: tl.constexpr,
                       GUMBEL: tl.constexpr, LIBDEVICE_LOG: tl.constexpr):  # fmt: skip
         row = tl.program_id(0)

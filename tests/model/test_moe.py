@@ -232,13 +232,13 @@ def test_bf16_layers_bound_by_their_expert_bytes_switch_to_grouped_kernels_soone
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU suites run the compiled kernels")
-def test_fp8_layers_wider_than_the_decode_tiles_take_the_grouped_kernels_from_two_tokens(
+def test_fp8_layers_wider_than_the_decode_tiles_take_the_grouped_kernels_from_one_token(
     monkeypatch,
 ) -> None:
-    """FP8 experts wider than FP8_DECODE_MAX_HIDDEN (V3's 7168) take the decode kernels at one
-    token only, with their wide-layer tiles; the grouped kernels serve from two; at V2-Lite's
-    2048 the decode kernels keep DECODE_MAX_TOKENS and their 2048-column runs. The override
-    still wins."""
+    """FP8 experts wider than FP8_DECODE_MAX_HIDDEN (V3's 7168) never take the decode kernels by
+    default: the grouped kernels serve from one token; at V2-Lite's 2048 the decode kernels keep
+    DECODE_MAX_TOKENS and their 2048-column runs. The override still wins, and then the wide
+    layer's decode kernels take their wide-layer tiles."""
     from mlaserve.ops.moe_decode import DecodeTiles, decode_tiles
 
     pytest.importorskip("triton")
@@ -248,8 +248,7 @@ def test_fp8_layers_wider_than_the_decode_tiles_take_the_grouped_kernels_from_tw
     monkeypatch.setenv("MLASERVE_FUSED_OPS", "1")
     config = make_config("softmax_greedy")
     limit = moe_module.FP8_DECODE_MAX_HIDDEN
-    wide = moe_module.FP8_WIDE_DECODE_MAX_TOKENS
-    for hidden, want in ((limit, moe_module.DECODE_MAX_TOKENS), (limit + 128, wide)):
+    for hidden, want in ((limit, moe_module.DECODE_MAX_TOKENS), (limit + 128, 0)):
         cfg = dataclasses.replace(config, hidden_size=hidden, moe_intermediate_size=128)
         layer = DeepseekMoE(cfg, params_dtype=torch.bfloat16, quant=QuantizationConfig())
         assert layer.experts.gate_up_proj.dtype == torch.float8_e4m3fn
@@ -262,6 +261,20 @@ def test_fp8_layers_wider_than_the_decode_tiles_take_the_grouped_kernels_from_tw
     monkeypatch.setenv("MLASERVE_MOE_DECODE_MAX_TOKENS", "4")
     layer.process_weights_after_loading()
     assert layer.decode_max_tokens == 4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU suites run the compiled kernels")
+def test_grouped_limit_past_the_kernels_reach_is_a_clear_error(monkeypatch) -> None:
+    """MLASERVE_MOE_GROUPED_MAX_TOKENS past MAX_PAIRS / slots is refused at start, naming the
+    switch (a million tokens ended in an illegal memory access on an H200)."""
+    pytest.importorskip("triton")
+    from mlaserve.switches import SwitchError
+
+    monkeypatch.setenv("MLASERVE_FUSED_OPS", "1")
+    monkeypatch.setenv("MLASERVE_MOE_GROUPED_MAX_TOKENS", "1000000")
+    layer = make_moe(make_config("softmax_greedy"), torch.float16)
+    with pytest.raises(SwitchError, match="MLASERVE_MOE_GROUPED_MAX_TOKENS=1000000"):
+        layer.process_weights_after_loading()
 
 
 def test_decode_kernels_can_be_turned_off(monkeypatch) -> None:

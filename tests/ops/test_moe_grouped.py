@@ -88,6 +88,10 @@ def test_moe_grouped_refuses_fp32_and_mismatched_input():
         moe_grouped(torch.zeros(2, 64), torch.ones(2, 2), ids, layer)
     with pytest.raises(ValueError, match="tokens"):
         moe_grouped(torch.zeros(3, 64, dtype=torch.float16), torch.ones(2, 2), ids, layer)
+    many = 4096 // 2 + 1  # one pair past MAX_PAIRS at 2 slots a token: refused before a launch
+    ids = torch.zeros(many, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="MAX_PAIRS"):
+        moe_grouped(torch.zeros(many, 64, dtype=torch.float16), torch.ones(many, 2), ids, layer)
 
 
 def test_block_m_grows_with_rows_per_expert():

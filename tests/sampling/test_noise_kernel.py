@@ -136,13 +136,15 @@ _CHECK_WARM_UP = textwrap.dedent(
     import torch
     from mlaserve.sampling import noise_kernel
 
-    calls = []
-    launch = noise_kernel.fused_gumbel_argmax
+    calls, noises = [], []
+    launch, noise = noise_kernel.fused_gumbel_argmax, noise_kernel.fused_noise
     noise_kernel.fused_gumbel_argmax = lambda *a: calls.append(a) or launch(*a)
+    noise_kernel.fused_noise = lambda *a: noises.append(a) or noise(*a)
     for task in noise_kernel.gumbel_argmax_warm_up_tasks(3000, torch.device("cpu")):
         task()
     assert [a[0].shape for a in calls] == [(1, 3000)] * 2, calls
     assert calls[0][3] is None and calls[1][3].shape == (1, 3000) and calls[1][3].dtype == torch.int64
+    assert [(a[1].shape, a[2]) for a in noises] == [((3000,), False), ((3000,), True)], noises
     print("OK")
     """
 )
@@ -189,3 +191,34 @@ def test_the_draws_warm_up_tasks_run_on_cuda_at_v3s_vocabulary() -> None:
     for task in gumbel_argmax_warm_up_tasks(129280, torch.device("cuda")):
         task()
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_after_the_warm_up_no_row_width_compiles() -> None:
+    """After start-up's tasks, draws over any row width (a top-k cut's k columns, by token id)
+    and the materialised noise compile nothing: no size is specialised (a TP2 soak compiled the
+    draw seven times while serving before)."""
+    pytest.importorskip("triton.language")
+    from mlaserve.graph_runner.compile_watch import CompileWatch
+    from mlaserve.sampling.noise_kernel import (
+        fused_gumbel_argmax,
+        fused_noise,
+        gumbel_argmax_warm_up_tasks,
+    )
+
+    dev = torch.device("cuda")
+    for task in gumbel_argmax_warm_up_tasks(4096, dev):
+        task()
+    watch = CompileWatch()
+    watch.mark_ready()
+    for n, cols in ((1, 1), (3, 17), (5, 32), (2, 2048), (4, 4096), (1, 129280)):
+        x = torch.randn(n, cols, device=dev)
+        keys = torch.arange(n, device=dev)
+        ids = torch.randint(0, 4096, (n, cols), device=dev)
+        for token_ids in (None, ids):
+            fused_gumbel_argmax(x, keys, keys, token_ids)
+        for gumbel in (False, True):
+            fused_noise(keys, ids, gumbel)
+    torch.cuda.synchronize()
+    assert watch.compiles_since_ready == 0

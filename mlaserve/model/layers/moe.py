@@ -77,12 +77,12 @@ logger = logging.getLogger(__name__)
 DECODE_MAX_TOKENS = 8
 DECODE_MAX_TOKENS_BYTES_BOUND = 3  # bf16 / fp16 experts of >= BYTES_BOUND_EXPERT_BYTES
 BYTES_BOUND_EXPERT_BYTES = 1 << 20  # one expert's gate_up + down
-# FP8 experts wider than this hidden size (V3's and K2's 7168) take the decode kernels at one
-# token only (`decode_tiles`' wide-layer tiles), the grouped kernels from two on: at V3's width,
-# one TP2 rank's share, the decode kernels took 74 us a layer at one token against the grouped
-# kernels' 86, and 423 against 316 at eight (bench/moe_decode.py --arch v3tp2, H200).
+# FP8 experts wider than this hidden size (V3's and K2's 7168) take the grouped kernels from one
+# token on. Alone, the decode kernels with their wide-layer tiles (`decode_tiles`) beat them at
+# one token (74 against 86 us, one TP2 rank's V3 layer, routing excluded), but in the decode
+# step, with the expert selection inside the first kernel, they took 112 us a layer against the
+# grouped kernels' 82 (bench/tp_decode.py --tp 2 --profile, bench/RESULTS.md).
 FP8_DECODE_MAX_HIDDEN = 2048
-FP8_WIDE_DECODE_MAX_TOKENS = 1
 # Up to this many tokens the grouped MoE kernels run (past DECODE_MAX_TOKENS), bf16 and FP8
 # weights; past it the sorted path is as fast or faster.
 GROUPED_MAX_TOKENS = 256
@@ -175,14 +175,14 @@ class DeepseekMoE(nn.Module):
         bytes_bound = not fp8 and expert_bytes >= BYTES_BOUND_EXPERT_BYTES
         decode_max = DECODE_MAX_TOKENS_BYTES_BOUND if bytes_bound else DECODE_MAX_TOKENS
         if fp8 and self.experts.hidden_size > FP8_DECODE_MAX_HIDDEN:
-            decode_max = FP8_WIDE_DECODE_MAX_TOKENS
+            decode_max = 0
         limit = switches.moe_decode_max_tokens(decode_max)
         default = GROUPED_MAX_TOKENS_FP8 if fp8 else GROUPED_MAX_TOKENS
         grouped = switches.moe_grouped_max_tokens(default)
         if limit <= 0 and grouped <= 0:
             return
         from mlaserve.ops.moe_decode import moe_decode
-        from mlaserve.ops.moe_grouped import moe_grouped
+        from mlaserve.ops.moe_grouped import MAX_PAIRS, moe_grouped
 
         self._moe_decode, self._moe_grouped = moe_decode, moe_grouped
         try:
@@ -190,6 +190,13 @@ class DeepseekMoE(nn.Module):
         except ValueError as exc:  # a layout the kernels do not take: the grouped path serves
             logger.warning("MoE decode kernels off for this layer: %s", exc)
             return
+        slots = self.gate.config.num_experts_per_tok + self.decode_weights.num_shared
+        if grouped > MAX_PAIRS // slots:
+            raise switches.SwitchError(
+                f"MLASERVE_MOE_GROUPED_MAX_TOKENS={grouped}: the grouped MoE kernels take at most "
+                f"{MAX_PAIRS // slots} tokens at this layer's {slots} slots a token (MAX_PAIRS = "
+                f"{MAX_PAIRS} (token, slot) pairs); past that the sorted path serves"
+            )
         self.decode_max_tokens = max(limit, 0)
         self.grouped_max_tokens = max(grouped, 0)
         fused = switches.fused_routing()
