@@ -216,8 +216,9 @@ class ModelRunner:
         # (overlap rule 3, `engine/overlap.py`); room for several values per row (ids, flags,
         # k+1 tokens).
         self.read_backs = ReadBackRows(config.max_num_seqs * 32, self.device)
-        if not background_warm_up:  # in order, here (else on the threads below)
-            for task in self._attention_warm_up_tasks():
+        if not background_warm_up:  # in order, here (else on the threads below); under TP
+            # too, where the sampler's kernels otherwise compiled at the first sampled requests
+            for task in self._attention_warm_up_tasks() + self._sampling_warm_up_tasks():
                 task()
         if startup is not None:
             startup.add("kv_pool", time.perf_counter() - loaded)
@@ -244,14 +245,20 @@ class ModelRunner:
         WARM_UP_PROMPT_LEN tokens first (the kernels every token count shares: a later task at
         another count finds them compiled instead of compiling them again beside it), then the
         decode kernels' variants."""
-        tasks = self._attention_warm_up_tasks()
+        tasks = self._attention_warm_up_tasks() + self._sampling_warm_up_tasks()
+        tasks += self.model.layer_warm_up_tasks([WARM_UP_PROMPT_LEN])
+        return tasks + self.model.kernel_warm_up_tasks()
+
+    def _sampling_warm_up_tasks(self) -> list[Callable[[], None]]:
+        """Greedy sampling's argmax and sampled requests' draw (and the noise of speculation's
+        rejection sampling), at this model's vocabulary: no collective, one rank's."""
+        tasks: list[Callable[[], None]] = []
         if argmax_available(self.device):
             logits = (1, self.model_config.vocab_size)
             tasks.append(lambda: fused_argmax(torch.zeros(logits, device=self.device)))
         if fused_noise_available(self.device):  # sampled requests' draw
             tasks += gumbel_argmax_warm_up_tasks(self.model_config.vocab_size, self.device)
-        tasks += self.model.layer_warm_up_tasks([WARM_UP_PROMPT_LEN])
-        return tasks + self.model.kernel_warm_up_tasks()
+        return tasks
 
     def _attention_warm_up_tasks(self) -> list[Callable[[], None]]:
         """The attention backend's kernels and the KV pool's write, for this model's dtype."""
