@@ -151,10 +151,14 @@ if triton is not None:
         z = (z ^ (z >> 27)) * 0x94D049BB133111EB
         return z ^ (z >> 31)
 
-    # Sizes are not specialised (Triton's divisible-by-16 and equal-to-1 variants): a top-k
-    # cut's row width is any k, and each variant would be a compile while serving (seven in
-    # one TP2 soak). Start-up's warm-up then covers every width.
-    @triton.jit(do_not_specialize=["cols", "blocks"])
+    # Nothing is specialised (Triton's divisible-by-16 and equal-to-1 variants of sizes, its
+    # 16-byte alignment of pointers): a top-k cut's row width is any k, a row may start anywhere,
+    # and each variant would be a compile while serving (seven, then two, in TP2 soaks).
+    # Start-up's warm-up then covers every call.
+    @triton.jit(
+        do_not_specialize=["x_ptr", "seeds_ptr", "steps_ptr", "ids_ptr", "best_ptr", "where_ptr",
+                           "cols", "blocks"]
+    )  # fmt: skip
     def _gumbel_argmax_kernel(x_ptr, seeds_ptr, steps_ptr, ids_ptr, best_ptr, where_ptr, cols,
                               blocks, BLOCK: tl.constexpr, HAS_IDS: tl.constexpr,
                               LIBDEVICE_LOG: tl.constexpr):  # fmt: skip
@@ -183,7 +187,7 @@ if triton is not None:
         tl.store(best_ptr + row * blocks + block, m)
         tl.store(where_ptr + row * blocks + block, block * BLOCK + i.to(tl.int64))
 
-    @triton.jit(do_not_specialize=["vocab", "ids_row_stride"])
+    @triton.jit(do_not_specialize=["keys_ptr", "ids_ptr", "out_ptr", "vocab", "ids_row_stride"])
     def _noise_kernel(keys_ptr, ids_ptr, out_ptr, vocab, ids_row_stride, BLOCK: tl.constexpr,
                       GUMBEL: tl.constexpr, LIBDEVICE_LOG: tl.constexpr):  # fmt: skip
         row = tl.program_id(0)

@@ -196,9 +196,9 @@ def test_the_draws_warm_up_tasks_run_on_cuda_at_v3s_vocabulary() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_after_the_warm_up_no_row_width_compiles() -> None:
-    """After start-up's tasks, draws over any row width (a top-k cut's k columns, by token id)
-    and the materialised noise compile nothing: no size is specialised (a TP2 soak compiled the
-    draw seven times while serving before)."""
+    """After start-up's tasks, draws over any row width (a top-k cut's k columns, by token id),
+    from tensors at any alignment, and the materialised noise compile nothing: nothing is
+    specialised (TP2 soaks compiled the draw seven, then two, times while serving before)."""
     pytest.importorskip("triton.language")
     from mlaserve.graph_runner.compile_watch import CompileWatch
     from mlaserve.sampling.noise_kernel import (
@@ -213,9 +213,10 @@ def test_after_the_warm_up_no_row_width_compiles() -> None:
     watch = CompileWatch()
     watch.mark_ready()
     for n, cols in ((1, 1), (3, 17), (5, 32), (2, 2048), (4, 4096), (1, 129280)):
-        x = torch.randn(n, cols, device=dev)
-        keys = torch.arange(n, device=dev)
-        ids = torch.randint(0, 4096, (n, cols), device=dev)
+        # every tensor starts one element into its buffer: no 16-byte alignment
+        x = torch.randn(n * cols + 1, device=dev)[1:].view(n, cols)
+        keys = torch.arange(n + 1, device=dev)[1:]
+        ids = torch.randint(0, 4096, (n * cols + 1,), device=dev)[1:].view(n, cols)
         for token_ids in (None, ids):
             fused_gumbel_argmax(x, keys, keys, token_ids)
         for gumbel in (False, True):
