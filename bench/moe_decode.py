@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import copy_bandwidth
 from fusions import graph_time_us
+from tp_decode import V3_WIDTH
 
 from mlaserve.config import ModelConfig, QuantizationConfig
 from mlaserve.model.layers.moe import DeepseekMoE
@@ -53,20 +54,14 @@ V2LITE = {
     "model_type": "deepseek_v2",
     "topk_method": "greedy",
 }
+# One TP2 rank's share of V3's MoE layer: `tp_decode`'s V3 width, its experts' width halved.
+V3_MOE_KEYS = ("hidden_size", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+               "model_type", "topk_method", "scoring_func", "n_group", "topk_group",
+               "norm_topk_prob", "routed_scaling_factor")  # fmt: skip
 V3_TP2 = {
     **V2LITE,
-    "hidden_size": 7168,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 8,
-    "moe_intermediate_size": 1024,
-    "model_type": "deepseek_v3",
-    "topk_method": "noaux_tc",
-    "scoring_func": "sigmoid",
-    "n_group": 8,
-    "topk_group": 4,
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 2.5,
+    **{key: V3_WIDTH[key] for key in V3_MOE_KEYS},
+    "moe_intermediate_size": V3_WIDTH["moe_intermediate_size"] // 2,
 }
 ARCHS = {"v2lite": V2LITE, "v3tp2": V3_TP2}
 REPS = 5  # timed replays of each captured graph (median)
