@@ -283,7 +283,7 @@ class DecodeTiles(NamedTuple):
     num_warps: int
 
 
-WIDE_FP8_HIDDEN = 2048  # FP8 layers wider than this take `decode_tiles`' wide-layer tiles
+FP8_RUN = 2048  # the FP8 tiles' column run; layers wider than one run take the wide-layer tiles
 
 
 def decode_tiles(weights: MoeDecodeWeights, num_tokens: int) -> DecodeTiles:
@@ -294,15 +294,15 @@ def decode_tiles(weights: MoeDecodeWeights, num_tokens: int) -> DecodeTiles:
     - FP8 with 128-row block scales: 8 rows of whole 2048-column runs, 4 warps. A one-byte row
       read 128 columns per step is one 128-byte line per row per step: short runs, and per-step
       reductions over half the bytes of a bf16 step.
-    - FP8 wider than WIDE_FP8_HIDDEN (V3, K2: 7168; the layer takes the grouped kernels there
+    - FP8 wider than one FP8_RUN (V3, K2: 7168; the layer takes the grouped kernels there
       unless `MLASERVE_MOE_DECODE_MAX_TOKENS` says otherwise): 16-row tiles of 128 columns, 4
       warps; the 2048-column runs take four K steps there and ran 3.4x slower at one token
       (bench/moe_decode.py --arch v3tp2, H200)."""
-    if weights.quantized and weights.block_scaled and weights.hidden > WIDE_FP8_HIDDEN:
+    if weights.quantized and weights.block_scaled and weights.hidden > FP8_RUN:
         return DecodeTiles((16, 16), (128, 128), 4)
     if weights.quantized and weights.block_scaled:
-        wide = (min(2048, triton.next_power_of_2(weights.hidden)),
-                min(2048, triton.next_power_of_2(weights.inter)))  # fmt: skip
+        wide = (min(FP8_RUN, triton.next_power_of_2(weights.hidden)),
+                min(FP8_RUN, triton.next_power_of_2(weights.inter)))  # fmt: skip
         return DecodeTiles((8, 8), wide, 4)
     return DecodeTiles((16, 16), (128, 128), 8 if num_tokens == 1 else 4)
 
