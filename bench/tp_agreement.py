@@ -17,6 +17,12 @@ bf16 reduction order may flip is small; a wrong token would part at a large marg
 first-step logits' max |diff| over every prompt (the first sampled position, whole vocabulary, fp32
 logits as the sampler sees them). A printed table and a JSON line. Not a test.
 
+`--deterministic`: every variant in the deterministic mode (`deterministic_inference`: batch-
+and TP-invariant kernels, every split sum in one fixed tree): TP-N must then equal TP1 bit for
+bit, so every completion is identical and the first-step logits differ by 0. Its prefill
+attention is quadratic in the prompt (each row re-reads its prefix): `--prompt-words 40 400`
+keeps the run to minutes.
+
 `--dtype float32`: every variant in float32 (weights, activations and KV; the reference
 attention backend, eager): the reduction-order differences between 1 and N ranks shrink from
 bf16's ~1e-2 to ~1e-6, so the near-ties they flip in bf16 mostly stop flipping. What still parts
@@ -144,7 +150,9 @@ DTYPE_OPTIONS = {"auto": {}, "float32": FLOAT32, "bfloat16": {"dtype": "bfloat16
 
 def variant_kwargs(name: str, args) -> dict:
     """The engine options of a variant: tp1, tpN, tp2_eager, tp2_mtpK (+ --dtype's)."""
-    extra = DTYPE_OPTIONS[args.dtype]
+    extra = dict(DTYPE_OPTIONS[args.dtype])
+    if args.deterministic:
+        extra["deterministic_inference"] = True
     if name == "tp2_eager":
         return {"tensor_parallel_size": 2, "cuda_graph": False, "piecewise_cuda_graph": False,
                 **extra}  # fmt: skip
@@ -164,7 +172,9 @@ def isolated(name: str, margins: bool, args) -> dict:
         cmd = [sys.executable, __file__, "--run", name, "--out", str(out),
                "--load-format", args.load_format, "--prompts", str(args.prompts),
                "--max-tokens", str(args.max_tokens), "--num-pages", str(args.num_pages),
-               "--seed", str(args.seed), "--device", args.device, "--dtype", args.dtype]  # fmt: skip
+               "--seed", str(args.seed), "--device", args.device, "--dtype", args.dtype,
+               "--prompt-words", *map(str, args.prompt_words)]  # fmt: skip
+        cmd += ["--deterministic"] if args.deterministic else []
         cmd += ["--model", args.model] if args.model else []
         cmd += ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
         cmd += ["--margins"] if margins else []
@@ -187,12 +197,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", choices=list(DTYPE_OPTIONS),
                     help="float32: every variant in fp32 (docstring); bfloat16: the CPU's "
                     "torch path in bf16 (auto is fp32 there)")  # fmt: skip
+    ap.add_argument("--deterministic", action="store_true",
+                    help="every variant with deterministic_inference (docstring)")  # fmt: skip
+    ap.add_argument("--prompt-words", type=int, nargs=2, default=(40, 4000),
+                    metavar=("LO", "HI"), help="each prompt's words, uniform in [LO, HI]")  # fmt: skip
     ap.add_argument("--run", help=argparse.SUPPRESS)  # internal: one variant, in this process
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--margins", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    prompts = [_text(rng, rng.randint(40, 4000)) for _ in range(args.prompts)]
+    prompts = [_text(rng, rng.randint(*args.prompt_words)) for _ in range(args.prompts)]
     if args.run:
         row = run(args.run, variant_kwargs(args.run, args), prompts, args, args.margins)
         torch.save(row, args.out)
@@ -219,7 +233,8 @@ def main() -> None:
             rows.append(compare(isolated(f"tp2_mtp{args.spec}", False, args), runs["tp2"]))
     print(f"model {args.model or 'default'} ({args.load_format}), {device_name}"
           f" x{gpus}, {args.prompts} prompts x {args.max_tokens} tokens, greedy, dtype "
-          f"{args.dtype}")  # fmt: skip
+          f"{args.dtype}{', deterministic' if args.deterministic else ''}, prompts of "
+          f"{args.prompt_words[0]}-{args.prompt_words[1]} words")  # fmt: skip
     print(f"{'variant':>10} {'vs':>5} {'identical':>10} {'first part (min/med)':>21} "
           f"{'max gap there':>13} {'logits max|d|':>13} {'replays':>8} {'s':>6}")  # fmt: skip
     for r in rows:
@@ -232,7 +247,9 @@ def main() -> None:
               f"{'-' if lg is None else f'{lg:.3g}':>13} {r['graph_replays']:>8} {r['s']:>6}")  # fmt: skip
     print(json.dumps({
         "bench": "tp_agreement", "model": args.model or "default", "load_format": args.load_format,
-        "dtype": args.dtype, "device": device_name, "gpus": gpus, "prompts": args.prompts,
+        "dtype": args.dtype, "deterministic": args.deterministic,
+        "prompt_words": list(args.prompt_words), "device": device_name, "gpus": gpus,
+        "prompts": args.prompts,
         "max_tokens": args.max_tokens, "tp1_s": runs["tp1"]["s"] if same_model else None, "rows": rows,
     }))  # fmt: skip
 

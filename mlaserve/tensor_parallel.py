@@ -3,6 +3,7 @@
     tp = init_tensor_parallel(rank, size, backend="gloo", init_method="tcp://127.0.0.1:29500")
     y = tp.all_reduce(partial)          # sum over ranks (RowParallelLinear, MoE, embedding)
     logits = tp.all_gather(local, -1)   # concatenated along a dim (vocab-parallel LM head)
+    y = tp.tree_all_reduce(subtree)     # the deterministic mode's sum: the same bits at any TP
     tp.broadcast(ids, src=0)            # rank `src`'s tensor on every rank
     destroy_tensor_parallel(tp)
 
@@ -21,8 +22,13 @@ in a CUDA graph (tests/test_custom_all_reduce_gpu.py replays them against NCCL).
 spans nodes (`--nnodes` > 1) has no custom all-reduce: symmetric memory is within a node, so
 NCCL takes every size there.
 
-Imports only custom_all_reduce.py and switches.py from mlaserve, so every layer from config/ up
-may hold a `TensorParallel`.
+`tree_all_reduce` is the deterministic mode's all-reduce: an all-gather of the ranks' fp32
+subtree sums and the summation tree's top levels on every rank (`ops/invariant_rowwise.py`,
+`TREE_LEAVES`), never a collective's own order, so its bits do not depend on the TP size.
+
+Imports only custom_all_reduce.py, switches.py and the torch form of the summation tree
+(ops/invariant_rowwise.py) from mlaserve, so every layer from config/ up may hold a
+`TensorParallel`.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import torch.distributed as dist
 
 from mlaserve import switches
 from mlaserve.custom_all_reduce import CustomAllReduce
+from mlaserve.ops.invariant_rowwise import TREE_LEAVES, tree_sum
 
 __all__ = [
     "NO_TP",
@@ -44,6 +51,8 @@ __all__ = [
     "broadcast",
     "destroy_tensor_parallel",
     "init_tensor_parallel",
+    "subtree_leaves",
+    "tree_all_reduce",
 ]
 
 
@@ -87,6 +96,14 @@ class TensorParallel:
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return all_gather(x, self, dim)
 
+    def tree_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return tree_all_reduce(x, self)
+
+    @property
+    def tree_leaves(self) -> int:
+        """Leaves of the deterministic mode's summation tree this rank holds (its subtree)."""
+        return subtree_leaves(self.size)
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         return broadcast(x, self, src)
 
@@ -128,6 +145,30 @@ def all_gather(x: torch.Tensor, tp: TensorParallel, dim: int = -1) -> torch.Tens
     parts = [torch.empty_like(x) for _ in range(tp.size)]
     dist.all_gather(parts, x, group=tp.group)
     return torch.cat(parts, dim=dim)
+
+
+def subtree_leaves(size: int) -> int:
+    """TREE_LEAVES / size: the leaves each of `size` ranks holds; ValueError where `size` does
+    not divide TREE_LEAVES."""
+    if size < 1 or TREE_LEAVES % size:
+        raise ValueError(
+            f"tensor parallel size {size}: the deterministic mode's summation tree has "
+            f"{TREE_LEAVES} leaves, which the size must divide (1, 2, 4 or 8)"
+        )
+    return TREE_LEAVES // size
+
+
+def tree_all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The deterministic mode's sum over the ranks: `x` [...] fp32 is this rank's subtree sum
+    (its `tp.tree_leaves` consecutive leaves, `ops/invariant_rowwise.py`); the ranks' subtrees
+    are all-gathered in rank order and summed in the tree's top levels (`tree_sum`) on every
+    rank: [...] fp32, the same bits as one rank summing all the leaves. Identity on one rank."""
+    if tp.size == 1:
+        return x
+    if x.dtype != torch.float32:
+        raise ValueError(f"tree_all_reduce: subtree sums are fp32, got {x.dtype}")
+    subtree_leaves(tp.size)
+    return tree_sum(all_gather(x.unsqueeze(0), tp, dim=0))
 
 
 def broadcast(x: torch.Tensor, tp: TensorParallel, src: int = 0) -> torch.Tensor:

@@ -121,7 +121,9 @@ class EngineConfig:
     # token's logits are bitwise independent of the batch it runs in (other requests, batch
     # size, graph padding, prefill chunking, decode / verify / draft / recompute), through
     # fixed-order kernels (`ops/invariant_*.py`) and the `invariant` attention backend, which it
-    # selects. Slower (README, "Deterministic inference"); one rank only.
+    # selects; and of the tensor-parallel size (1, 2, 4 or 8: every split sum in one fixed tree,
+    # `ops/invariant_rowwise.py`). Slower (README, "Deterministic inference"); no expert
+    # parallelism.
     deterministic_inference: bool = False
     # vLLM's --enable-expert-parallel: with tensor_parallel_size N > 1 each rank holds whole
     # routed experts (n_routed_experts / N of them, which must divide) instead of a 1/N slice of
@@ -255,10 +257,17 @@ class EngineConfig:
             )
         if not self.deterministic_inference:
             return
-        if self.tensor_parallel_size != 1:
+        from mlaserve.ops.invariant_rowwise import TREE_LEAVES  # torch: this mode only
+
+        if TREE_LEAVES % self.tensor_parallel_size:
             raise ConfigError(
-                f"deterministic_inference: runs on one rank only, got tensor_parallel_size "
-                f"{self.tensor_parallel_size} (its all-reduces sum in an order of their own)"
+                f"deterministic_inference: tensor_parallel_size must divide {TREE_LEAVES} (the "
+                f"summation tree's leaves: 1, 2, 4 or 8), got {self.tensor_parallel_size}"
+            )
+        if self.enable_expert_parallel and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                "deterministic_inference with enable_expert_parallel: whole experts per rank sum "
+                "the MoE over the ranks outside the summation tree (use tensor parallelism)"
             )
         if self.attention_backend not in ("auto", "invariant"):
             raise ConfigError(

@@ -6,6 +6,15 @@ Each computes one row (token) at a time with torch calls whose shapes depend on 
 (its own K, or its own position p), in fp32, rounded once: so a row's bits cannot depend on the
 batch. Slow (a Python loop over rows) and eager only (the attention reads each row's sequence
 and position on the host). Torch only: importable without Triton.
+
+The summation tree that makes the deterministic mode tensor-parallel invariant lives here too
+(`TREE_LEAVES`, `tree_sum`): a row-parallel product's K (and an MoE layer's intermediate dim)
+is cut into `TREE_LEAVES` equal chunks whatever the TP size, each chunk's fp32 sum is a leaf,
+and the leaves are summed in one balanced binary tree of adjacent pairs. A rank of a TP group of
+N holds TREE_LEAVES / N consecutive leaves, a whole subtree: it sums them (`tree_sum`, or the
+kernels' in-register tree), and `tensor_parallel.tree_all_reduce` sums the N subtrees in the
+tree's top levels. Every TP size that divides TREE_LEAVES then adds the same numbers in the same
+order: the same bits at TP 1, 2, 4 and 8 (SGLang's and vLLM's "tree-based invariant kernels").
 """
 
 from __future__ import annotations
@@ -14,14 +23,36 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "TREE_LEAVES",
     "check_attention_shapes",
+    "check_leaves",
+    "dequantized",
     "rowwise_head_matmul",
     "rowwise_matmul",
     "rowwise_mla_attention",
     "scale_row_div",
+    "tree_sum",
 ]
 
 _SCALE_BLOCK = 128  # FP8 block scales: 128 x 128 (`model/layers/fp8_linear.py`)
+# The deterministic mode's summation tree (module docstring): leaves of every reduction a TP
+# group splits; 8 covers every TP size of one 8-GPU node (1, 2, 4, 8).
+TREE_LEAVES = 8
+
+
+def check_leaves(leaves: int) -> None:
+    """ValueError unless `leaves` is a power of two dividing TREE_LEAVES."""
+    if leaves < 1 or TREE_LEAVES % leaves:
+        raise ValueError(f"summation tree: {leaves} leaves do not divide {TREE_LEAVES}")
+
+
+def tree_sum(leaves: torch.Tensor) -> torch.Tensor:
+    """leaves [L, ...] (L a power of two, fp32) -> [...]: adjacent pairs summed, level by level
+    ((l0 + l1) + (l2 + l3)) ..., the tree the invariant kernels sum in registers."""
+    check_leaves(leaves.shape[0])
+    while leaves.shape[0] > 1:
+        leaves = leaves[0::2] + leaves[1::2]
+    return leaves[0]
 
 
 def scale_row_div(w: torch.Tensor, scale: torch.Tensor) -> int:
@@ -57,7 +88,8 @@ def check_attention_shapes(
     return num_tokens, heads, r, dr
 
 
-def _dequantized(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+def dequantized(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """w [N, K] as fp32 (times its FP8 block or row scales): exact, element by element."""
     if scale is None:
         return w.float()
     div = scale_row_div(w, scale)
@@ -71,12 +103,25 @@ def rowwise_matmul(
     scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    leaves: int = 1,
 ) -> torch.Tensor:
     """`invariant_matmul` in torch: one fp32 [1, K] @ [K, N] per row (the same call whatever
-    M is), rounded once. The CPU path of the deterministic mode."""
+    M is), rounded once. The CPU path of the deterministic mode. `leaves` > 1: K in that many
+    equal chunks, one fp32 call each (each chunk's weight columns copied contiguous, so a call
+    sees the same operands whatever rank holds them), summed by `tree_sum`."""
     lead, k = x.shape[:-1], x.shape[-1]
-    wf = _dequantized(w, scale)
-    rows = [F.linear(r, wf) for r in x.reshape(-1, 1, k).float()]
+    check_leaves(leaves)
+    if k % leaves:
+        raise ValueError(f"rowwise_matmul: K {k} is not {leaves} equal leaves")
+    if leaves > 1 and bias is not None:
+        raise ValueError("rowwise_matmul: a bias with leaves (add it after the tree's sum)")
+    wf = dequantized(w, scale)
+    kc = k // leaves
+    chunks = [wf[:, c * kc : (c + 1) * kc].contiguous() for c in range(leaves)]
+    rows = []
+    for r in x.reshape(-1, 1, k).float():
+        parts = [F.linear(r[:, c * kc : (c + 1) * kc], chunk) for c, chunk in enumerate(chunks)]
+        rows.append(tree_sum(torch.stack(parts)) if leaves > 1 else parts[0])
     y = torch.cat(rows) if rows else x.new_empty(0, w.shape[0], dtype=torch.float32)
     if bias is not None:
         y = y + bias.float()
@@ -110,7 +155,10 @@ def rowwise_mla_attention(
     for t, (seq, pos) in enumerate(zip(row_seq.tolist(), row_pos.tolist(), strict=True)):
         pages = block_tables[seq, : pos // page + 1].long()
         keys = kv[pages].flatten(0, 1)[: pos + 1].float() * scale  # [pos + 1, R + DR]
-        q = torch.cat([q_nope[t], q_pe[t]], dim=-1).float()  # [H, R + DR]
-        probs = torch.softmax((q @ keys.T) * softmax_scale, dim=-1)
-        out[t] = (probs @ keys[:, :r]).to(q_nope.dtype)
+        q = torch.cat([q_nope[t], q_pe[t]], dim=-1).float().unsqueeze(1)  # [H, 1, R + DR]
+        # one [1, D] @ [D, P] per head (bmm), not one [H, D] @ [D, P]: a head's bits must not
+        # depend on how many heads this rank holds (the tensor-parallel split)
+        scores = torch.bmm(q, keys.T.expand(heads, -1, -1))  # [H, 1, pos + 1]
+        probs = torch.softmax(scores * softmax_scale, dim=-1)
+        out[t] = torch.bmm(probs, keys[:, :r].expand(heads, -1, -1))[:, 0].to(q_nope.dtype)
     return out

@@ -59,6 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.ops.invariant_rowwise import check_leaves
 from mlaserve.ops.moe_partials import MoePartials
 from mlaserve.ops.moe_partials_combine import combine_partials
 from mlaserve.ops.moe_weights import (
@@ -103,6 +104,22 @@ def _slot_selection(
     return sel_w, sel_ids, weight, tl.sum(tl.where(k_idx == slot, sel_ids, 0))
 
 
+@triton.jit
+def _tree_rows(offs, routed, index, INTER: tl.constexpr, S: tl.constexpr, CHUNK: tl.constexpr):
+    """Intermediate positions `offs` of a pair's h row -> the offsets `expert_gate_up_rows`
+    takes. With leaves (CHUNK < INTER) a shared slice's position j = c * CHUNK + k is column
+    c * S * CHUNK + index * CHUNK + k of the shared MLP's local intermediate: leaf c holds the
+    S slices' CHUNK columns of one S * CHUNK run, as a TP rank's share is one run of the whole
+    (the helper adds index * INTER). Identity otherwise, and for routed experts."""
+    # one return: Triton types every return of a function, even one a constexpr `if` skips
+    if CHUNK == INTER or S == 1:
+        out = offs
+    else:
+        moved = (offs // CHUNK) * (S * CHUNK) + index * (CHUNK - INTER) + offs % CHUNK
+        out = tl.where(routed, offs, moved)
+    return out
+
+
 # split_stride (T * E, the logits' split-K stride) is not specialised: one compile for every T
 @triton.jit(do_not_specialize=["split_stride"])
 def _gate_up_kernel(
@@ -112,7 +129,7 @@ def _gate_up_kernel(
     H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, S: tl.constexpr,
     ROW_DIV: tl.constexpr, SHARED_ROW_DIV: tl.constexpr, HAS_SCALE: tl.constexpr,
     UNIFORM_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROUTE: tl.constexpr, SPLITS: tl.constexpr, G: tl.constexpr, PG: tl.constexpr,
+    CHUNK: tl.constexpr, ROUTE: tl.constexpr, SPLITS: tl.constexpr, G: tl.constexpr, PG: tl.constexpr,
     TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_PG: tl.constexpr,
     BLOCK_K_SEL: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
@@ -145,8 +162,8 @@ def _gate_up_kernel(
         else:
             index = tl.load(ids_ptr + t * K + slot)
     base, gate_rows, up_rows, sbase, sg, su = expert_gate_up_rows(
-        routed, index, offs_n, w_ptr, s_ptr, sw_ptr, ss_ptr, s_e_stride, s_r_stride, ss_r_stride,
-        INTER, S, ROW_DIV, SHARED_ROW_DIV,
+        routed, index, _tree_rows(offs_n, routed, index, INTER, S, CHUNK), w_ptr, s_ptr, sw_ptr,
+        ss_ptr, s_e_stride, s_r_stride, ss_r_stride, INTER, S, ROW_DIV, SHARED_ROW_DIV,
     )  # fmt: skip
     # Each step's weight tiles, x slice and scales are loaded one step ahead (a register double
     # buffer), so a program always has loads in flight.
@@ -161,7 +178,7 @@ def _gate_up_kernel(
         # gate and up halves start on block edges): its scales are one per K column block,
         # applied to the x slice instead of to every weight; any BLOCK_K then works (wide
         # steps read each weight row in long runs, which FP8's one-byte rows need).
-        n0 = tl.program_id(1) * BLOCK_N
+        n0 = _tree_rows(tl.program_id(1) * BLOCK_N, routed, index, INTER, S, CHUNK)
         _, _, _, _, sg0, su0 = expert_gate_up_rows(
             routed, index, n0, w_ptr, s_ptr, sw_ptr, ss_ptr, s_e_stride, s_r_stride,
             ss_r_stride, INTER, S, ROW_DIV, SHARED_ROW_DIV,
@@ -210,13 +227,14 @@ def _down_kernel(
     logits_ptr, bias_ptr, logits_stride, split_stride, scaling,
     H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, S: tl.constexpr,
     HAS_SCALE: tl.constexpr, UNIFORM_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, TREE: tl.constexpr,
     ROUTE: tl.constexpr, SPLITS: tl.constexpr, G: tl.constexpr, PG: tl.constexpr,
     TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_PG: tl.constexpr,
     BLOCK_K_SEL: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0).to(tl.int64)
+    leaf = tl.program_id(2)  # 0 but with leaves: this leaf's CHUNK positions of h
     t = pair // (K + S)
     slot = pair % (K + S)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -242,37 +260,45 @@ def _down_kernel(
         routed, index, offs_n, w_ptr, s_ptr, sw_ptr, ss_ptr, s_e_stride, s_r_stride, ss_r_stride,
         H, INTER, S,
     )  # fmt: skip
+    # This leaf's columns: [shift, shift + CHUNK) past col0 (`_tree_rows`'s runs for a shared
+    # slice); the whole INTER without leaves. FP8: CHUNK is a multiple of 128.
+    shift = leaf * CHUNK
+    if CHUNK != INTER and S > 1:
+        shift = tl.where(routed, shift, leaf * (S * CHUNK) + index * (CHUNK - INTER))
     # As in the gate_up kernel: operands loaded one step ahead, uniform scales on h's slice.
     offs_k = tl.arange(0, BLOCK_K)
-    rows = base + offs_n[:, None].to(tl.int64) * row_stride + col0 + offs_k[None, :]
-    w_next = tl.load(rows, mask=mask_n[:, None] & (offs_k < INTER)[None, :], other=0.0)
+    rows = base + offs_n[:, None].to(tl.int64) * row_stride + col0 + shift + offs_k[None, :]
+    w_next = tl.load(rows, mask=mask_n[:, None] & (offs_k < CHUNK)[None, :], other=0.0)
     if UNIFORM_SCALE:  # BLOCK_N divides 128: the program's rows share their scale row
         _, _, _, s0 = expert_down_cols(
             routed, index, tl.program_id(1) * BLOCK_N, w_ptr, s_ptr, sw_ptr, ss_ptr, s_e_stride,
             s_r_stride, ss_r_stride, H, INTER, S,
         )  # fmt: skip
-        s_next = tl.load(s0 + offs_k // 128, mask=offs_k < INTER, other=0.0)
+        s0 += shift // 128
+        s_next = tl.load(s0 + offs_k // 128, mask=offs_k < CHUNK, other=0.0)
     wait_for_previous_kernel(PDL)  # h is the gate_up kernel's output
-    h_row = h_ptr + pair * INTER
-    h_next = tl.load(h_row + offs_k, mask=offs_k < INTER, other=0.0)
+    h_row = h_ptr + pair * INTER + leaf * CHUNK
+    h_next = tl.load(h_row + offs_k, mask=offs_k < CHUNK, other=0.0)
     part = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, INTER, BLOCK_K):
+    for k0 in range(0, CHUNK, BLOCK_K):
         w = w_next.to(tl.float32)
         hk = h_next.to(tl.float32)
         nk = k0 + BLOCK_K + offs_k
         w_next = tl.load(
-            rows + k0 + BLOCK_K, mask=mask_n[:, None] & (nk < INTER)[None, :], other=0.0
+            rows + k0 + BLOCK_K, mask=mask_n[:, None] & (nk < CHUNK)[None, :], other=0.0
         )
-        h_next = tl.load(h_row + nk, mask=nk < INTER, other=0.0)
+        h_next = tl.load(h_row + nk, mask=nk < CHUNK, other=0.0)
         if UNIFORM_SCALE:
             hk = hk * s_next
-            s_next = tl.load(s0 + nk // 128, mask=nk < INTER, other=0.0)
+            s_next = tl.load(s0 + nk // 128, mask=nk < CHUNK, other=0.0)
         elif HAS_SCALE:
-            w *= tl.load(srow + k0 // 128, mask=mask_n, other=0.0)[:, None]
+            w *= tl.load(srow + shift // 128 + k0 // 128, mask=mask_n, other=0.0)[:, None]
         part += tl.sum(w * hk[None, :], axis=1)
-    dtype = h_ptr.dtype.element_ty
-    part = tl.where(routed, part.to(dtype).to(tl.float32), part)  # the unfused expert output
-    tl.store(part_ptr + pair * H + offs_n, weight * part, mask=mask_n)
+    if not TREE:  # the unfused expert output; a tree's leaf is a partial sum, kept in fp32
+        dtype = h_ptr.dtype.element_ty
+        part = tl.where(routed, part.to(dtype).to(tl.float32), part)
+    out = part_ptr + (leaf * tl.num_programs(0) + pair) * H + offs_n
+    tl.store(out, weight * part, mask=mask_n)
 
 
 class DecodeTiles(NamedTuple):
@@ -318,6 +344,8 @@ def moe_decode(
     num_warps: int | None = None,
     combine: bool = True,
     routing: Routing | None = None,
+    leaves: int | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | MoePartials:
     """x [T, H], topk_weights [T, K] fp32, topk_ids [T, K] int64 -> y [T, H] (x's dtype).
     `block_n` / `block_k`: tiles of (gate_up, down), powers of two. With FP8 weights a block_n
@@ -328,14 +356,29 @@ def moe_decode(
 
     `routing`: the expert selection not yet run (`routing.plan_routing` of the router logits),
     then run inside the first kernel, which fills its outputs: topk_weights and topk_ids must be
-    `routing.weights` and `routing.ids` (one launch per layer fewer than selecting first)."""
+    `routing.weights` and `routing.ids` (one launch per layer fewer than selecting first).
+
+    `leaves` (the deterministic mode; 1, 2, 4 or 8): the intermediate dim in that many equal
+    chunks (of 128s with FP8), the down projection's partials per chunk unrounded, and y is
+    the summation tree of `ops/invariant_rowwise.py` over them, each leaf the token's slots
+    summed in order (a TP rank's subtree; with S > 1 shared slices a leaf takes one run of the
+    shared MLP's intermediate, `_tree_rows`). `out_dtype`: y's dtype (fp32: a rank's unrounded
+    share), default x's."""
     if routing is not None and (topk_weights is not routing.weights or topk_ids is not routing.ids):
         raise ValueError("moe_decode: with `routing`, pass its own weights and ids to fill")
     num_tokens, top_k = topk_ids.shape
     hidden, inter, shared = weights.hidden, weights.inter, weights.num_shared
     if x.shape != (num_tokens, hidden) or not x.is_contiguous():
         raise ValueError(f"moe_decode: x {list(x.shape)} vs {num_tokens} tokens x {hidden}")
-    y = torch.empty_like(x)
+    tree = leaves is not None
+    leaves = 1 if leaves is None else leaves
+    check_leaves(leaves)
+    chunk = inter // leaves
+    if inter % leaves or (weights.quantized and chunk % 128):
+        raise ValueError(f"moe_decode: intermediate {inter} is not {leaves} equal leaves")
+    if tree and not combine:
+        raise ValueError("moe_decode: leaves are combined here (combine=False has no tree)")
+    y = torch.empty_like(x, dtype=out_dtype or x.dtype)
     if num_tokens == 0:
         return y
     pairs = num_tokens * (top_k + shared)
@@ -345,6 +388,8 @@ def moe_decode(
     has_scale = weights.quantized
     tiles = decode_tiles(weights, num_tokens)
     block_n = block_n or tiles.block_n
+    if block_k is None and tree:  # the down step within one leaf: its width's, not the rank's
+        block_k = (tiles.block_k[0], min(tiles.block_k[1], triton.next_power_of_2(chunk)))
     block_k = block_k or tiles.block_k
     num_warps = num_warps or tiles.num_warps
     uniform = (
@@ -372,20 +417,20 @@ def moe_decode(
         s13_e, s13_r, ss13_r,
         H=hidden, INTER=inter, K=top_k, S=shared,
         ROW_DIV=weights.row_div, SHARED_ROW_DIV=weights.shared_row_div, HAS_SCALE=has_scale,
-        UNIFORM_SCALE=uniform[0], BLOCK_N=block_n[0], BLOCK_K=block_k[0],
+        UNIFORM_SCALE=uniform[0], BLOCK_N=block_n[0], BLOCK_K=block_k[0], CHUNK=chunk,
         ROUTE=routing is not None, **sel, num_warps=num_warps, **pdl,
     )  # fmt: skip
     s2, s2_e, s2_r = scale_args(weights.w2_scale, weights.w2)
     ss2, _, ss2_r = scale_args(weights.shared_w2_scale, s2)
-    part = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    _down_kernel[(pairs, triton.cdiv(hidden, block_n[1]))](
+    part = torch.empty(leaves * pairs, hidden, dtype=torch.float32, device=x.device)
+    _down_kernel[(pairs, triton.cdiv(hidden, block_n[1]), leaves)](
         h, ids, wts, weights.w2, s2, weights.shared_w2, ss2, part,
         s2_e, s2_r, ss2_r,
         H=hidden, INTER=inter, K=top_k, S=shared, HAS_SCALE=has_scale,
-        UNIFORM_SCALE=uniform[1], BLOCK_N=block_n[1], BLOCK_K=block_k[1],
-        ROUTE=routing is not None, **sel, num_warps=num_warps, **pdl,
+        UNIFORM_SCALE=uniform[1], BLOCK_N=block_n[1], BLOCK_K=block_k[1], CHUNK=chunk,
+        TREE=tree, ROUTE=routing is not None, **sel, num_warps=num_warps, **pdl,
     )  # fmt: skip
     if not combine:
         return MoePartials(part.view(num_tokens, top_k + shared, hidden), x.dtype)
-    combine_partials(part, y, top_k + shared)
+    combine_partials(part, y, top_k + shared, leaves)
     return y

@@ -111,6 +111,28 @@ def test_tp_agreement_runs_each_variant_in_its_own_process_on_the_cpu() -> None:
     assert all(r["identical"] == r["of"] == 2 for r in rows.values()), rows
 
 
+def test_tp_agreement_in_the_deterministic_mode_is_bitwise_on_the_cpu() -> None:
+    """bench/tp_agreement.py --deterministic in bf16 over gloo: TP2's first-step logits equal
+    TP1's bit for bit (max |d| 0) and every variant equals its reference token for token."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, str(root / "bench" / "tp_agreement.py"), "--device", "cpu", "--tp", "2",
+         "--prompts", "2", "--max-tokens", "4", "--num-pages", "256", "--dtype", "bfloat16",
+         "--deterministic", "--prompt-words", "5", "30"],
+        cwd=root, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["deterministic"] and report["prompt_words"] == [5, 30]
+    rows = {(r["variant"], r["reference"]): r for r in report["rows"]}
+    assert all(r["identical"] == r["of"] == 2 for r in rows.values()), rows
+    assert rows[("tp2", "tp1")]["first_logits_max_abs_diff"] == 0.0
+
+
 def test_a_steps_all_reduces_are_counted_by_kernel_name() -> None:
     """NCCL's AllReduce kernels and symmetric memory's one-shot / two-shot kernels count; its
     broadcast, all-gather and everything else do not (names as torch.profiler reports them)."""

@@ -8,6 +8,10 @@ different chunks and share forwards with other requests' chunks and decodes. GPU
 the default model in bf16 with the FP8 cache, CUDA graphs (decode and piecewise prefill),
 overlap scheduling, MTP speculation k = 3 and a KV pool small enough to preempt.
 
+Tensor-parallel invariance: the same greedy requests at TP1, TP2 and TP4 (gloo on the CPU, bf16;
+NCCL on 2 GPUs with graphs, overlap and MTP) give the same tokens and bitwise the same logprobs:
+every sum a TP group splits is summed in one fixed tree (`ops/invariant_rowwise.py`).
+
 Also the mode's configuration rules and its CLI flag.
 """
 
@@ -77,11 +81,42 @@ def test_cpu_greedy_alone_equals_together_with_small_chunks() -> None:
     _alone_vs_together(llm, PROMPTS, _greedy(16))
 
 
+def _greedy_runs(prompts: list[str], params: SamplingParams, sizes: tuple, **options) -> dict:
+    """TP size -> [(tokens, logprobs)] per prompt, one engine at a time."""
+    runs = {}
+    for size in sizes:
+        llm = LLM(deterministic_inference=True, tensor_parallel_size=size, **options)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs[size] = [_tokens_and_logprobs(o) for o in outs]
+        finally:
+            llm.shutdown()
+        del llm
+    return runs
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_cpu_tp2_and_tp4_equal_tp1_bitwise() -> None:
+    runs = _greedy_runs(
+        PROMPTS, _greedy(16), (1, 2, 4), device="cpu", dtype="bfloat16",
+        max_num_batched_tokens=16, page_size=4, enable_prefix_caching=False,
+    )  # fmt: skip
+    for size in (2, 4):
+        assert runs[size] == runs[1], f"TP{size} differs from TP1"
+
+
 def test_config_rules() -> None:
     assert EngineConfig(deterministic_inference=True).resolved_attention_backend() == "invariant"
     assert EngineConfig().resolved_attention_backend() == "auto"
-    with pytest.raises(ConfigError, match="tensor_parallel_size"):
-        EngineConfig(deterministic_inference=True, tensor_parallel_size=2)
+    for size in (2, 4, 8):  # the summation tree's divisors (tests/model/test_tp_invariance.py)
+        EngineConfig(deterministic_inference=True, tensor_parallel_size=size)
+    for size in (3, 6, 16):
+        with pytest.raises(ConfigError, match="tensor_parallel_size must divide 8"):
+            EngineConfig(deterministic_inference=True, tensor_parallel_size=size)
+    with pytest.raises(ConfigError, match="enable_expert_parallel"):
+        EngineConfig(
+            deterministic_inference=True, tensor_parallel_size=2, enable_expert_parallel=True
+        )
     with pytest.raises(ConfigError, match="invariant"):
         EngineConfig(deterministic_inference=True, attention_backend="flashmla")
     with pytest.raises(ConfigError, match="deterministic_inference"):
@@ -128,3 +163,27 @@ def test_gpu_greedy_alone_equals_together(options: dict) -> None:
     if "num_pages" in options:
         assert stats.num_preemptions > 0, "the pool was meant to be small enough to preempt"
     assert stats.num_free_pages == stats.num_total_pages
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({}, id="graphs-overlap"),
+        pytest.param({"num_speculative_tokens": 3}, id="spec3"),
+    ],
+)
+def test_gpu_tp2_equals_tp1_bitwise(options: dict) -> None:
+    """Served configuration (bf16, FP8 KV, graphs with the tree's all-gather inside, overlap):
+    TP2's tokens equal TP1's; logprobs within 1e-5 (torch's CUDA logsumexp lays out its
+    reduction by the number of rows, should the two step other batches)."""
+    prompts = [p * (1 + i % 4) for i, p in enumerate(PROMPTS)] * 2
+    runs = _greedy_runs(
+        prompts, _greedy(48), (1, 2), device="cuda", max_num_batched_tokens=64, max_num_seqs=16,
+        enable_prefix_caching=False, **options,
+    )  # fmt: skip
+    for i, (tp1, tp2) in enumerate(zip(runs[1], runs[2], strict=True)):
+        assert tp2[0] == tp1[0], f"prompt {i}: TP2's tokens differ from TP1's"
+        gap = max(abs(a - b) for a, b in zip(tp1[1], tp2[1], strict=True))
+        assert gap <= 1e-5, f"prompt {i}: logprobs differ by {gap}"

@@ -36,6 +36,7 @@ from mlaserve.model.layers.linear import (
 from mlaserve.model.layers.mlp import DeepseekMLP
 from mlaserve.model.layers.moe_experts import FusedExperts
 from mlaserve.ops.fp8_quant import quantize_weight_block
+from mlaserve.ops.invariant_rowwise import tree_sum
 from mlaserve.tensor_parallel import all_gather, broadcast
 from tests.checkpoints import make_checkpoint
 from tests.model.tp_ranks import run_on_ranks
@@ -116,6 +117,17 @@ def test_collectives_under_gloo_equal_the_local_computation(tmp_path: Path) -> N
         torch.testing.assert_close(got["all_gather_last"], torch.cat([x0, x1], -1), rtol=0, atol=0)
         torch.testing.assert_close(got["broadcast"], x1, rtol=0, atol=0)
         torch.testing.assert_close(got["broadcast_strided"], x0.t(), rtol=0, atol=0)
+        assert torch.equal(got["tree_all_reduce"], tree_sum(torch.stack([x0, x1])))
+
+
+def test_tree_all_reduce_is_identity_on_one_rank_and_takes_fp32_subtrees_only() -> None:
+    x = rank_tensor(0)
+    assert NO_TP.tree_all_reduce(x) is x and NO_TP.tree_leaves == 8
+    assert TensorParallel(1, 4).tree_leaves == 2
+    with pytest.raises(ValueError, match="fp32"):
+        TensorParallel(0, 2).tree_all_reduce(x.bfloat16())
+    with pytest.raises(ValueError, match="must divide"):
+        _ = TensorParallel(0, 3).tree_leaves
 
 
 def test_row_parallel_bf16_partials_are_summed_in_fp32(tmp_path: Path) -> None:

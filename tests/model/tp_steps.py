@@ -144,6 +144,7 @@ def collective_steps(tp: TensorParallel) -> dict[str, torch.Tensor]:
         "all_gather_last": tp.all_gather(x, -1),
         "broadcast": tp.broadcast(bcast, src=1),
         "broadcast_strided": tp.broadcast(strided, src=0).clone(),
+        "tree_all_reduce": tp.tree_all_reduce(x.clone()),
     }
 
 

@@ -158,3 +158,183 @@ def test_refuses_mismatched_operands():
         invariant_matmul(torch.zeros(2, 8), torch.zeros(4, 9))
     with pytest.raises(ValueError, match="FP8"):
         invariant_matmul(torch.zeros(2, 8), torch.zeros(4, 8), torch.ones(1, 1))
+
+
+# The deterministic mode's summation tree (`invariant_rowwise.TREE_LEAVES` leaves of K): row-
+# parallel products at serving sizes. (N, K) of the default model's o_proj and dense MLP down,
+# V3-lite's o_proj and V3's o_proj at TP1 (FP8 only; V3 ships FP8). FP8 leaves are multiples of
+# 128 columns (K / 8 % 128 == 0): none of the default model's K qualifies.
+TREE_SHAPES = {
+    "default_o": (256, 256),
+    "default_down": (256, 512),
+    "v3lite_o": (2048, 2048),
+    "v3_o": (7168, 16384),
+    "ragged": (1000, 1400),  # leaves of 175 columns: a partial K step in every leaf
+}
+TREE_GPU_CASES = [
+    gpu_case(shape, weights)
+    for shape, weights in (
+        ("default_o", "dtype"),
+        ("default_down", "dtype"),
+        ("v3lite_o", "dtype"),
+        ("ragged", "dtype"),
+        ("v3lite_o", "fp8_block"),
+        ("v3lite_o", "fp8_row"),
+        ("v3_o", "fp8_block"),
+        ("default_o", "fp32_router"),  # the fp32 operands' tiles (an fp32 model's layers)
+    )
+]
+TREE_CPU_CASES = [
+    cpu_case((24, 256), "dtype"),
+    cpu_case((70, 520), "dtype"),  # leaves of 65 columns, a partial N tile
+    cpu_case((40, 1024), "fp8_block"),  # leaves of one 128-column scale block
+    cpu_case((8, 256), "fp32_router"),
+]
+
+
+def _poisoned_copy(t: torch.Tensor) -> torch.Tensor:
+    """t [M, K] copied into the leading rows and columns of a NaN buffer (a rank's own
+    activations): a read past its K or its M shows as NaN."""
+    buf = torch.full(
+        (t.shape[0] + 4, t.shape[1] + 16), float("nan"), dtype=t.dtype, device=t.device
+    )
+    buf[: t.shape[0], : t.shape[1]] = t
+    return buf[: t.shape[0], : t.shape[1]]
+
+
+def _share(x, w, scale, r, n):
+    """Rank r of n's operands of a row-parallel product: x's and w's K columns
+    [r K/n, (r+1) K/n) (and their scale columns), each its own tensor."""
+    k = x.shape[1]
+    cols = slice(r * k // n, (r + 1) * k // n)
+    s = None
+    if scale is not None:
+        s = scale[:, r * k // n // 128 : (r + 1) * k // n // 128].contiguous()
+    return _poisoned_copy(x[:, cols]), w[:, cols].contiguous(), s
+
+
+@pytest.mark.parametrize(("shape", "weights", "device"), [*TREE_CPU_CASES, *TREE_GPU_CASES])
+def test_leaves_are_tensor_parallel_invariant(shape, weights, device, monkeypatch):
+    """`leaves=8` (fp32 out) against `rowwise_matmul(leaves=8)`: |err| <= 1e-5 * (|x| @ |W|.T)
+    per element (the same leaves and tree; only a leaf's own fp32 sum in another order).
+    Bitwise: the tree of n rank shares (K split in n contiguous runs, `leaves=8 // n` each),
+    n = 2, 4, 8; any subset of the rows (batch invariance); and the kernel's own rounding of the
+    root (one rank) against the fp32 root rounded after the tree (`tree_all_reduce`)."""
+    from mlaserve.ops.invariant_matmul import invariant_matmul
+    from mlaserve.ops.invariant_rowwise import TREE_LEAVES, dequantized, tree_sum
+
+    if device == "cpu":
+        row_invariant_interpreter_dot(monkeypatch)
+    n, k = TREE_SHAPES.get(shape, shape)
+    gen = torch.Generator(device=device).manual_seed(3)
+    w, scale, x_dtype, out_dtype = _weights(n, k, weights, device, gen)
+    x = _poisoned_x(64, k, x_dtype, device, gen)
+    y = invariant_matmul(x, w, scale, out_dtype=torch.float32, leaves=TREE_LEAVES)
+    assert y.shape == (64, n) and y.dtype == torch.float32 and not y.isnan().any()
+    ref = rowwise_matmul(x, w, scale, out_dtype=torch.float32, leaves=TREE_LEAVES)
+    bound = 1e-5 * (x.float().abs() @ dequantized(w, scale).abs().T)
+    assert ((y - ref).abs() <= bound).all(), ((y - ref).abs() / bound).max()
+    for ranks in (2, 4, 8):
+        leaves = TREE_LEAVES // ranks
+        shares = [
+            invariant_matmul(*_share(x, w, scale, r, ranks), out_dtype=torch.float32, leaves=leaves)
+            for r in range(ranks)
+        ]
+        assert torch.equal(tree_sum(torch.stack(shares)), y), ranks
+    for m in (1, 3, 17):
+        for start in {0, 64 - m}:
+            rows = slice(start, start + m)
+            got = invariant_matmul(x[rows], w, scale, out_dtype=torch.float32, leaves=TREE_LEAVES)
+            assert torch.equal(got, y[rows]), (m, start)
+    rounded = invariant_matmul(x, w, scale, out_dtype=out_dtype, leaves=TREE_LEAVES)
+    assert torch.equal(rounded, y.to(out_dtype))
+
+
+@pytest.mark.parametrize("weights", ["fp32", "fp8_block"])
+def test_torch_form_leaves_are_tensor_parallel_invariant(weights):
+    """The CPU path (`rowwise_matmul`): `leaves=8` equals, bitwise, the tree of n rank shares
+    with `leaves=8 // n` (n = 2, 4, 8), and a row subset's bits; within 1e-5 * (|x| @ |W|.T) of
+    the one fp32 sum (`leaves=1`)."""
+    from mlaserve.ops.fp8_quant import quantize_weight_block
+    from mlaserve.ops.invariant_rowwise import TREE_LEAVES, dequantized, tree_sum
+
+    gen = torch.Generator().manual_seed(4)
+    k = 1024 if weights == "fp8_block" else 200  # fp32: leaves of 25 columns
+    w = torch.randn(150, k, generator=gen) / k**0.5
+    scale = None
+    if weights == "fp8_block":
+        w, scale = quantize_weight_block(w)
+    x = torch.randn(5, k, generator=gen).to(torch.bfloat16)
+    y = rowwise_matmul(x, w, scale, out_dtype=torch.float32, leaves=TREE_LEAVES)
+    for ranks in (2, 4, 8):
+        leaves = TREE_LEAVES // ranks
+        shares = [
+            rowwise_matmul(*_share(x, w, scale, r, ranks), out_dtype=torch.float32, leaves=leaves)
+            for r in range(ranks)
+        ]
+        assert torch.equal(tree_sum(torch.stack(shares)), y), ranks
+    assert torch.equal(rowwise_matmul(x[2:4], w, scale, out_dtype=torch.float32, leaves=8), y[2:4])
+    one_sum = rowwise_matmul(x, w, scale, out_dtype=torch.float32)
+    bound = 1e-5 * (x.float().abs() @ dequantized(w, scale).abs().T)
+    assert ((y - one_sum).abs() <= bound).all()
+
+
+def test_tree_sum_adds_adjacent_pairs_level_by_level():
+    """`tree_sum` is ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), bitwise (at 8, 4, 2
+    and 1 leaves), on values where the association changes the fp32 result: it differs from
+    the left-to-right sum somewhere. `check_leaves` takes 1, 2, 4, 8 only."""
+    from mlaserve.ops.invariant_rowwise import check_leaves, tree_sum
+
+    gen = torch.Generator().manual_seed(5)
+    # magnitudes over 2^-12 .. 2^12, both signs: fp32 sums lose low bits in order-dependent ways
+    leaves = torch.randn(8, 4096, generator=gen) * torch.exp2(
+        torch.randint(-12, 13, (8, 4096), generator=gen).float()
+    )
+    l0, l1, l2, l3, l4, l5, l6, l7 = leaves
+    want = ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
+    assert torch.equal(tree_sum(leaves), want)
+    assert torch.equal(tree_sum(leaves[:4]), (l0 + l1) + (l2 + l3))
+    assert torch.equal(tree_sum(leaves[:2]), l0 + l1)
+    assert torch.equal(tree_sum(leaves[:1]), l0)
+    sequential = l0
+    for leaf in leaves[1:]:
+        sequential = sequential + leaf
+    assert not torch.equal(want, sequential)  # the values do tell the orders apart
+    # the sum over ranks' subtrees is the same tree: the top levels over 2 or 4 subtree sums
+    assert torch.equal(tree_sum(torch.stack([tree_sum(leaves[:4]), tree_sum(leaves[4:])])), want)
+    assert torch.equal(tree_sum(torch.stack([tree_sum(p) for p in leaves.view(4, 2, -1)])), want)
+    for good in (1, 2, 4, 8):
+        check_leaves(good)
+    for bad in (0, 3, 6, 16):
+        with pytest.raises(ValueError, match="leaves"):
+            check_leaves(bad)
+    with pytest.raises(ValueError, match="leaves"):
+        tree_sum(leaves[:3])
+    with pytest.raises(ValueError, match="leaves"):
+        tree_sum(torch.cat([leaves, leaves]))
+
+
+def test_leaves_refuse_uneven_splits_and_a_bias():
+    """invariant_matmul and rowwise_matmul: leaves not dividing 8, K not in equal leaves, FP8
+    leaves not of whole 128-column scale blocks, and a bias with leaves (it belongs after the
+    sum over ranks) are ValueErrors, raised before any launch."""
+    from mlaserve.ops.fp8_quant import quantize_weight_block
+    from mlaserve.ops.invariant_matmul import invariant_matmul
+
+    x, w = torch.zeros(2, 512), torch.zeros(4, 512)
+    wq, scale = quantize_weight_block(torch.ones(4, 512))
+    for matmul in (invariant_matmul, rowwise_matmul):
+        with pytest.raises(ValueError, match="leaves"):
+            matmul(x, w, leaves=3)
+        with pytest.raises(ValueError, match="leaves"):
+            matmul(x, w, leaves=16)
+        with pytest.raises(ValueError, match="leaves"):
+            matmul(x[:, :12], w[:, :12], leaves=8)  # 12 columns in 8 leaves
+        with pytest.raises(ValueError, match="bias"):
+            matmul(x, w, bias=torch.zeros(4), leaves=2)
+    with pytest.raises(ValueError, match="128"):
+        invariant_matmul(x.half(), wq, scale, leaves=8)  # 64-column FP8 leaves
+    with pytest.raises(ValueError, match="128"):
+        invariant_matmul(x[:, :384].half(), wq[:, :384], scale[:, :3], leaves=2)  # 192
+    # a bias with one leaf is the plain product's (no rows: nothing is launched)
+    assert invariant_matmul(x[:0], w, bias=torch.zeros(4), leaves=1).shape == (0, 4)

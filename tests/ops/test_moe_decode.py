@@ -152,3 +152,141 @@ def test_selection_inside_the_first_kernel_equals_selecting_first(
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="its own weights and ids"):
         moe_decode(x, want_w, want_ids, layer, routing=plan)
+
+
+# The deterministic mode's summation tree over the intermediate dim (`leaves`): full layers
+# against their tensor-parallel shards. FP8 leaves are whole 128-column scale blocks, so FP8
+# cases need I % (8 * 128) == 0 (v3_slice: I 2048; tree_fp8_s2: two shared slices of 1024).
+# The CPU shapes are tiny (the interpreter): leaves of 8 and 6 columns.
+TREE_SHAPES = {
+    **SHAPES,
+    "tree_fp8_s2": (16, 6, 2, 2048, 1024),
+    "tree_tiny_s1": (4, 2, 1, 96, 64),
+    "tree_tiny_s2": (5, 2, 2, 96, 48),
+}
+TREE_CASES = [
+    gpu_case(t, shape, fp8)
+    for t in (1, 6)
+    for shape, fp8 in (
+        ("default", False),
+        ("v3_slice", False),
+        ("v2lite", False),  # S = 2, leaves of 176 columns
+        ("v3_slice", True),
+        ("tree_fp8_s2", True),
+    )
+] + [
+    cpu_case(1, "tree_tiny_s1", False),
+    cpu_case(3, "tree_tiny_s2", False),
+]
+
+
+def _tree_tiles(layer, leaves: int, device: str) -> dict:
+    """The deterministic layer's tiles (`DeepseekMoE`): `decode_tiles` at several tokens, the
+    down kernel's K step at most one leaf's width, so a function of the leaf's width (I / 8)
+    alone, the same on every rank. Under the interpreter, wider block_n (fewer programs)."""
+    from mlaserve.ops.moe_decode import decode_tiles
+
+    tiles = decode_tiles(layer, num_tokens=2)
+    leaf_pow2 = 1 << (layer.inter // leaves - 1).bit_length()
+    block_k = (tiles.block_k[0], min(tiles.block_k[1], leaf_pow2))
+    block_n = tiles.block_n if device == "cuda" else (64, 128)
+    return {"block_n": block_n, "block_k": block_k, "num_warps": tiles.num_warps}
+
+
+def _tp_shard(kernel: dict, scales: dict, inter: int, num_s: int, r: int, n: int):
+    """Rank r of n's layer: each routed expert's gate rows [r I/n, (r+1) I/n), up rows I + the
+    same and down columns the same; the shared MLP's likewise over its width S*I (one run of
+    S*I/n); FP8 scales sliced with them (in 128-blocks), each tensor its own copy."""
+
+    def rows(t, width, div):  # gate | up halves of a [..., 2 * width / div, :] stack
+        run, half = width // n // div, width // div
+        parts = [
+            t[..., r * run : (r + 1) * run, :],
+            t[..., half + r * run : half + (r + 1) * run, :],
+        ]
+        return torch.cat(parts, dim=-2).contiguous()
+
+    def cols(t, width, div):
+        run = width // n // div
+        return t[..., r * run : (r + 1) * run].contiguous()
+
+    widths = {"w13": inter, "w2": inter, "shared_w13": num_s * inter, "shared_w2": num_s * inter}
+    shard_k, shard_s = {}, {}
+    for name, width in widths.items():
+        cut = rows if name.endswith("13") else cols
+        if name in kernel:
+            shard_k[name] = cut(kernel[name], width, 1)
+        if name + "_scale" in scales:
+            shard_s[name + "_scale"] = cut(scales[name + "_scale"], width, 128)
+    return layer_weights(shard_k, shard_s)
+
+
+@pytest.mark.parametrize("num_tokens,shape_name,fp8,device", TREE_CASES)
+def test_leaves_are_tensor_parallel_invariant(num_tokens, shape_name, fp8, device):
+    """`leaves=8`, fp32 out: bitwise the tree (`tree_sum`) of n rank shards' `leaves=8 // n`
+    outputs (n = 2, 4, 8; each expert's intermediate dim and the shared MLP's S*I split in n
+    contiguous runs), with the layer's tiles on every rank; its own rounding (one rank) the
+    fp32 root's. Against the default path (`leaves=None`, the same tiles, so the same h): the
+    difference is the fp32 order of the down sums and the default path's two roundings (each
+    routed expert's output, and y), so |tree - default| <= eps(dtype) * (sum over slots of
+    |the default path's weighted partial| + |default|), twice their unit roundoff."""
+    from mlaserve.ops.invariant_rowwise import TREE_LEAVES, tree_sum
+    from mlaserve.ops.moe_decode import moe_decode
+
+    shape = TREE_SHAPES[shape_name]
+    num_e, top_k, num_s, hidden, inter = shape
+    dtype = model_dtype(device)
+    gen = torch.Generator(device=device).manual_seed(num_tokens * 13 + num_e)
+    kernel, _, scales = make_weights(shape, fp8, dtype, device, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen, device=device).to(dtype)
+    ids = torch.stack(
+        [torch.randperm(num_e, generator=gen, device=device)[:top_k] for _ in range(num_tokens)]
+    )
+    weights = torch.rand(num_tokens, top_k, generator=gen, device=device) + 0.1
+    poison_unused(kernel, scales, ids, num_e, fp8)
+    layer = layer_weights(kernel, scales)
+    tiles = _tree_tiles(layer, TREE_LEAVES, device)
+    y = moe_decode(x, weights, ids, layer, **tiles, leaves=TREE_LEAVES, out_dtype=torch.float32)
+    assert y.dtype == torch.float32 and y.shape == (num_tokens, hidden) and not y.isnan().any()
+    for ranks in (2, 4, 8):
+        leaves = TREE_LEAVES // ranks
+        shares = []
+        for r in range(ranks):
+            shard = _tp_shard(kernel, scales, inter, num_s, r, ranks)
+            assert _tree_tiles(shard, leaves, device) == tiles  # the layer's tiles on a rank
+            shares.append(
+                moe_decode(x, weights, ids, shard, **tiles, leaves=leaves, out_dtype=torch.float32)
+            )
+        assert torch.equal(tree_sum(torch.stack(shares)), y), ranks
+    rounded = moe_decode(x, weights, ids, layer, **tiles, leaves=TREE_LEAVES)
+    assert rounded.dtype == dtype and torch.equal(rounded, y.to(dtype))
+    default = moe_decode(x, weights, ids, layer, **tiles)
+    parts = moe_decode(x, weights, ids, layer, **tiles, combine=False).parts
+    bound = torch.finfo(dtype).eps * (parts.abs().sum(1) + default.float().abs())
+    err = (y - default.float()).abs()
+    assert (err <= bound).all(), (err / bound).max()
+
+
+def test_leaves_refuse_uneven_splits_and_uncombined_partials():
+    """`moe_decode(leaves=...)`: leaves not dividing 8, an intermediate dim not in equal leaves
+    (FP8: not in whole 128-column blocks) and `combine=False` (the tree is summed in the
+    combine) are ValueErrors, raised before any launch."""
+    from mlaserve.ops.moe_decode import MoeDecodeWeights, moe_decode
+
+    x, ids, weights = torch.zeros(1, 64), torch.zeros(1, 2, dtype=torch.int64), torch.ones(1, 2)
+    layer = MoeDecodeWeights(torch.zeros(4, 2 * 36, 64), torch.zeros(4, 64, 36))
+    with pytest.raises(ValueError, match="leaves"):
+        moe_decode(x, weights, ids, layer, leaves=8)  # 36 columns in 8 leaves
+    with pytest.raises(ValueError, match="leaves"):
+        moe_decode(x, weights, ids, layer, leaves=3)
+    with pytest.raises(ValueError, match="leaves"):
+        moe_decode(x, weights, ids, layer, leaves=16)
+    layer = MoeDecodeWeights(torch.zeros(4, 2 * 32, 64), torch.zeros(4, 64, 32))
+    with pytest.raises(ValueError, match="combine"):
+        moe_decode(x, weights, ids, layer, leaves=2, combine=False)
+    gen = torch.Generator().manual_seed(0)
+    kernel, _, scales = make_weights(SHAPES["default"], True, torch.float32, "cpu", gen)
+    fp8 = layer_weights(kernel, scales)  # I = 128: one 128-column block
+    x = torch.zeros(1, SHAPES["default"][3])
+    with pytest.raises(ValueError, match="leaves"):
+        moe_decode(x, weights, ids, fp8, leaves=2)  # 64-column FP8 leaves

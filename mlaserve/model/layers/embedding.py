@@ -72,8 +72,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the whole vocabulary, on every rank (each computes its slice).
 
-    `deterministic` (`EngineConfig.deterministic_inference`, one rank): the logits by the
-    batch-invariant matmul, accumulated and returned in fp32 (`ops/invariant_matmul.py`)."""
+    `deterministic` (`EngineConfig.deterministic_inference`): the logits by the batch-invariant
+    matmul, accumulated and returned in fp32 (`ops/invariant_matmul.py`); under TP each rank's
+    slice so, then gathered (a logit's sum never crosses ranks: the same bits at any TP size)."""
 
     def __init__(
         self,
@@ -98,11 +99,12 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """[N, hidden] -> [N, vocab] float32, the same on every rank."""
-        if self._invariant is not None and self.tp.size == 1:
-            return self._invariant(hidden, self.weight, out_dtype=torch.float32)
         # [N, V / tp] fp32, this rank's slice: the accumulator unrounded, so near-equal logits
         # stay apart (16-bit logits tie often) and a slice's bits do not depend on the rank count
-        logits = wide_linear(hidden, self.weight)
+        if self._invariant is not None:
+            logits = self._invariant(hidden, self.weight, out_dtype=torch.float32)
+        else:
+            logits = wide_linear(hidden, self.weight)
         if self.tp.size == 1:
             return logits
         logits = all_gather(logits, self.tp, dim=-1)  # [N, padded V]

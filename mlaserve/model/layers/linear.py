@@ -32,6 +32,10 @@ an FP8 weight otherwise costs four launches at M = 1. The limits per weight kind
 Built with `deterministic=True` (`EngineConfig.deterministic_inference`), a layer instead runs
 `ops.invariant_matmul` at every size (no GEMV, cuBLAS or block-FP8 GEMM chosen by M): each
 token's output bits then depend on its own row alone; off CUDA its torch form, one row at a time.
+A row-parallel layer there sums its K in the fixed tree of `ops/invariant_rowwise.py`
+(`TREE_LEAVES` chunks of the whole K; this rank's `tp.tree_leaves` of them in the kernel, the
+ranks' subtrees by `tree_all_reduce`), even on one rank: its bits do not depend on the TP size.
+Column-parallel and replicated layers need nothing more (a column's sum never crosses ranks).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from mlaserve.model.layers.fp8_linear import (
 )
 from mlaserve.ops import fused_ops_enabled
 from mlaserve.ops.fp8_gemm import block_fp8_linear
-from mlaserve.tensor_parallel import NO_TP, TensorParallel, all_reduce
+from mlaserve.tensor_parallel import NO_TP, TensorParallel, all_reduce, tree_all_reduce
 
 __all__ = [
     "NO_TP",
@@ -186,6 +190,13 @@ class _Linear(nn.Module):
             self.weight.weight_loader = self.fp8_weight_loader
         self.gemv_max_m = gemv_max_m(self.weight)
         self._invariant = None  # the deterministic mode's matmul, at every size
+        if deterministic and self.split_dim == 1:  # K in this rank's leaves of the tree
+            chunk = in_features // self.tp.size // tp.tree_leaves
+            if in_features % (tp.size * tp.tree_leaves) or (quant is not None and chunk % 128):
+                raise ValueError(
+                    f"{type(self).__name__}(in={in_features}): the deterministic mode sums K in "
+                    f"{tp.size * tp.tree_leaves} equal leaves (multiples of 128 with FP8 weights)"
+                )
         if deterministic:
             from mlaserve.ops.invariant_rowwise import rowwise_matmul
 
@@ -376,7 +387,10 @@ class RowParallelLinear(_Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in / tp] -> [T, out]: x's dtype; with `reduce_output=False` and
-        `tp.wide_partials`, fp32 (a partial sum for the caller to reduce)."""
+        `tp.wide_partials` (or the deterministic mode), fp32 (a partial sum for the caller to
+        reduce)."""
+        if self._invariant is not None:
+            return self._forward_invariant(x)
         if not self.tp.wide_partials:
             y = self.matmul(x)
             if self.reduce_output:
@@ -389,4 +403,19 @@ class RowParallelLinear(_Linear):
                 return y  # the bias is the caller's too (none of DeepSeek's has one)
             y = all_reduce(y, self.tp).to(x.dtype)
         # NOTE: the bias is added once, after the sum over ranks.
+        return y if self.bias is None else y + self.bias
+
+    def _forward_invariant(self, x: torch.Tensor) -> torch.Tensor:
+        """The deterministic mode: this rank's subtree of the K sum (fp32), the ranks' by
+        `tree_all_reduce`, rounded once; fp32 unreduced with `reduce_output=False`."""
+        assert self._invariant is not None  # internal: deterministic only
+        whole = self.reduce_output and self.tp.size == 1  # the kernel rounds the root itself
+        y = self._invariant(
+            x, self.weight, self.weight_scale_inv, None, None if whole else torch.float32,
+            leaves=self.tp.tree_leaves,
+        )  # fmt: skip
+        if not self.reduce_output:
+            return y
+        if not whole:
+            y = tree_all_reduce(y, self.tp).to(x.dtype)
         return y if self.bias is None else y + self.bias

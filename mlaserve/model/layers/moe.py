@@ -27,7 +27,9 @@ and warps fixed (`decode_tiles` at several tokens): one program per (token, expe
 output block, and the pairs' partials summed in slot order, so a token's result never depends on
 the others'. Its cost grows with the pairs (each re-reads its expert; no tensor cores): cheap at
 decode sizes, much slower than the grouped GEMMs at prefill sizes (README, "Deterministic
-inference"). Off CUDA, the torch path one token at a time.
+inference"). Off CUDA, the torch path one token at a time. Both sum the intermediate dim in the
+fixed tree of `ops/invariant_rowwise.py` (each leaf: the slots in order over one chunk; this
+rank's subtree, then the ranks' by `tree_all_reduce`), so the bits do not depend on the TP size.
 
 Under tensor parallelism every routed and shared expert is split along its intermediate dim and
 the layer all-reduces routed + shared partial sums once, in fp32, rounding the sum once
@@ -54,8 +56,8 @@ from torch import nn
 
 from mlaserve import switches
 from mlaserve.config import ModelConfig, QuantizationConfig
-from mlaserve.model.layers.linear import NO_TP, TensorParallel, all_reduce
-from mlaserve.model.layers.mlp import DeepseekMLP
+from mlaserve.model.layers.linear import NO_TP, TensorParallel, all_reduce, tree_all_reduce
+from mlaserve.model.layers.mlp import DeepseekMLP, silu_and_mul
 from mlaserve.model.layers.moe_experts import ExpertsImpl, FusedExperts
 from mlaserve.model.layers.moe_router import TopKRouter, select_experts
 from mlaserve.ops import fused_ops_enabled
@@ -223,6 +225,8 @@ class DeepseekMoE(nn.Module):
         """The deterministic mode's moe_decode weights and fixed tiles, where fused ops run."""
         if not fused_ops_enabled(self.experts.gate_up_proj.device):
             return
+        import triton
+
         from mlaserve.ops.invariant_matmul import invariant_matmul
         from mlaserve.ops.moe_decode import decode_tiles, moe_decode
 
@@ -230,26 +234,63 @@ class DeepseekMoE(nn.Module):
         # a layout moe_decode refuses is a ValueError: this mode has no other CUDA path
         self.decode_weights = self._decode_weights()
         tiles = decode_tiles(self.decode_weights, num_tokens=2)  # the multi-token tiles
-        self._invariant_tiles = (tiles.block_n, tiles.block_k, tiles.num_warps)
+        # the down projection's K step within one leaf: a function of the leaf's width alone
+        chunk = self.decode_weights.inter // self.tp.tree_leaves
+        block_k = (tiles.block_k[0], min(tiles.block_k[1], triton.next_power_of_2(chunk)))
+        self._invariant_tiles = (tiles.block_n, block_k, tiles.num_warps)
 
     def _forward_invariant(self, x: torch.Tensor, combine: bool) -> torch.Tensor | MoePartials:
         """The deterministic mode's MoE (module docstring): x [T, hidden] -> [T, hidden], or
         its per-slot partials (`combine=False`, CUDA)."""
-        gate = self.gate
+        gate, tp = self.gate, self.tp
+        out_dtype = x.dtype if tp.size == 1 else torch.float32  # a rank's subtree: fp32
         if self._invariant_tiles is None:  # torch, one token at a time
-            rows = []
-            for row in x.split(1):
+            y = torch.zeros_like(x, dtype=out_dtype)
+            for t in range(x.shape[0]):
+                row = x[t : t + 1]
                 weights, ids = gate.select(F.linear(row.float(), gate.weight), **gate._selection())
-                shared = self.shared_experts(row) if self.shared_experts is not None else None
-                rows.append(self.experts(row, weights, ids, shared))
-            return torch.cat(rows) if rows else torch.zeros_like(x)
-        logits = self._invariant_matmul(x, gate.weight, out_dtype=torch.float32)
-        weights, ids = gate.select(logits, **gate._selection())
-        block_n, block_k, num_warps = self._invariant_tiles
-        return self._moe_decode(
-            x.contiguous(), weights, ids, self.decode_weights,
-            block_n=block_n, block_k=block_k, num_warps=num_warps, combine=combine,
-        )  # fmt: skip
+                y[t] = self._row_tree(row, weights, ids)[0]
+        else:
+            logits = self._invariant_matmul(x, gate.weight, out_dtype=torch.float32)
+            weights, ids = gate.select(logits, **gate._selection())
+            block_n, block_k, num_warps = self._invariant_tiles
+            y = self._moe_decode(
+                x.contiguous(), weights, ids, self.decode_weights, block_n=block_n,
+                block_k=block_k, num_warps=num_warps, leaves=tp.tree_leaves, out_dtype=out_dtype,
+            )  # fmt: skip
+        return y if tp.size == 1 else tree_all_reduce(y, tp).to(x.dtype)
+
+    def _row_tree(
+        self, row: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The torch form of the deterministic MoE for one token row [1, H] -> [1, H] fp32, this
+        rank's subtree: per leaf (a chunk of each expert's intermediate; of the shared MLP's,
+        one run of S chunks as `moe_decode` takes it), the routed experts' weighted partials in
+        slot order, then the shared MLP's, and `tree_sum` over the leaves."""
+        from mlaserve.ops.invariant_rowwise import dequantized, rowwise_matmul, tree_sum
+
+        experts, shared, leaves = self.experts, self.shared_experts, self.tp.tree_leaves
+        s13, s2 = experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv
+        slots = [
+            (w, dequantized(experts.gate_up_proj[e], None if s13 is None else s13[e]),
+             dequantized(experts.down_proj[e], None if s2 is None else s2[e]))
+            for w, e in zip(weights[0].tolist(), ids[0].tolist(), strict=True)
+        ]  # fmt: skip
+        if shared is not None:
+            gu, down = shared.gate_up_proj, shared.down_proj
+            slots.append((1.0, dequantized(gu.weight, gu.weight_scale_inv),
+                          dequantized(down.weight, down.weight_scale_inv)))  # fmt: skip
+        acc = None
+        for weight, w13, w2 in slots:
+            h = silu_and_mul(rowwise_matmul(row, w13))
+            chunk = h.shape[-1] // leaves
+            parts = torch.stack([
+                rowwise_matmul(h[:, c * chunk : (c + 1) * chunk],
+                               w2[:, c * chunk : (c + 1) * chunk], out_dtype=torch.float32)
+                for c in range(leaves)
+            ]) * weight  # fmt: skip
+            acc = parts if acc is None else acc + parts
+        return tree_sum(acc)
 
     def warm_up_tasks(self, act_dtype: torch.dtype) -> list[Callable[[], None]]:
         """The compiles of every variant of the grouped kernels the token counts they serve
