@@ -213,6 +213,20 @@ def _share(x, w, scale, r, n):
     return _poisoned_copy(x[:, cols]), w[:, cols].contiguous(), s
 
 
+def _check_shares(matmul, x, w, scale, y):
+    """`matmul(leaves=8)`'s fp32 output `y` is bitwise the tree of n rank shares' outputs with
+    `leaves=8 // n`, n = 2, 4, 8."""
+    from mlaserve.ops.invariant_rowwise import TREE_LEAVES, tree_sum
+
+    for ranks in (2, 4, 8):
+        leaves = TREE_LEAVES // ranks
+        shares = [
+            matmul(*_share(x, w, scale, r, ranks), out_dtype=torch.float32, leaves=leaves)
+            for r in range(ranks)
+        ]
+        assert torch.equal(tree_sum(torch.stack(shares)), y), ranks
+
+
 @pytest.mark.parametrize(("shape", "weights", "device"), [*TREE_CPU_CASES, *TREE_GPU_CASES])
 def test_leaves_are_tensor_parallel_invariant(shape, weights, device, monkeypatch):
     """`leaves=8` (fp32 out) against `rowwise_matmul(leaves=8)`: |err| <= 1e-5 * (|x| @ |W|.T)
@@ -221,7 +235,7 @@ def test_leaves_are_tensor_parallel_invariant(shape, weights, device, monkeypatc
     n = 2, 4, 8; any subset of the rows (batch invariance); and the kernel's own rounding of the
     root (one rank) against the fp32 root rounded after the tree (`tree_all_reduce`)."""
     from mlaserve.ops.invariant_matmul import invariant_matmul
-    from mlaserve.ops.invariant_rowwise import TREE_LEAVES, dequantized, tree_sum
+    from mlaserve.ops.invariant_rowwise import TREE_LEAVES, dequantized
 
     if device == "cpu":
         row_invariant_interpreter_dot(monkeypatch)
@@ -234,13 +248,7 @@ def test_leaves_are_tensor_parallel_invariant(shape, weights, device, monkeypatc
     ref = rowwise_matmul(x, w, scale, out_dtype=torch.float32, leaves=TREE_LEAVES)
     bound = 1e-5 * (x.float().abs() @ dequantized(w, scale).abs().T)
     assert ((y - ref).abs() <= bound).all(), ((y - ref).abs() / bound).max()
-    for ranks in (2, 4, 8):
-        leaves = TREE_LEAVES // ranks
-        shares = [
-            invariant_matmul(*_share(x, w, scale, r, ranks), out_dtype=torch.float32, leaves=leaves)
-            for r in range(ranks)
-        ]
-        assert torch.equal(tree_sum(torch.stack(shares)), y), ranks
+    _check_shares(invariant_matmul, x, w, scale, y)
     for m in (1, 3, 17):
         for start in {0, 64 - m}:
             rows = slice(start, start + m)
@@ -256,7 +264,7 @@ def test_torch_form_leaves_are_tensor_parallel_invariant(weights):
     with `leaves=8 // n` (n = 2, 4, 8), and a row subset's bits; within 1e-5 * (|x| @ |W|.T) of
     the one fp32 sum (`leaves=1`)."""
     from mlaserve.ops.fp8_quant import quantize_weight_block
-    from mlaserve.ops.invariant_rowwise import TREE_LEAVES, dequantized, tree_sum
+    from mlaserve.ops.invariant_rowwise import TREE_LEAVES, dequantized
 
     gen = torch.Generator().manual_seed(4)
     k = 1024 if weights == "fp8_block" else 200  # fp32: leaves of 25 columns
@@ -266,13 +274,7 @@ def test_torch_form_leaves_are_tensor_parallel_invariant(weights):
         w, scale = quantize_weight_block(w)
     x = torch.randn(5, k, generator=gen).to(torch.bfloat16)
     y = rowwise_matmul(x, w, scale, out_dtype=torch.float32, leaves=TREE_LEAVES)
-    for ranks in (2, 4, 8):
-        leaves = TREE_LEAVES // ranks
-        shares = [
-            rowwise_matmul(*_share(x, w, scale, r, ranks), out_dtype=torch.float32, leaves=leaves)
-            for r in range(ranks)
-        ]
-        assert torch.equal(tree_sum(torch.stack(shares)), y), ranks
+    _check_shares(rowwise_matmul, x, w, scale, y)
     assert torch.equal(rowwise_matmul(x[2:4], w, scale, out_dtype=torch.float32, leaves=8), y[2:4])
     one_sum = rowwise_matmul(x, w, scale, out_dtype=torch.float32)
     bound = 1e-5 * (x.float().abs() @ dequantized(w, scale).abs().T)

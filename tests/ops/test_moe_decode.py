@@ -49,14 +49,13 @@ CASES = (
 )
 
 
-@pytest.mark.parametrize("num_tokens,shape_name,fp8,tiles,device", CASES)
-def test_moe_decode_matches_reference(num_tokens, shape_name, fp8, tiles, device):
-    from mlaserve.ops.moe_decode import moe_decode
-
-    shape = SHAPES[shape_name]
-    num_e, top_k, num_s, hidden, _ = shape
+def _inputs(shape, fp8, num_tokens, device, seed):
+    """(kernel weights, reference weights, scales, x, ids, routing weights, the kernel's
+    `MoeDecodeWeights`) of one case, the experts no token picks NaN-poisoned (seeded by
+    `seed` + E)."""
+    num_e, top_k, _, hidden, _ = shape
     dtype = model_dtype(device)
-    gen = torch.Generator(device=device).manual_seed(num_tokens * 7 + num_e)
+    gen = torch.Generator(device=device).manual_seed(seed + num_e)
     kernel, ref, scales = make_weights(shape, fp8, dtype, device, gen)
     x = torch.randn(num_tokens, hidden, generator=gen, device=device).to(dtype)
     ids = torch.stack(
@@ -64,7 +63,17 @@ def test_moe_decode_matches_reference(num_tokens, shape_name, fp8, tiles, device
     )
     weights = torch.rand(num_tokens, top_k, generator=gen, device=device) + 0.1
     poison_unused(kernel, scales, ids, num_e, fp8)
-    layer = layer_weights(kernel, scales)
+    return kernel, ref, scales, x, ids, weights, layer_weights(kernel, scales)
+
+
+@pytest.mark.parametrize("num_tokens,shape_name,fp8,tiles,device", CASES)
+def test_moe_decode_matches_reference(num_tokens, shape_name, fp8, tiles, device):
+    from mlaserve.ops.moe_decode import moe_decode
+
+    shape = SHAPES[shape_name]
+    num_s, hidden = shape[2], shape[3]
+    dtype = model_dtype(device)
+    _, ref, _, x, ids, weights, layer = _inputs(shape, fp8, num_tokens, device, num_tokens * 7)
     assert layer.num_shared == num_s
     if tiles is None:  # decode_tiles' defaults
         got = moe_decode(x, weights, ids, layer)
@@ -234,17 +243,11 @@ def test_leaves_are_tensor_parallel_invariant(num_tokens, shape_name, fp8, devic
     from mlaserve.ops.moe_decode import moe_decode
 
     shape = TREE_SHAPES[shape_name]
-    num_e, top_k, num_s, hidden, inter = shape
+    _, _, num_s, hidden, inter = shape
     dtype = model_dtype(device)
-    gen = torch.Generator(device=device).manual_seed(num_tokens * 13 + num_e)
-    kernel, _, scales = make_weights(shape, fp8, dtype, device, gen)
-    x = torch.randn(num_tokens, hidden, generator=gen, device=device).to(dtype)
-    ids = torch.stack(
-        [torch.randperm(num_e, generator=gen, device=device)[:top_k] for _ in range(num_tokens)]
+    kernel, _, scales, x, ids, weights, layer = _inputs(
+        shape, fp8, num_tokens, device, num_tokens * 13
     )
-    weights = torch.rand(num_tokens, top_k, generator=gen, device=device) + 0.1
-    poison_unused(kernel, scales, ids, num_e, fp8)
-    layer = layer_weights(kernel, scales)
     tiles = _tree_tiles(layer, TREE_LEAVES, device)
     y = moe_decode(x, weights, ids, layer, **tiles, leaves=TREE_LEAVES, out_dtype=torch.float32)
     assert y.dtype == torch.float32 and y.shape == (num_tokens, hidden) and not y.isnan().any()
