@@ -55,7 +55,8 @@ for wt, scaled in (("*bf16", False), ("*fp8e4nv", True)):
         tile = dict(BLOCK_N=8, BLOCK_K=2048) if uniform else dict(BLOCK_N=16, BLOCK_K=128)
         for route, sel in routes.items():
             gu = dict(H=2048, INTER=1408, K=6 if route != "v3" else 8, S=2, ROW_DIV=128,
-                      SHARED_ROW_DIV=128, HAS_SCALE=scaled, UNIFORM_SCALE=uniform, **tile, **sel)
+                      SHARED_ROW_DIV=128, HAS_SCALE=scaled, UNIFORM_SCALE=uniform, **tile,
+                      CHUNK=1408, **sel)
             sig = signature(D._gate_up_kernel,
                             {**ptrs, **select, "x_ptr": "*bf16", "h_ptr": "*bf16"},
                             floats=("scaling",), constexprs=gu)
@@ -63,7 +64,7 @@ for wt, scaled in (("*bf16", False), ("*fp8e4nv", True)):
             cases.append((name, D._gate_up_kernel, sig, gu))
             # the down kernel selects again before its wait (with ROUTE)
             dn = dict(H=2048, INTER=1408, K=6 if route != "v3" else 8, S=2, HAS_SCALE=scaled,
-                      UNIFORM_SCALE=uniform, **tile, **sel)
+                      UNIFORM_SCALE=uniform, **tile, CHUNK=1408, TREE=False, **sel)
             sig = signature(D._down_kernel,
                             {**ptrs, **select, "h_ptr": "*bf16", "part_ptr": "*fp32"},
                             floats=("scaling",), constexprs=dn)

@@ -249,7 +249,7 @@ sel = dict(SPLITS=1, G=1, PG=64, TOPK_GROUP=1, BLOCK_G=1, BLOCK_PG=64, BLOCK_K_S
            METHOD=0, SIGMOID=False, HAS_BIAS=False, NORM=False, PDL=True)
 for route in (False, True):
     dn = dict(H=2048, INTER=1408, K=6, S=2, HAS_SCALE=True, UNIFORM_SCALE=True, BLOCK_N=8,
-              BLOCK_K=2048, ROUTE=route, **sel)
+              BLOCK_K=2048, CHUNK=1408, TREE=False, ROUTE=route, **sel)
     sig = signature(D._down_kernel, ptrs, floats=("scaling",), constexprs=dn)
     cases.append((f"moe_down_route_{route}", D._down_kernel, sig, dn))
 sp = dict(H=16, R=512, DR=64, PAGE=64, BLOCK_M=16, BLOCK_N=16, BLOCK_R=512, BLOCK_D=512,
