@@ -172,8 +172,9 @@ _HELP = {
     "CUDA graphs, overlap scheduling and MTP speculation run on every rank as with N = 1",
     "deterministic_inference": "batch-invariant inference (also --enable-deterministic-inference, "
     "SGLang's name): a request's tokens and logprobs are bitwise the same whatever else runs "
-    "with it, through fixed-order kernels and the 'invariant' attention backend; slower "
-    "(README, 'Deterministic inference'); one GPU only",
+    "with it and at -tp 1, 2, 4 or 8, through fixed-order kernels, one summation tree for "
+    "every split sum and the 'invariant' attention backend; slower (README, 'Deterministic "
+    "inference'); no expert parallelism",
     "enable_expert_parallel": "with -tp N > 1: each rank holds whole routed experts (N must "
     "divide them) instead of a slice of every expert; attention, the router and the shared "
     "experts stay tensor-parallel, one all-reduce per MoE layer as under TP (vLLM's flag)",
