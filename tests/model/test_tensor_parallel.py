@@ -14,6 +14,7 @@ on every row; rank 0's and rank 1's logits bitwise equal (the all-gather hands b
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,7 @@ from mlaserve.model.layers.linear import (
     all_reduce,
 )
 from mlaserve.model.layers.mlp import DeepseekMLP
+from mlaserve.model.layers.moe import DeepseekMoE
 from mlaserve.model.layers.moe_experts import FusedExperts
 from mlaserve.ops.fp8_quant import quantize_weight_block
 from mlaserve.ops.invariant_rowwise import tree_sum
@@ -191,6 +193,22 @@ def test_indivisible_dimensions_raise_naming_them(checkpoint: Callable[[str], Pa
         DeepseekMLP(64, 33, tp=TensorParallel(1, 2))
     with pytest.raises(ValueError, match="moe_intermediate_size: 33 is not divisible"):
         FusedExperts(8, 64, 33, tp=TensorParallel(1, 2))
+
+
+def test_deterministic_sums_outside_the_tree_raise_naming_them(
+    checkpoint: Callable[[str], Path],
+) -> None:
+    """The deterministic mode sums a row-parallel K and the experts' intermediate dim in 8 equal
+    leaves (FP8: of 128 columns): anything else is refused at construction, on one rank too."""
+    with pytest.raises(ValueError, match=r"RowParallelLinear\(in=12\).* 8 equal leaves"):
+        RowParallelLinear(12, 4, deterministic=True)
+    with pytest.raises(ValueError, match=r"RowParallelLinear\(in=512\).*multiples of 128"):
+        RowParallelLinear(512, 256, quant=QuantizationConfig(), deterministic=True)
+    config = ModelConfig.from_pretrained(checkpoint("v3_moe"))
+    odd = dataclasses.replace(config, moe_intermediate_size=36)
+    with pytest.raises(ValueError, match=r"moe_intermediate_size 36: .* 8 equal leaves"):
+        DeepseekMoE(odd, tp=TensorParallel(0, 2), deterministic=True)
+    RowParallelLinear(16, 4, tp=TensorParallel(1, 2), deterministic=True)  # 8 leaves of 2
 
 
 def test_fp8_split_inside_a_block_raises_naming_the_layer_and_dimension() -> None:

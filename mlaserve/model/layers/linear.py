@@ -58,6 +58,7 @@ from mlaserve.model.layers.fp8_linear import (
 )
 from mlaserve.ops import fused_ops_enabled
 from mlaserve.ops.fp8_gemm import block_fp8_linear
+from mlaserve.ops.invariant_rowwise import TREE_LEAVES
 from mlaserve.tensor_parallel import NO_TP, TensorParallel, all_reduce, tree_all_reduce
 
 __all__ = [
@@ -190,12 +191,12 @@ class _Linear(nn.Module):
             self.weight.weight_loader = self.fp8_weight_loader
         self.gemv_max_m = gemv_max_m(self.weight)
         self._invariant = None  # the deterministic mode's matmul, at every size
-        if deterministic and self.split_dim == 1:  # K in this rank's leaves of the tree
-            chunk = in_features // self.tp.size // tp.tree_leaves
-            if in_features % (tp.size * tp.tree_leaves) or (quant is not None and chunk % 128):
+        if deterministic and self.split_dim == 1:  # K in the tree's chunks of the whole K
+            chunk = in_features // TREE_LEAVES
+            if in_features % TREE_LEAVES or (quant is not None and chunk % 128):
                 raise ValueError(
                     f"{type(self).__name__}(in={in_features}): the deterministic mode sums K in "
-                    f"{tp.size * tp.tree_leaves} equal leaves (multiples of 128 with FP8 weights)"
+                    f"{TREE_LEAVES} equal leaves (multiples of 128 with FP8 weights)"
                 )
         if deterministic:
             from mlaserve.ops.invariant_rowwise import rowwise_matmul

@@ -61,6 +61,7 @@ from mlaserve.model.layers.mlp import DeepseekMLP, silu_and_mul
 from mlaserve.model.layers.moe_experts import ExpertsImpl, FusedExperts
 from mlaserve.model.layers.moe_router import TopKRouter, select_experts
 from mlaserve.ops import fused_ops_enabled
+from mlaserve.ops.invariant_rowwise import TREE_LEAVES
 from mlaserve.ops.moe_partials import MoePartials, SortedExpertRows
 
 if TYPE_CHECKING:
@@ -128,6 +129,12 @@ class DeepseekMoE(nn.Module):
         self.gate = TopKRouter(config)  # the router stays fp32 (published FP8 checkpoints: bf16)
         if deterministic:  # its logits go through the invariant matmul: no GEMV / kernel of its own
             self.gate.gemv_max_m, self.gate._router_logits = 0, None
+            inter = config.moe_intermediate_size  # in the tree's chunks of the whole dim
+            if inter % TREE_LEAVES or (quant is not None and (inter // TREE_LEAVES) % 128):
+                raise ValueError(
+                    f"moe_intermediate_size {inter}: the deterministic mode sums it in "
+                    f"{TREE_LEAVES} equal leaves (multiples of 128 with FP8 weights)"
+                )
         self.experts = FusedExperts(
             config.n_routed_experts,
             config.hidden_size,
@@ -240,8 +247,8 @@ class DeepseekMoE(nn.Module):
         self._invariant_tiles = (tiles.block_n, block_k, tiles.num_warps)
 
     def _forward_invariant(self, x: torch.Tensor, combine: bool) -> torch.Tensor | MoePartials:
-        """The deterministic mode's MoE (module docstring): x [T, hidden] -> [T, hidden], or
-        its per-slot partials (`combine=False`, CUDA)."""
+        """The deterministic mode's MoE (module docstring): x [T, hidden] -> [T, hidden], always
+        combined (its slots are summed per leaf, inside the tree), whatever `combine` says."""
         gate, tp = self.gate, self.tp
         out_dtype = x.dtype if tp.size == 1 else torch.float32  # a rank's subtree: fp32
         if self._invariant_tiles is None:  # torch, one token at a time
