@@ -1,9 +1,11 @@
 """fp32 outputs of the linears (`linear.wide_linear`, `block_fp8_linear(out_dtype=)`): the
 accumulator unrounded, so a tensor-parallel rank's partial sum and the LM head's logits are never
-rounded to 16 bits first. CPU paths here; the CUDA GEMMs ran in the TP2 runs (bench/RESULTS.md)."""
+rounded to 16 bits first. CPU paths here (and the CUDA GEMM with `-m gpu`); the CUDA GEMMs also
+ran in the TP2 runs (bench/RESULTS.md)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mlaserve.model.layers.linear import RowParallelLinear, wide_linear
@@ -40,3 +42,26 @@ def test_row_parallel_linear_on_one_rank_keeps_the_model_dtype() -> None:
     layer = RowParallelLinear(64, 32, params_dtype=torch.bfloat16, reduce_output=False)
     layer.weight.data.normal_()
     assert layer(torch.randn(2, 64).to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)
+def test_wide_linear_takes_zero_rows(device: str) -> None:
+    """A step with no logit rows (a middle chunk of a long prompt) gives the LM head 0 rows:
+    [0, N] fp32 out (on CUDA the fp32-output GEMM's view once could not infer N)."""
+    x = torch.empty(0, 64, dtype=torch.bfloat16, device=device)
+    w = torch.ones(48, 64, dtype=torch.bfloat16, device=device)
+    y = wide_linear(x, w)
+    assert y.shape == (0, 48) and y.dtype == torch.float32
+    assert wide_linear(x.view(0, 1, 64), w).shape == (0, 1, 48)

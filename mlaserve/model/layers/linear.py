@@ -124,7 +124,8 @@ def wide_linear(
     the operands widened (exact) elsewhere."""
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
         x2 = x.reshape(-1, x.shape[-1])
-        y = torch.mm(x2, weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+        # N named, not -1: a step with no logit rows (a middle prefill chunk) has 0 rows
+        y = torch.mm(x2, weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], weight.shape[0])
     else:
         y = F.linear(x.float(), weight.float())
     return y if bias is None else y + bias.float()
