@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.ops.invariant_rowwise import check_leaves, scale_row_div
+from mlaserve.ops.invariant_rowwise import leaf_width, scale_row_div
 from mlaserve.ops.invariant_tree import settled, tree_step
 from mlaserve.ops.triton_support import interpreting
 
@@ -135,8 +135,7 @@ def _launch(x, w, scale, bias, y, heads, strides, leaves=1) -> None:
         *strides, scale.stride(0) if scale is not None else 0, N=n, K=k,
         HAS_SCALE=scale is not None, ROW_DIV=row_div, HAS_BIAS=bias is not None, FP32=fp32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, LEAVES=leaves,
-        BARRIER=not interpreting(), num_warps=warps,
-        num_stages=stages,
+        BARRIER=not interpreting(), num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
 
@@ -150,9 +149,7 @@ def invariant_matmul(
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] = x @ W.T (+ bias), see the module docstring."""
     lead, k = x.shape[:-1], x.shape[-1]
-    check_leaves(leaves)
-    if leaves > 1 and (k % leaves or (scale is not None and (k // leaves) % 128)):
-        raise ValueError(f"invariant_matmul: K {k} is not {leaves} equal leaves (FP8: of 128s)")
+    leaf_width(k, leaves, "invariant_matmul: K", fp8=scale is not None)
     if leaves > 1 and bias is not None:
         raise ValueError("invariant_matmul: a bias with leaves (add it after the tree's sum)")
     x2 = x.reshape(-1, k)

@@ -27,6 +27,7 @@ __all__ = [
     "check_attention_shapes",
     "check_leaves",
     "dequantized",
+    "leaf_width",
     "rowwise_head_matmul",
     "rowwise_matmul",
     "rowwise_mla_attention",
@@ -44,6 +45,20 @@ def check_leaves(leaves: int) -> None:
     """ValueError unless `leaves` is a power of two dividing TREE_LEAVES."""
     if leaves < 1 or TREE_LEAVES % leaves:
         raise ValueError(f"summation tree: {leaves} leaves do not divide {TREE_LEAVES}")
+
+
+def leaf_width(dim: int, leaves: int, what: str, fp8: bool = False) -> int:
+    """dim / leaves: the width of one leaf of a sum over `dim` in `leaves` equal chunks.
+    ValueError naming `what` unless `leaves` divides TREE_LEAVES and `dim` splits evenly, and,
+    with FP8 block weights cut into several leaves, into whole 128-column scale blocks."""
+    check_leaves(leaves)
+    width = dim // leaves
+    if dim % leaves or (fp8 and leaves > 1 and width % _SCALE_BLOCK):
+        raise ValueError(
+            f"{what} {dim}: the deterministic mode sums it in {leaves} equal leaves (multiples "
+            f"of {_SCALE_BLOCK} with FP8 weights)"
+        )
+    return width
 
 
 def tree_sum(leaves: torch.Tensor) -> torch.Tensor:
@@ -110,13 +125,10 @@ def rowwise_matmul(
     equal chunks, one fp32 call each (each chunk's weight columns copied contiguous, so a call
     sees the same operands whatever rank holds them), summed by `tree_sum`."""
     lead, k = x.shape[:-1], x.shape[-1]
-    check_leaves(leaves)
-    if k % leaves:
-        raise ValueError(f"rowwise_matmul: K {k} is not {leaves} equal leaves")
+    kc = leaf_width(k, leaves, "rowwise_matmul: K")  # fp32 operands: any leaf width
     if leaves > 1 and bias is not None:
         raise ValueError("rowwise_matmul: a bias with leaves (add it after the tree's sum)")
     wf = dequantized(w, scale)
-    kc = k // leaves
     chunks = [wf[:, c * kc : (c + 1) * kc].contiguous() for c in range(leaves)]
     rows = []
     for r in x.reshape(-1, 1, k).float():

@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.ops.invariant_rowwise import check_leaves
+from mlaserve.ops.invariant_rowwise import leaf_width
 from mlaserve.ops.moe_partials import MoePartials
 from mlaserve.ops.moe_partials_combine import combine_partials
 from mlaserve.ops.moe_weights import (
@@ -312,7 +312,9 @@ class DecodeTiles(NamedTuple):
 FP8_RUN = 2048  # the FP8 tiles' column run; layers wider than one run take the wide-layer tiles
 
 
-def decode_tiles(weights: MoeDecodeWeights, num_tokens: int) -> DecodeTiles:
+def decode_tiles(
+    weights: MoeDecodeWeights, num_tokens: int, leaves: int | None = None
+) -> DecodeTiles:
     """The tiles `bench/moe_decode.py --sweep` chose on an H100 (V2-Lite layer, kernels alone):
 
     - bf16: 16-row tiles of 128 columns, 8 warps at one token, 4 beyond (wider tiles gain
@@ -323,14 +325,22 @@ def decode_tiles(weights: MoeDecodeWeights, num_tokens: int) -> DecodeTiles:
     - FP8 wider than one FP8_RUN (V3, K2: 7168; the layer takes the grouped kernels there
       unless `MLASERVE_MOE_DECODE_MAX_TOKENS` says otherwise): 16-row tiles of 128 columns, 4
       warps; the 2048-column runs take four K steps there and ran 3.4x slower at one token
-      (bench/moe_decode.py --arch v3tp2, H200)."""
+      (bench/moe_decode.py --arch v3tp2, H200).
+
+    With `leaves` (the deterministic mode's tree, `moe_decode`): the down kernel's K step is at
+    most one leaf's width, so it is a function of that width, the same on every TP rank."""
     if weights.quantized and weights.block_scaled and weights.hidden > FP8_RUN:
-        return DecodeTiles((16, 16), (128, 128), 4)
-    if weights.quantized and weights.block_scaled:
+        tiles = DecodeTiles((16, 16), (128, 128), 4)
+    elif weights.quantized and weights.block_scaled:
         wide = (min(FP8_RUN, triton.next_power_of_2(weights.hidden)),
                 min(FP8_RUN, triton.next_power_of_2(weights.inter)))  # fmt: skip
-        return DecodeTiles((8, 8), wide, 4)
-    return DecodeTiles((16, 16), (128, 128), 8 if num_tokens == 1 else 4)
+        tiles = DecodeTiles((8, 8), wide, 4)
+    else:
+        tiles = DecodeTiles((16, 16), (128, 128), 8 if num_tokens == 1 else 4)
+    if leaves is None:
+        return tiles
+    leaf = triton.next_power_of_2(weights.inter // leaves)
+    return tiles._replace(block_k=(tiles.block_k[0], min(tiles.block_k[1], leaf)))
 
 
 def moe_decode(
@@ -372,10 +382,7 @@ def moe_decode(
         raise ValueError(f"moe_decode: x {list(x.shape)} vs {num_tokens} tokens x {hidden}")
     tree = leaves is not None
     leaves = 1 if leaves is None else leaves
-    check_leaves(leaves)
-    chunk = inter // leaves
-    if inter % leaves or (weights.quantized and chunk % 128):
-        raise ValueError(f"moe_decode: intermediate {inter} is not {leaves} equal leaves")
+    chunk = leaf_width(inter, leaves, "moe_decode: intermediate", fp8=weights.quantized)
     if tree and not combine:
         raise ValueError("moe_decode: leaves are combined here (combine=False has no tree)")
     y = torch.empty_like(x, dtype=out_dtype or x.dtype)
@@ -386,10 +393,8 @@ def moe_decode(
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     wts = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     has_scale = weights.quantized
-    tiles = decode_tiles(weights, num_tokens)
+    tiles = decode_tiles(weights, num_tokens, leaves if tree else None)
     block_n = block_n or tiles.block_n
-    if block_k is None and tree:  # the down step within one leaf: its width's, not the rank's
-        block_k = (tiles.block_k[0], min(tiles.block_k[1], triton.next_power_of_2(chunk)))
     block_k = block_k or tiles.block_k
     num_warps = num_warps or tiles.num_warps
     uniform = (

@@ -15,6 +15,7 @@ SHAPES = {
     "default": (8, 2, 1, 256, 128),
     "tiny": (6, 2, 2, 160, 96),  # partial blocks along H and I; no shared FP8 (I % 128)
     "tiny_noshared": (5, 3, 0, 96, 128),
+    "tiny_fp8": (5, 2, 0, 96, 96),  # FP8 routed experts whose I is not in 128-blocks
 }
 
 

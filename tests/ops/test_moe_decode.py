@@ -44,6 +44,7 @@ CASES = (
         cpu_case(3, "tiny_noshared", False, None),
         cpu_case(2, "tiny_noshared", True, None),
         cpu_case(1, "default", True, None),
+        cpu_case(2, "tiny_fp8", True, None),  # no leaves: no 128-block rule on I
     ]
     + TILE_CASES
 )

@@ -58,7 +58,7 @@ from mlaserve.model.layers.fp8_linear import (
 )
 from mlaserve.ops import fused_ops_enabled
 from mlaserve.ops.fp8_gemm import block_fp8_linear
-from mlaserve.ops.invariant_rowwise import TREE_LEAVES
+from mlaserve.ops.invariant_rowwise import TREE_LEAVES, leaf_width
 from mlaserve.tensor_parallel import NO_TP, TensorParallel, all_reduce, tree_all_reduce
 
 __all__ = [
@@ -193,12 +193,8 @@ class _Linear(nn.Module):
         self.gemv_max_m = gemv_max_m(self.weight)
         self._invariant = None  # the deterministic mode's matmul, at every size
         if deterministic and self.split_dim == 1:  # K in the tree's chunks of the whole K
-            chunk = in_features // TREE_LEAVES
-            if in_features % TREE_LEAVES or (quant is not None and chunk % 128):
-                raise ValueError(
-                    f"{type(self).__name__}(in={in_features}): the deterministic mode sums K in "
-                    f"{TREE_LEAVES} equal leaves (multiples of 128 with FP8 weights)"
-                )
+            name = f"{type(self).__name__}(in={in_features}): K"
+            leaf_width(in_features, TREE_LEAVES, name, fp8=quant is not None)
         if deterministic:
             from mlaserve.ops.invariant_rowwise import rowwise_matmul
 

@@ -61,7 +61,7 @@ from mlaserve.model.layers.mlp import DeepseekMLP, silu_and_mul
 from mlaserve.model.layers.moe_experts import ExpertsImpl, FusedExperts
 from mlaserve.model.layers.moe_router import TopKRouter, select_experts
 from mlaserve.ops import fused_ops_enabled
-from mlaserve.ops.invariant_rowwise import TREE_LEAVES
+from mlaserve.ops.invariant_rowwise import TREE_LEAVES, leaf_width
 from mlaserve.ops.moe_partials import MoePartials, SortedExpertRows
 
 if TYPE_CHECKING:
@@ -129,12 +129,9 @@ class DeepseekMoE(nn.Module):
         self.gate = TopKRouter(config)  # the router stays fp32 (published FP8 checkpoints: bf16)
         if deterministic:  # its logits go through the invariant matmul: no GEMV / kernel of its own
             self.gate.gemv_max_m, self.gate._router_logits = 0, None
-            inter = config.moe_intermediate_size  # in the tree's chunks of the whole dim
-            if inter % TREE_LEAVES or (quant is not None and (inter // TREE_LEAVES) % 128):
-                raise ValueError(
-                    f"moe_intermediate_size {inter}: the deterministic mode sums it in "
-                    f"{TREE_LEAVES} equal leaves (multiples of 128 with FP8 weights)"
-                )
+            # the tree's chunks of the whole intermediate dim
+            leaf_width(config.moe_intermediate_size, TREE_LEAVES, "moe_intermediate_size",
+                       fp8=quant is not None)  # fmt: skip
         self.experts = FusedExperts(
             config.n_routed_experts,
             config.hidden_size,
@@ -232,19 +229,15 @@ class DeepseekMoE(nn.Module):
         """The deterministic mode's moe_decode weights and fixed tiles, where fused ops run."""
         if not fused_ops_enabled(self.experts.gate_up_proj.device):
             return
-        import triton
-
         from mlaserve.ops.invariant_matmul import invariant_matmul
         from mlaserve.ops.moe_decode import decode_tiles, moe_decode
 
         self._moe_decode, self._invariant_matmul = moe_decode, invariant_matmul
         # a layout moe_decode refuses is a ValueError: this mode has no other CUDA path
         self.decode_weights = self._decode_weights()
-        tiles = decode_tiles(self.decode_weights, num_tokens=2)  # the multi-token tiles
-        # the down projection's K step within one leaf: a function of the leaf's width alone
-        chunk = self.decode_weights.inter // self.tp.tree_leaves
-        block_k = (tiles.block_k[0], min(tiles.block_k[1], triton.next_power_of_2(chunk)))
-        self._invariant_tiles = (tiles.block_n, block_k, tiles.num_warps)
+        # the multi-token tiles, the down step within one leaf of this rank's subtree
+        tiles = decode_tiles(self.decode_weights, num_tokens=2, leaves=self.tp.tree_leaves)
+        self._invariant_tiles = (tiles.block_n, tiles.block_k, tiles.num_warps)
 
     def _forward_invariant(self, x: torch.Tensor, combine: bool) -> torch.Tensor | MoePartials:
         """The deterministic mode's MoE (module docstring): x [T, hidden] -> [T, hidden], always
