@@ -62,6 +62,8 @@ SHAPES = {
     "v3.q_kv_a": (2112, 7168),
     "v3tp2.q_b": (12288, 1536),
     "v3tp2.o_proj": (7168, 8192),
+    "v3tp2.dense_gate_up": (18432, 7168),  # the dense MLP's merged gate | up, one rank's rows
+    "v3tp2.dense_down": (7168, 9216),
     "v3tp4.q_b": (6144, 1536),
     "v3tp4.o_proj": (7168, 4096),
 }

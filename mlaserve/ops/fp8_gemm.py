@@ -11,7 +11,8 @@ decided on the host; nothing reads device memory, so the whole op is graph-captu
                      activations' dtype in registers. One launch where W8A8 takes an activation
                      quantisation, a split-K GEMM and its reduction, whose launches alone made
                      a decode-sized W8A8 step slower than bf16 (bench/RESULTS.md). Exact
-                     activations, and the same FP8 weight bytes.
+                     activations, and the same FP8 weight bytes. Up to `W8A16_WIDE_MAX_M` rows
+                     its decode kernel puts 2-4 K blocks' weight tiles in flight a loop step.
     triton           `fp8_triton.w8a8_block_fp8_matmul_triton` (SGLang/vLLM's design). Decode-
                      sized M is memory-bound; this kernel streams the FP8 weight once, half the
                      bytes of bf16. Any SM89+ GPU, SM90 and SM100 included; the fallback for

@@ -12,7 +12,8 @@ accumulator.
                                       -> [M, N] in out_dtype (split-K at decode-sized M)
     w8a16_block_fp8_matmul_triton     x [M, K] bf16/fp16/fp32, W_q [N, K], S_w [N/bn, Kb]
                                       -> [M, N]: the weight widened in registers, no activation
-                                      quantisation, one launch (decode-sized M)
+                                      quantisation, one launch (decode-sized M; up to
+                                      W8A16_WIDE_MAX_M rows `_w8a16_wide_kernel`)
     grouped_block_fp8_matmul_triton   rows of x_q grouped by expert (`align_blocks` layout),
                                       W_q [E, N, K], S_w [E, N/bn, Kb] -> [R, N]
 
@@ -28,6 +29,7 @@ import triton.language as tl
 from mlaserve.ops.fp8_layout import FP8_DTYPE, FP8_MAX, column_major_scale_buffer
 
 __all__ = [
+    "W8A16_WIDE_MAX_M",
     "grouped_block_fp8_matmul_triton",
     "per_token_group_quant_fp8_triton",
     "w8a8_block_fp8_matmul_triton",
@@ -197,6 +199,52 @@ def w8a8_block_fp8_matmul_triton(
     return out[0] if splits == 1 else out.sum(0).to(out_dtype)
 
 
+# Up to this many rows the W8A16 GEMM takes `_w8a16_wide_kernel` (one 16-row MMA tile).
+W8A16_WIDE_MAX_M = 16
+_WIDE_BLOCK_N = 32
+
+
+@triton.jit
+def _w8a16_wide_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, M, N, group_n,
+    stride_xm, stride_wn, stride_sn, stride_sk, stride_ym,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr,
+):  # fmt: skip
+    # One program: BLOCK_N rows of W against all M (<= BLOCK_M) rows of x, the whole K. A loop
+    # step takes SUB 128-column K blocks, each its own load, MMA and scale, so a step puts SUB
+    # weight tiles in flight where `_block_fp8_matmul_kernel` puts one: at decode M the loop is
+    # bound by load latency, not by the MMAs. The blocks are summed in K order, as there.
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, 128)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    num_kb: tl.constexpr = (K + 127) // 128
+    w_rows = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+    s_rows = s_ptr + (offs_n // group_n) * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb0 in range(0, num_kb, SUB):
+        for r in tl.static_range(SUB):
+            kb = kb0 + r
+            kk = kb * 128 + offs_k
+            mk = kk < K  # also past the last block (kb >= num_kb)
+            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                        mask=mask_m[:, None] & mk[None, :], other=0.0)  # fmt: skip
+            b = tl.load(w_rows + kk[:, None], mask=mask_n[None, :] & mk[:, None], other=0.0)
+            b_s = tl.load(s_rows + kb * stride_sk, mask=mask_n & (kb < num_kb), other=0.0)
+            acc += tl.dot(a, b.to(a.dtype)) * b_s[None, :]
+    y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _w8a16_wide_sub(n: int) -> int:
+    """K blocks per loop step: 4 where the launch has under two programs per SM (bytes in
+    flight must come from each program), 2 where it has more (fewer registers, more programs
+    resident). `bench/RESULTS.md` (thirtieth session): V3's q|kv_a, o_proj and dense down take
+    4, q_b and the dense gate_up 2."""
+    return 4 if triton.cdiv(n, _WIDE_BLOCK_N) < _NUM_PROGRAMS_TARGET else 2
+
+
 def _w8a16_config(m: int, n: int) -> dict[str, int]:
     """Tiles for the W8A16 GEMM at decode-sized M (<= W8A16_MAX_M): one launch, no K split
     (a split needs a second, reducing launch, and at these sizes launches cost more than the
@@ -227,6 +275,15 @@ def w8a16_block_fp8_matmul_triton(
     out = torch.empty((1, m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out[0]
+    if m <= W8A16_WIDE_MAX_M:
+        y = out[0]
+        _w8a16_wide_kernel[(triton.cdiv(n, _WIDE_BLOCK_N),)](
+            x, w_q, w_s, y, m, n, group_n,
+            x.stride(0), w_q.stride(0), w_s.stride(0), w_s.stride(1), y.stride(0),
+            K=k, BLOCK_M=16, BLOCK_N=_WIDE_BLOCK_N, SUB=_w8a16_wide_sub(n),
+            num_warps=4, num_stages=3,
+        )  # fmt: skip
+        return y
     cfg = _w8a16_config(m, n)
     num_kb = triton.cdiv(k, _GROUP_K)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), 1)

@@ -36,6 +36,11 @@ for bm, bn, a_fp8 in ((16, 64, True), (64, 128, True), (16, 64, False)):
     cases.append((f"grouped_{bm}x{bn}_{'w8a8' if a_fp8 else 'w8a16'}",
                   K._grouped_block_fp8_matmul_kernel, sig,
                   {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "A_FP8": a_fp8}))
+for out, sub in (("*bf16", 4), ("*bf16", 2), ("*fp32", 4)):
+    sig = signature(K._w8a16_wide_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                    "y_ptr": out}, constexprs=("K", "BLOCK_M", "BLOCK_N", "SUB"))
+    cases.append((f"w8a16_wide_sub{sub}_{out[1:]}", K._w8a16_wide_kernel, sig,
+                  {"K": 7168, "BLOCK_M": 16, "BLOCK_N": 32, "SUB": sub}))
 sig = signature(K._per_token_group_quant_kernel,
                 {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                 floats=("fp8_max", "eps"), constexprs=("GROUP",))
@@ -44,4 +49,4 @@ cases.append(("quant", K._per_token_group_quant_kernel, sig, {"GROUP": 128}))
 
 
 def test_kernels_compile_for_sm90_and_sm100() -> None:
-    compile_for_gpus(CASES, expected=2 * 9, num_stages=4)
+    compile_for_gpus(CASES, expected=2 * 12, num_stages=4)
