@@ -246,10 +246,10 @@ def _w8a16_wide_sub(n: int) -> int:
 
 
 def _w8a16_config(m: int, n: int) -> dict[str, int]:
-    """Tiles for the W8A16 GEMM at decode-sized M (<= W8A16_MAX_M): one launch, no K split
-    (a split needs a second, reducing launch, and at these sizes launches cost more than the
-    bytes), so N tiles shrink until the launch has about one program per SM."""
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    """Tiles for the W8A16 GEMM past `W8A16_WIDE_MAX_M` (up to W8A16_MAX_M): one launch, no K
+    split (a split needs a second, reducing launch, and at these sizes launches cost more than
+    the bytes), so N tiles shrink until the launch has about one program per SM."""
+    block_m = 32 if m <= 32 else 64
     m_tiles = triton.cdiv(m, block_m)
     block_n = 64
     while block_n > 16 and m_tiles * triton.cdiv(n, block_n) < _NUM_PROGRAMS_TARGET // 2:

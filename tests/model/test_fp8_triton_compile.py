@@ -22,7 +22,7 @@ fp8 = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "as_ptr": "*fp32", "bs_ptr": "*
 tiles = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 w8a16 = {"a_ptr": "*bf16", "as_ptr": "*bf16"}  # bf16 activations; as_ptr unused
 for bm, bn, out, a_fp8 in ((16, 64, "*bf16", True), (16, 64, "*fp32", True),
-                           (64, 128, "*bf16", True), (16, 16, "*bf16", False),
+                           (64, 128, "*bf16", True), (32, 16, "*bf16", False),
                            (64, 64, "*bf16", False)):
     ptrs = {**fp8, "c_ptr": out, **({} if a_fp8 else w8a16)}
     sig = signature(K._block_fp8_matmul_kernel, ptrs, constexprs=(*tiles, "GROUP_M", "A_FP8"))

@@ -11,6 +11,7 @@ import torch
 from mlaserve.model.layers.linear import RowParallelLinear, wide_linear
 from mlaserve.ops.fp8_gemm import block_fp8_linear
 from mlaserve.ops.fp8_quant import quantize_weight_block
+from tests.ops.cases import gpu
 
 
 def test_wide_linear_is_the_fp32_product_of_16_bit_operands() -> None:
@@ -44,19 +45,7 @@ def test_row_parallel_linear_on_one_rank_keeps_the_model_dtype() -> None:
     assert layer(torch.randn(2, 64).to(torch.bfloat16)).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu, id="cuda")])
 def test_wide_linear_takes_zero_rows(device: str) -> None:
     """A step with no logit rows (a middle chunk of a long prompt) gives the LM head 0 rows:
     [0, N] fp32 out (on CUDA the fp32-output GEMM's view once could not infer N)."""
