@@ -65,10 +65,10 @@ GemmBackend = Literal["triton_w8a16", "triton", "torch_blockwise", "flashinfer",
 # bench/fp8_gemm.py measures the crossover.
 TORCH_BLOCKWISE_MIN_M = 256
 # From W8A16_MIN_M to W8A16_MAX_M tokens the W8A16 kernel: memory- and launch-bound sizes, where
-# the activation quantisation W8A8 needs costs more than the fp8 tensor-core rate gains. At
-# M = 1 the split-K W8A8 GEMM wins despite its extra launches: the W8A16 kernel has no K split,
-# so too few weight loads are in flight (measured: bench/fp8_gemm.py, bench/RESULTS.md).
-W8A16_MIN_M = 2
+# the activation quantisation W8A8 needs costs more than the fp8 tensor-core rate gains. One
+# token included: its decode kernel (several K blocks in flight a step) beats the split-K W8A8
+# GEMM there on V3's shapes (bench/gemv.py, bench/RESULTS.md), with exact activations.
+W8A16_MIN_M = 1
 W8A16_MAX_M = 64
 
 

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.ops.fp8_triton import widen_e4m3
 from mlaserve.ops.invariant_rowwise import leaf_width, scale_row_div
 from mlaserve.ops.invariant_tree import settled, tree_step
 from mlaserve.ops.triton_support import interpreting
@@ -74,7 +75,7 @@ def _leaf(
         if FP32:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         elif HAS_SCALE:  # e4m3 -> x's dtype is exact; the block's product scaled in fp32
-            part = tl.dot(x, w.to(x.dtype))
+            part = tl.dot(x, widen_e4m3(w, x.dtype))
             s = tl.load(s_ptr + (offs_n // ROW_DIV) * s_stride + k0 // BLOCK_K, mask=mask_n)
             acc += part * s[None, :]
         else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.aot_compile import compile_for_gpus
+from tests.aot_compile import compile_for_gpus, ptx_for_sm90
 
 pytest.importorskip("triton")
 
@@ -50,3 +50,32 @@ cases.append(("quant", K._per_token_group_quant_kernel, sig, {"GROUP": 128}))
 
 def test_kernels_compile_for_sm90_and_sm100() -> None:
     compile_for_gpus(CASES, expected=2 * 12, num_stages=4)
+
+
+WIDEN_CASES = r"""
+from mlaserve.ops import fp8_triton as K
+
+for act in ("bf16", "fp16"):
+    sig = signature(K._w8a16_wide_kernel, {"x_ptr": f"*{act}", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                    "y_ptr": f"*{act}"}, constexprs=("K", "BLOCK_M", "BLOCK_N", "SUB"))
+    cases.append((f"wide_{act}", K._w8a16_wide_kernel, sig,
+                  {"K": 7168, "BLOCK_M": 16, "BLOCK_N": 32, "SUB": 4}))
+    sig = signature(K._block_fp8_matmul_kernel, {"a_ptr": f"*{act}", "b_ptr": "*fp8e4nv",
+                    "as_ptr": f"*{act}", "bs_ptr": "*fp32", "c_ptr": f"*{act}"},
+                    constexprs=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "A_FP8"))
+    cases.append((f"dense_{act}", K._block_fp8_matmul_kernel, sig,
+                  {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "A_FP8": False}))
+"""
+
+
+def test_w8a16_widens_the_weight_to_bf16_through_fp32() -> None:
+    """e4m3 -> bf16 goes e4m3 -> f16 -> f32 -> bf16 (`widen_e4m3`): packed f32 -> bf16 converts,
+    not the scalar f16 -> bf16 pair Triton emits for the direct cast, which made these kernels
+    slower. To fp16 the weight takes the one packed e4m3 -> f16 convert."""
+    ptx = ptx_for_sm90(WIDEN_CASES)
+    for name in ("wide_bf16", "dense_bf16"):
+        assert "cvt.rn.bf16x2.f32" in ptx[name], name
+        assert "cvt.bf16.f16" not in ptx[name], name
+    for name in ("wide_fp16", "dense_fp16"):
+        assert "cvt.rn.f16x2.e4m3x2" in ptx[name], name
+        assert "cvt.f32.f16" not in ptx[name] and "bf16" not in ptx[name], name
