@@ -11,8 +11,8 @@ exact in TF32, so only the gate's low bits round, at ~2^-22 relative). The decod
 below `ops/gemv.py`'s limit keep the GEMV (one streaming pass, no tensor cores needed).
 
 Grid (cdiv(T, BLOCK_T), cdiv(E, BLOCK_E), S): narrow tiles along E and S splits of K, so that
-even a handful of tokens spreads the gate's bytes (512 KB for V2-Lite, 7.3 MB for V3) over about
-every SM. Prefill-sized batches, which fill the GPU without that, take tiles 64 experts wide
+even a handful of tokens spreads the gate's bytes (512 KB for V2-Lite, 7.3 MB for V3) over every
+SM, a few programs each. Prefill-sized batches, which fill the GPU without that, take tiles 64 experts wide
 (`_tiles`): each x row is then read once per 64 experts, not once per 16, and split K while
 those tiles are fewer than
 _PREFILL_PROGRAMS: a program's K loop is a chain of dependent steps (32 at V2-Lite's unsplit
@@ -73,7 +73,7 @@ def _router_logits_kernel(
     tl.store(out, acc, mask=mask_t[:, None] & mask_e[None, :])
 
 
-_BLOCK_T, _BLOCK_E, _BLOCK_K = 16, 16, 128
+_BLOCK_T, _BLOCK_K = 16, 128
 # Wide tiles: a [64, 64] fp32 gate tile and the next one in registers at 4 warps.
 _WIDE_BLOCK_E, _WIDE_BLOCK_K = 64, 64
 # Prefill-sized batches' token rows a tile: each gate tile is read once per 64 tokens, not 16
@@ -89,7 +89,13 @@ _MAX_WIDE_SPLITS = 16
 # program at V2-Lite's 2048) where the gate's bytes per program stay under _LATENCY_BYTES: such
 # a launch is a chain of latencies, and a wide tile reads each x row once for 64 experts.
 _MAX_SMALL_SPLITS = 16
-_LATENCY_BYTES = 128 << 10
+_LATENCY_BYTES = 32 << 10
+# A large gate at decode sizes: tiles 32 experts wide, K split by any divisor of its block count
+# (V3's 56: 28, 14, 8 ...) up to this many programs, so that each streams one or two 128-wide
+# steps: a program's steps are a dependent chain, and 128 programs of seven steps left V3's gate
+# latency-bound (bench/RESULTS.md, thirty-first session).
+_NARROW_BLOCK_E = 32
+_NARROW_PROGRAMS = 2 * _PROGRAMS_TARGET
 
 
 def _tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, int, int]:
@@ -104,9 +110,10 @@ def _tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, in
       gate a program: faster than narrow tiles for V2-Lite's and V3's gates where the bytes
       per program stay small, slower past it (bench/RESULTS.md, "Session of 2026-11-26
       (seventh)").
-    - Otherwise (a large gate, V3's 7.3 MB, at a few tokens): narrow tiles with K splits, so
-      that the launch has about _PROGRAMS_TARGET programs: a handful of tokens would otherwise
-      stream the whole gate through a few SMs."""
+    - Otherwise (a large gate, V3's 7.3 MB, at a few tokens): tiles _NARROW_BLOCK_E experts
+      wide with K split by the largest divisor of the K blocks' count that keeps the launch
+      within _NARROW_PROGRAMS: a handful of tokens would otherwise stream the whole gate
+      through a few SMs, in long chains of dependent loads."""
     t_tiles = triton.cdiv(num_tokens, _BLOCK_T)
     wide = t_tiles * triton.cdiv(num_experts, _WIDE_BLOCK_E)
     if 2 * wide >= _PROGRAMS_TARGET:
@@ -117,8 +124,10 @@ def _tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, in
     splits = _splits(wide, num_kb, _WIDE_PROGRAMS, _MAX_SMALL_SPLITS)
     if num_experts * hidden * 4 <= _LATENCY_BYTES * wide * splits:
         return _BLOCK_T, _WIDE_BLOCK_E, _BLOCK_K, splits
-    tiles = t_tiles * triton.cdiv(num_experts, _BLOCK_E)
-    return _BLOCK_T, _BLOCK_E, _BLOCK_K, _splits(tiles, num_kb, _PROGRAMS_TARGET, num_kb)
+    tiles = t_tiles * triton.cdiv(num_experts, _NARROW_BLOCK_E)
+    most = min(num_kb, max(1, _NARROW_PROGRAMS // tiles))
+    splits = max(d for d in range(1, most + 1) if num_kb % d == 0)
+    return _BLOCK_T, _NARROW_BLOCK_E, _BLOCK_K, splits
 
 
 def _splits(tiles: int, num_kb: int, max_programs: int, max_splits: int) -> int:

@@ -20,7 +20,7 @@ CASES = [
     gpu_case(t, shape)
     for t in (9, 17, 32, 64, 128, 257, 1000, 2048, 4100)
     for shape in ("v2lite", "v3", "default")
-] + [cpu_case(5, "tiny"), cpu_case(33, "default"), cpu_case(1009, "tiny")]
+] + [cpu_case(5, "tiny"), cpu_case(33, "default"), cpu_case(1009, "tiny"), cpu_case(3, "v3")]
 
 
 @pytest.mark.parametrize("num_tokens,shape_name,device", CASES)
@@ -47,14 +47,17 @@ def test_router_logits_refuses_a_non_fp32_gate():
 
 
 def test_prefill_sized_batches_take_wide_tiles_split_while_few():
+    triton = pytest.importorskip("triton")
     from mlaserve.ops.router_logits import _tiles, router_logits_variants
 
     # decode sizes: a small gate (V2-Lite's 512 KB) wide, in one 128-wide step a program; a
     # large one (V3's 7.3 MB) narrow and split while a handful of tokens leave too few programs
     assert _tiles(1, 64, 2048) == _tiles(128, 64, 2048) == (16, 64, 128, 16)
     assert _tiles(512, 64, 2048) == (16, 64, 128, 16)
-    assert _tiles(16, 256, 7168) == (16, 16, 128, 8)
-    assert _tiles(32, 256, 7168) == _tiles(128, 256, 7168) == (16, 64, 128, 8)
+    assert _tiles(1, 256, 7168) == _tiles(16, 256, 7168) == (16, 32, 128, 28)  # 56 K blocks
+    assert _tiles(32, 256, 7168) == (16, 32, 128, 14)
+    assert _tiles(64, 256, 7168) == (16, 32, 128, 8)
+    assert _tiles(128, 256, 7168) == (16, 64, 128, 8)
     # prefill sizes: 64 wide tiles, K split while the 16-row count stays within 1024 programs
     assert _tiles(1024, 64, 2048) == (64, 64, 64, 16)
     assert _tiles(2048, 64, 2048) == (64, 64, 64, 8)
@@ -62,6 +65,10 @@ def test_prefill_sized_batches_take_wide_tiles_split_while_few():
     assert _tiles(16384, 64, 2048) == (64, 64, 64, 1)  # 256 tiles: enough programs unsplit
     assert _tiles(256, 256, 7168) == (64, 64, 64, 16)
     assert _tiles(1009, 12, 160) == (64, 64, 64, 1)  # the interpreted case above: K of 3 blocks
-    counts = router_logits_variants(64, 2048)
     every = range(1, 17000)
-    assert {_tiles(t, 64, 2048) for t in counts} == {_tiles(t, 64, 2048) for t in every}
+    for num_experts, hidden in ((64, 2048), (256, 7168)):
+        counts = router_logits_variants(num_experts, hidden)
+        variants = {_tiles(t, num_experts, hidden) for t in every}
+        assert {_tiles(t, num_experts, hidden) for t in counts} == variants
+        for *_, block_k, splits in variants:  # a split is whole K blocks: none left over
+            assert triton.cdiv(hidden, block_k) % splits == 0
