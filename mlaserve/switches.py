@@ -94,6 +94,14 @@ SWITCHES: tuple[Switch, ...] = (
         "model/layers/mla.py",
     ),
     Switch(
+        "MLASERVE_HEAD_GEMV_MAX_M",
+        "int",
+        "8 (`ops.head_gemv.HEAD_GEMV_MAX_M`)",
+        "tokens up to which MLA's W_UK / W_UV products take `ops/head_gemv.py` (and the decode "
+        "prologue its W_UK); past it, and at 0, cuBLAS's bmm",
+        "model/layers/mla.py",
+    ),
+    Switch(
         "MLASERVE_MOE_DECODE_MAX_TOKENS",
         "int",
         "`DECODE_MAX_TOKENS` = 8 (`DECODE_MAX_TOKENS_BYTES_BOUND` = 3: byte-bound 16-bit experts;"
@@ -249,6 +257,11 @@ def gemv_max_m(fp8: bool) -> int | None:
 def decode_prologue() -> bool:
     """`MLASERVE_DECODE_PROLOGUE`: MLA's decode prologue as one kernel."""
     return _bool("MLASERVE_DECODE_PROLOGUE")
+
+
+def head_gemv_max_m(default: int) -> int:
+    """`MLASERVE_HEAD_GEMV_MAX_M`, else `default`."""
+    return _int("MLASERVE_HEAD_GEMV_MAX_M", default)
 
 
 def moe_decode_max_tokens(default: int) -> int:

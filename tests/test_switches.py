@@ -29,6 +29,7 @@ DECLARED = {switch.name: switch for switch in SWITCHES}
 INT_READERS = {
     "MLASERVE_GEMV_MAX_M": lambda: switches.gemv_max_m(fp8=False),
     "MLASERVE_GEMV_MAX_M_FP8": lambda: switches.gemv_max_m(fp8=True),
+    "MLASERVE_HEAD_GEMV_MAX_M": lambda: switches.head_gemv_max_m(7),
     "MLASERVE_MOE_DECODE_MAX_TOKENS": lambda: switches.moe_decode_max_tokens(7),
     "MLASERVE_MOE_GROUPED_MAX_TOKENS": lambda: switches.moe_grouped_max_tokens(7),
     "MLASERVE_MLA_DECODE_ROWS": lambda: switches.mla_decode_rows(7),
@@ -138,7 +139,11 @@ def test_defaults_match_the_table(monkeypatch) -> None:
     assert switches.fused_ops() is None
     assert DECLARED["MLASERVE_FUSED_OPS"].default.startswith("unset")
     assert switches.gemv_max_m(fp8=False) is None and switches.gemv_max_m(fp8=True) is None
-    for name in ("MLASERVE_MOE_DECODE_MAX_TOKENS", "MLASERVE_MOE_GROUPED_MAX_TOKENS"):
+    for name in (
+        "MLASERVE_HEAD_GEMV_MAX_M",
+        "MLASERVE_MOE_DECODE_MAX_TOKENS",
+        "MLASERVE_MOE_GROUPED_MAX_TOKENS",
+    ):
         assert INT_READERS[name]() == 7, name
     assert switches.mla_decode_rows(4) == 4
     assert switches.all_reduce_one_shot_max_bytes(16) == 16

@@ -154,7 +154,8 @@ class MLAAttention(nn.Module):
             # `MLASERVE_DECODE_PROLOGUE=0`: the two kernels apart, for A/B runs
             if switches.decode_prologue():
                 self._prologue = mla_decode_prologue
-            self._head_gemv, self._head_gemv_max_m = head_gemv, HEAD_GEMV_MAX_M
+            self._head_gemv = head_gemv
+            self._head_gemv_max_m = switches.head_gemv_max_m(HEAD_GEMV_MAX_M)
         # q's row stride in the projection output q_nope is a view of (head_gemv's warm-up)
         self._q_row_stride = (
             q_out + latent
