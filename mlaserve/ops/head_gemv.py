@@ -46,10 +46,12 @@ from mlaserve.ops.pdl import pdl_args, wait_and_hold_next_kernel, wait_for_previ
 
 __all__ = [
     "HEAD_GEMV_MAX_M",
+    "HEAD_GEMV_MAX_ROWS",
     "HeadGemvLaunch",
     "head_gemv",
     "head_gemv_buckets",
     "head_gemv_launch",
+    "head_gemv_max_m",
     "head_gemv_program",
     "head_gemv_warm_up_tasks",
 ]
@@ -57,6 +59,10 @@ __all__ = [
 # Token rows per launch: each is a static unroll step of the kernel; past it the bmm's tensor
 # cores win.
 HEAD_GEMV_MAX_M = 8
+# ... and at most this many (token, head) rows: at V3's 64 heads a TP2 rank's W_UK / W_UV at 8
+# tokens ran faster as cuBLAS's bmm (bench/RESULTS.md, thirty-first session); the limit of 8 was
+# measured at V2-Lite's 16 heads.
+HEAD_GEMV_MAX_ROWS = 256
 _TILE = 8192  # elements of a [BLOCK_K, BLOCK_N] weight tile: 64 fp32 per thread at 4 warps
 _PROGRAMS = 256  # about two per SM of an H100
 _FP8 = torch.float8_e4m3fn
@@ -286,6 +292,12 @@ def head_gemv_warm_up_tasks(
         for m in head_gemv_buckets(max_m)
         for variant in variants
     ]
+
+
+def head_gemv_max_m(heads: int) -> int:
+    """Tokens up to which a layer with `heads` heads (on this rank) takes the head GEMV: 8 up to
+    32 heads, 4 at 64, 2 at 128."""
+    return max(1, min(HEAD_GEMV_MAX_M, HEAD_GEMV_MAX_ROWS // max(heads, 1)))
 
 
 def head_gemv_buckets(max_m: int) -> list[int]:

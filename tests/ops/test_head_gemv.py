@@ -91,6 +91,17 @@ def test_head_gemv_rejects_what_does_not_fit(device):
         head_gemv(x, w, out=torch.zeros(2, 4, 15, dtype=torch.float16))
 
 
+def test_token_limit_falls_with_the_ranks_heads():
+    """8 tokens up to 32 heads (V2-Lite, V3 at TP4); 4 at V3's TP2 share, 2 at its 128, where
+    cuBLAS's bmm was faster at 8 tokens. Never below one token."""
+    pytest.importorskip("triton")
+    from mlaserve.ops.head_gemv import HEAD_GEMV_MAX_M, head_gemv_max_m
+
+    assert [head_gemv_max_m(h) for h in (1, 16, 32, 64, 128, 4096)] == [
+        HEAD_GEMV_MAX_M, 8, 8, 4, 2, 1
+    ]  # fmt: skip
+
+
 FP8 = torch.float8_e4m3fn
 V2LITE_DR = 64  # qk_rope_head_dim
 JOINED_GPU = [

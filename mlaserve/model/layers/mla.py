@@ -131,8 +131,8 @@ class MLAAttention(nn.Module):
         # ... and at decode sizes, where attention takes q_latent and q_pe apart, with the W_UK
         # GEMV below in the same launch (`mlaserve/ops/mla_decode_prologue.py`).
         self._prologue = None
-        # At decode sizes (<= HEAD_GEMV_MAX_M tokens) the absorbed W_UK / W_UV products run as
-        # one Triton GEMV each (`mlaserve/ops/head_gemv.py`) instead of cuBLAS's bmm.
+        # At decode sizes (<= `head_gemv_max_m(heads)` tokens) the absorbed W_UK / W_UV products
+        # run as one Triton GEMV each (`mlaserve/ops/head_gemv.py`) instead of cuBLAS's bmm.
         self._head_gemv = None
         self._head_gemv_max_m = 0
         # the deterministic mode's per-head products (`_forward_invariant`)
@@ -146,7 +146,7 @@ class MLAAttention(nn.Module):
 
                 self._head_matmul = invariant_head_matmul
         elif fused_ops_enabled(self.kv_a_layernorm.weight.device):
-            from mlaserve.ops.head_gemv import HEAD_GEMV_MAX_M, head_gemv
+            from mlaserve.ops.head_gemv import head_gemv, head_gemv_max_m
             from mlaserve.ops.mla_decode_prologue import mla_decode_prologue
             from mlaserve.ops.mla_norm_rope import mla_norm_rope
 
@@ -155,7 +155,7 @@ class MLAAttention(nn.Module):
             if switches.decode_prologue():
                 self._prologue = mla_decode_prologue
             self._head_gemv = head_gemv
-            self._head_gemv_max_m = switches.head_gemv_max_m(HEAD_GEMV_MAX_M)
+            self._head_gemv_max_m = switches.head_gemv_max_m(head_gemv_max_m(self.num_heads))
         # q's row stride in the projection output q_nope is a view of (head_gemv's warm-up)
         self._q_row_stride = (
             q_out + latent
