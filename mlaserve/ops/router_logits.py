@@ -12,15 +12,15 @@ below `ops/gemv.py`'s limit keep the GEMV (one streaming pass, no tensor cores n
 
 Grid (cdiv(T, BLOCK_T), cdiv(E, BLOCK_E), S): narrow tiles along E and S splits of K, so that
 even a handful of tokens spreads the gate's bytes (512 KB for V2-Lite, 7.3 MB for V3) over every
-SM, a few programs each. Prefill-sized batches, which fill the GPU without that, take tiles 64 experts wide
-(`_tiles`): each x row is then read once per 64 experts, not once per 16, and split K while
-those tiles are fewer than
-_PREFILL_PROGRAMS: a program's K loop is a chain of dependent steps (32 at V2-Lite's unsplit
-2048), so at a few hundred programs its length is the kernel's time. The S partials go out as
-they are: the routing kernel sums them in a fixed order (deterministic, no reduction launch).
-Both operands of a step are loaded one step ahead (a register double buffer). No host reads:
-CUDA-graph safe. T is a runtime mask bound; the tile choice and Triton's specialisation on T % 16 == 0
-make the variants that `router_logits_variants` lists, for the model to compile at load.
+SM, a few programs each. Prefill-sized batches, which fill the GPU without that, take tiles 64
+experts wide (`_tiles`): each x row is then read once per 64 experts, not once per 16, and split
+K while those tiles are fewer than _PREFILL_PROGRAMS: a program's K loop is a chain of dependent
+steps (32 at V2-Lite's unsplit 2048), so at a few hundred programs its length is the kernel's
+time. The S partials go out as they are: the routing kernel sums them in a fixed order
+(deterministic, no reduction launch). Both operands of a step are loaded one step ahead (a
+register double buffer). No host reads: CUDA-graph safe. T is a runtime mask bound; the tile
+choice and Triton's specialisation on T % 16 == 0 make the variants that
+`router_logits_variants` lists, for the model to compile at load.
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ _NARROW_PROGRAMS = 2 * _PROGRAMS_TARGET
 
 
 def _tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_E, BLOCK_K, K splits), splits a power of two dividing the K blocks'
-    count.
+    """(BLOCK_T, BLOCK_E, BLOCK_K, K splits), splits dividing the K blocks' count (a power of
+    two but for a large gate's narrow tiles).
     - Prefill-sized batches: wide tiles of _PREFILL_BLOCK_T rows once 16-row ones alone would
       give half _PROGRAMS_TARGET programs, with K split (up to _MAX_WIDE_SPLITS ways) while
       16-row tiles would stay within _PREFILL_PROGRAMS (the 64-row launch within
@@ -109,7 +109,8 @@ def _tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, in
       _MAX_SMALL_SPLITS ways within _WIDE_PROGRAMS, where that leaves <= _LATENCY_BYTES of the
       gate a program: faster than narrow tiles for V2-Lite's and V3's gates where the bytes
       per program stay small, slower past it (bench/RESULTS.md, "Session of 2026-11-26
-      (seventh)").
+      (seventh)"; the bound 32 KB since the thirty-first session, where V3's gate at 32-64
+      tokens ran faster narrow).
     - Otherwise (a large gate, V3's 7.3 MB, at a few tokens): tiles _NARROW_BLOCK_E experts
       wide with K split by the largest divisor of the K blocks' count that keeps the launch
       within _NARROW_PROGRAMS: a handful of tokens would otherwise stream the whole gate
