@@ -13,9 +13,7 @@ timer: median of 5 replays, launch overhead excluded, as in the decode graph) of
 
     gemv     this kernel, default tiles (`gemv_config`)
     base     bf16: F.linear (cuBLAS); FP8: block_fp8_linear with its default dispatch
-             (`gemm_backend`: W8A8 with activation quantisation at M = 1, W8A16 Triton above)
-    w8a16    FP8 at M <= W8A16_WIDE_MAX_M: block_fp8_linear's W8A16 kernel at any M, M = 1
-             included (what a linear whose GEMV limit is 0 runs at one token)
+             (`gemm_backend`: the W8A16 Triton kernel up to W8A16_MAX_M tokens, one included)
 
 Each graph calls the op on distinct weight copies in turn (>= 256 MB of them, ~5x an H100's
 L2), so every call streams its weight from HBM as in a real step. floor = weight + scale bytes
@@ -47,7 +45,6 @@ from moe_decode import in_turn
 
 from mlaserve.ops.fp8_gemm import block_fp8_linear, gemm_backend
 from mlaserve.ops.fp8_quant import expand_scale_rows, quantize_weight_block
-from mlaserve.ops.fp8_triton import W8A16_WIDE_MAX_M
 from mlaserve.ops.gemv import GemvConfig, gemv, gemv_config, gemv_reference
 
 # name: (N, K)
@@ -147,12 +144,6 @@ def bench_weights(name: str, fp8: bool, args, bandwidth: float, rows, sweep) -> 
             "floor_us": nbytes / bandwidth * 1e6,
             "max_rel_err": err,
         }  # fmt: skip
-        if fp8 and m <= W8A16_WIDE_MAX_M:
-            row["w8a16_us"] = time_us(
-                lambda i, x=x: block_fp8_linear(x, *weights[i], backend="triton_w8a16"),
-                copies,
-                args.iters,
-            )
         row["gemv_vs_floor"] = row["gemv_us"] / row["floor_us"]
         row["base_vs_floor"] = row["base_us"] / row["floor_us"]
         row["speedup"] = row["base_us"] / row["gemv_us"]
@@ -206,13 +197,11 @@ def main() -> None:
         bench_shape(name, args, bandwidth, rows, sweep)
     print(f"device: {torch.cuda.get_device_name()}  copy BW {bandwidth / 1e12:.2f} TB/s")
     print(f"{'shape':<14} {'w':>4} {'M':>2} {'N':>6} {'K':>6} {'gemv us':>8} {'base us':>8} "
-          f"{'base':<18} {'w8a16 us':>8} {'floor us':>8} {'gemv/floor':>10} {'base/floor':>10} "
-          f"{'speedup':>7}")  # fmt: skip
+          f"{'base':<18} {'floor us':>8} {'gemv/floor':>10} {'base/floor':>10} {'speedup':>7}")  # fmt: skip
     for r in rows:
         print(
             f"{r['shape']:<14} {r['weights']:>4} {r['m']:>2} {r['n']:>6} {r['k']:>6} "
-            f"{r['gemv_us']:>8.2f} {r['base_us']:>8.2f} {r['base']:<18} "
-            f"{r.get('w8a16_us', float('nan')):>8.2f} {r['floor_us']:>8.2f} "
+            f"{r['gemv_us']:>8.2f} {r['base_us']:>8.2f} {r['base']:<18} {r['floor_us']:>8.2f} "
             f"{r['gemv_vs_floor']:>10.2f} {r['base_vs_floor']:>10.2f} {r['speedup']:>7.2f}"
         )
     print(
