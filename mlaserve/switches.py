@@ -98,7 +98,7 @@ SWITCHES: tuple[Switch, ...] = (
         "int",
         "by the rank's heads (`ops.head_gemv.head_gemv_max_m`: 8 to 32 heads, 4 at 64)",
         "tokens up to which MLA's W_UK / W_UV products take `ops/head_gemv.py` (and the decode "
-        "prologue its W_UK); past it, and at 0, cuBLAS's bmm",
+        "prologue its W_UK), at most 8 (`ops.head_gemv.HEAD_GEMV_MAX_M`); past it, and at 0, cuBLAS's bmm",
         "model/layers/mla.py",
     ),
     Switch(

@@ -146,7 +146,7 @@ class MLAAttention(nn.Module):
 
                 self._head_matmul = invariant_head_matmul
         elif fused_ops_enabled(self.kv_a_layernorm.weight.device):
-            from mlaserve.ops.head_gemv import head_gemv, head_gemv_max_m
+            from mlaserve.ops.head_gemv import HEAD_GEMV_MAX_M, head_gemv, head_gemv_max_m
             from mlaserve.ops.mla_decode_prologue import mla_decode_prologue
             from mlaserve.ops.mla_norm_rope import mla_norm_rope
 
@@ -155,7 +155,9 @@ class MLAAttention(nn.Module):
             if switches.decode_prologue():
                 self._prologue = mla_decode_prologue
             self._head_gemv = head_gemv
-            self._head_gemv_max_m = switches.head_gemv_max_m(head_gemv_max_m(self.num_heads))
+            # the switch within what the kernel takes: past it a batch would fail mid-step
+            limit = switches.head_gemv_max_m(head_gemv_max_m(self.num_heads))
+            self._head_gemv_max_m = min(limit, HEAD_GEMV_MAX_M)
         # q's row stride in the projection output q_nope is a view of (head_gemv's warm-up)
         self._q_row_stride = (
             q_out + latent
