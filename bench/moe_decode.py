@@ -84,9 +84,12 @@ TILES = [
     ((1, 1), 4, (2048, 2048)),
 ]
 # ... and for layers wider than one FP8 run (V3's hidden 7168): few rows a program with the whole
-# K, or half of it, a step, as `ops/gemv.py`'s long-K tile (2 rows x 8192 columns) that made V3's
-# one-token FP8 GEMVs 1.3-1.8x faster (the 128-column tiles above are the shipped ones there)
+# K, or half of it, a step, as `ops/gemv.py`'s long-K tile (2 rows x 8192 columns); the first two
+# are `decode_tiles`' shipped ones there (TP2's and TP4's expert width)
 LONG_K_TILES = [
+    ((4, 16), 4, (8192, 1024)),
+    ((4, 16), 4, (8192, 512)),
+    ((2, 16), 4, (8192, 1024)),
     ((1, 8), 4, (8192, 1024)),
     ((1, 8), 8, (8192, 1024)),
     ((2, 8), 8, (8192, 1024)),
@@ -208,7 +211,7 @@ def bench_weights(
         long_k = LONG_K_TILES if config.hidden_size > FP8_RUN else []
         tiles = [("decode", *t) for t in TILES + long_k]
         tiles = tiles if tokens <= DECODE_TIMED_MAX else []
-        tiles += [("grouped", *t) for t in GROUPED_TILES]  # V3-wide FP8 layers: from 1 token
+        tiles += [("grouped", *t) for t in GROUPED_TILES]
         for tile in tiles:
 
             def run(j, tile=tile, xs=xs, routed=routed):

@@ -105,7 +105,8 @@ SWITCHES: tuple[Switch, ...] = (
         "MLASERVE_MOE_DECODE_MAX_TOKENS",
         "int",
         "`DECODE_MAX_TOKENS` = 8 (`DECODE_MAX_TOKENS_BYTES_BOUND` = 3: byte-bound 16-bit experts;"
-        " 0: FP8 experts wider than `FP8_DECODE_MAX_HIDDEN` = 2048, as V3's and K2's)",
+        " `WIDE_FP8_DECODE_MAX_TOKENS` = 2, 4 for a rank's expert of <= `WIDE_NARROW_INTER` = 512:"
+        " FP8 experts wider than `WIDE_FP8_HIDDEN` = 2048, as V3's and K2's)",
         "tokens up to which a MoE layer runs `ops/moe_decode.py` (0: never)",
         "model/layers/moe.py",
     ),

@@ -310,6 +310,7 @@ class DecodeTiles(NamedTuple):
 
 
 FP8_RUN = 2048  # the FP8 tiles' column run; layers wider than one run take the wide-layer tiles
+WIDE_DOWN_MAX_K = 1024  # the wide-layer down tile's K step: the widest measured (TP2's 1024)
 
 
 def decode_tiles(
@@ -322,14 +323,21 @@ def decode_tiles(
     - FP8 with 128-row block scales: 8 rows of whole 2048-column runs, 4 warps. A one-byte row
       read 128 columns per step is one 128-byte line per row per step: short runs, and per-step
       reductions over half the bytes of a bf16 step.
-    - FP8 wider than one FP8_RUN (V3, K2: 7168; the layer takes the grouped kernels there
-      unless `MLASERVE_MOE_DECODE_MAX_TOKENS` says otherwise): 16-row tiles of 128 columns, 4
-      warps; the 2048-column runs take four K steps there and ran 3.4x slower at one token
-      (bench/moe_decode.py --arch v3tp2, H200).
+    - FP8 wider than one FP8_RUN (V3, K2: 7168): gate_up 4 rows of the whole hidden dim in
+      one step, down 16 rows of the whole intermediate dim (up to 1024 columns) in one step, 4
+      warps: the GEMV's long-K shape (`ops/gemv.py`). One TP2 rank's V3 layer at one token:
+      59 us against 74 on the 128-column tiles and 86 on the grouped kernels (floor 48; H200,
+      bench/RESULTS.md). The deterministic mode (`leaves`), which runs these kernels at every
+      token count, keeps 16-row tiles of 128 columns there: the long-K tiles were measured at
+      1-8 tokens only.
 
     With `leaves` (the deterministic mode's tree, `moe_decode`): the down kernel's K step is at
     most one leaf's width, so it is a function of that width, the same on every TP rank."""
-    if weights.quantized and weights.block_scaled and weights.hidden > FP8_RUN:
+    if weights.quantized and weights.block_scaled and weights.hidden > FP8_RUN and leaves is None:
+        long_k = (triton.next_power_of_2(weights.hidden),
+                  min(WIDE_DOWN_MAX_K, triton.next_power_of_2(weights.inter)))  # fmt: skip
+        tiles = DecodeTiles((4, 16), long_k, 4)
+    elif weights.quantized and weights.block_scaled and weights.hidden > FP8_RUN:
         tiles = DecodeTiles((16, 16), (128, 128), 4)
     elif weights.quantized and weights.block_scaled:
         wide = (min(FP8_RUN, triton.next_power_of_2(weights.hidden)),

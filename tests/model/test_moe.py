@@ -232,13 +232,15 @@ def test_bf16_layers_bound_by_their_expert_bytes_switch_to_grouped_kernels_soone
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU suites run the compiled kernels")
-def test_fp8_layers_wider_than_the_decode_tiles_take_the_grouped_kernels_from_one_token(
+def test_fp8_layers_wider_than_one_run_take_the_long_k_tiles_at_one_or_two_tokens(
     monkeypatch,
 ) -> None:
-    """FP8 experts wider than FP8_DECODE_MAX_HIDDEN (V3's 7168) never take the decode kernels by
-    default: the grouped kernels serve from one token; at V2-Lite's 2048 the decode kernels keep
-    DECODE_MAX_TOKENS and their 2048-column runs. The override still wins, and then the wide
-    layer's decode kernels take their wide-layer tiles."""
+    """FP8 experts wider than WIDE_FP8_HIDDEN (V3's 7168) take the decode kernels' long-K
+    tiles up to WIDE_FP8_DECODE_MAX_TOKENS tokens (twice that for a rank's expert of at most
+    WIDE_NARROW_INTER), select outside the kernel, and the grouped kernels serve past that; at
+    V2-Lite's 2048 the decode kernels keep DECODE_MAX_TOKENS, their 2048-column runs and the
+    selection inside. The deterministic tiles (`leaves`) stay 128 columns wide. The override
+    still wins."""
     from mlaserve.ops.moe_decode import DecodeTiles, decode_tiles
 
     pytest.importorskip("triton")
@@ -247,17 +249,25 @@ def test_fp8_layers_wider_than_the_decode_tiles_take_the_grouped_kernels_from_on
 
     monkeypatch.setenv("MLASERVE_FUSED_OPS", "1")
     config = make_config("softmax_greedy")
-    limit = moe_module.FP8_DECODE_MAX_HIDDEN
-    for hidden, want in ((limit, moe_module.DECODE_MAX_TOKENS), (limit + 128, 0)):
-        cfg = dataclasses.replace(config, hidden_size=hidden, moe_intermediate_size=128)
+    limit, wide_max = moe_module.WIDE_FP8_HIDDEN, moe_module.WIDE_FP8_DECODE_MAX_TOKENS
+    narrow = moe_module.WIDE_NARROW_INTER
+    cases = (  # hidden, expert width, decode_max_tokens, selection inside, default tiles
+        (limit, 128, moe_module.DECODE_MAX_TOKENS, True, DecodeTiles((8, 8), (2048, 128), 4)),
+        (7168, narrow, 2 * wide_max, False, DecodeTiles((4, 16), (8192, 512), 4)),
+        (7168, 2048, wide_max, False, DecodeTiles((4, 16), (8192, 1024), 4)),
+    )
+    for hidden, inter, want, inside, want_tiles in cases:
+        cfg = dataclasses.replace(config, hidden_size=hidden, moe_intermediate_size=inter)
         layer = DeepseekMoE(cfg, params_dtype=torch.bfloat16, quant=QuantizationConfig())
         assert layer.experts.gate_up_proj.dtype == torch.float8_e4m3fn
         layer.process_weights_after_loading()
         assert layer.decode_max_tokens == want
+        assert (layer.select_in_kernel > 0) == inside
         assert layer.grouped_max_tokens == moe_module.GROUPED_MAX_TOKENS_FP8
-        assert layer.decode_weights is not None  # the grouped kernels run on them
-        tiles = decode_tiles(layer.decode_weights, 1)
-        assert (tiles == DecodeTiles((16, 16), (128, 128), 4)) == (hidden > limit), tiles
+        assert layer.decode_weights is not None
+        assert decode_tiles(layer.decode_weights, 1) == want_tiles
+        det = decode_tiles(layer.decode_weights, 2, leaves=1)
+        assert (det == DecodeTiles((16, 16), (128, 128), 4)) == (hidden > limit), det
     monkeypatch.setenv("MLASERVE_MOE_DECODE_MAX_TOKENS", "4")
     layer.process_weights_after_loading()
     assert layer.decode_max_tokens == 4

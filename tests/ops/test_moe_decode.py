@@ -30,6 +30,9 @@ TILE_CASES = [
     gpu_case(1, "v2lite", True, ((16, 16), (128, 128), 8)),
     gpu_case(4, "v2lite", True, ((256, 256), (128, 64), 4)),
     gpu_case(3, "v3_slice", True, ((4, 8), (2048, 1024), 4)),
+    # the wide layers' long-K tiles: the whole hidden dim in one masked step (7168 of 8192)
+    cpu_case(1, "default", True, ((4, 16), (512, 128), 4)),
+    gpu_case(2, "v3_slice", True, ((4, 16), (8192, 512), 4)),
     gpu_case(2, "v2lite", False, ((8, 8), (512, 512), 4)),
 ]
 CASES = (

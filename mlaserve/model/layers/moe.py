@@ -80,12 +80,16 @@ logger = logging.getLogger(__name__)
 DECODE_MAX_TOKENS = 8
 DECODE_MAX_TOKENS_BYTES_BOUND = 3  # bf16 / fp16 experts of >= BYTES_BOUND_EXPERT_BYTES
 BYTES_BOUND_EXPERT_BYTES = 1 << 20  # one expert's gate_up + down
-# FP8 experts wider than this hidden size (V3's and K2's 7168) take the grouped kernels from one
-# token on. Alone, the decode kernels with their wide-layer tiles (`decode_tiles`) beat them at
-# one token (74 against 86 us, one TP2 rank's V3 layer, routing excluded), but in the decode
-# step, with the expert selection inside the first kernel, they took 112 us a layer against the
-# grouped kernels' 82 (bench/tp_decode.py --tp 2 --profile, bench/RESULTS.md).
-FP8_DECODE_MAX_HIDDEN = 2048
+# FP8 experts wider than this hidden size (V3's and K2's 7168) take the decode kernels' long-K
+# tiles (`decode_tiles`) up to WIDE_FP8_DECODE_MAX_TOKENS tokens, up to twice that where a rank's
+# expert is at most WIDE_NARROW_INTER wide (TP4's V3 share), then the grouped kernels. The layer
+# as the step calls it (router, selection, experts; H200): one TP2 rank's V3 layer 67 / 117 us at
+# 1 / 2 tokens against the grouped kernels' 94 / 131, even at 3; TP4's 42 / 127 us at 1 / 4
+# against 69 / 136. They select the experts outside the kernel: every routed program re-reading
+# V3's split router logits took 122 us at one token (bench/RESULTS.md).
+WIDE_FP8_HIDDEN = 2048
+WIDE_FP8_DECODE_MAX_TOKENS = 2
+WIDE_NARROW_INTER = 512
 # Up to this many tokens the grouped MoE kernels run (past DECODE_MAX_TOKENS), bf16 and FP8
 # weights; past it the sorted path is as fast or faster.
 GROUPED_MAX_TOKENS = 256
@@ -180,8 +184,10 @@ class DeepseekMoE(nn.Module):
         )
         bytes_bound = not fp8 and expert_bytes >= BYTES_BOUND_EXPERT_BYTES
         decode_max = DECODE_MAX_TOKENS_BYTES_BOUND if bytes_bound else DECODE_MAX_TOKENS
-        if fp8 and self.experts.hidden_size > FP8_DECODE_MAX_HIDDEN:
-            decode_max = 0
+        wide = fp8 and self.experts.hidden_size > WIDE_FP8_HIDDEN
+        if wide:
+            narrow = self.experts.local_intermediate <= WIDE_NARROW_INTER
+            decode_max = WIDE_FP8_DECODE_MAX_TOKENS * (2 if narrow else 1)
         limit = switches.moe_decode_max_tokens(decode_max)
         default = GROUPED_MAX_TOKENS_FP8 if fp8 else GROUPED_MAX_TOKENS
         grouped = switches.moe_grouped_max_tokens(default)
@@ -206,7 +212,7 @@ class DeepseekMoE(nn.Module):
         self.decode_max_tokens = max(limit, 0)
         self.grouped_max_tokens = max(grouped, 0)
         fused = switches.fused_routing()
-        self.select_in_kernel = SELECT_IN_KERNEL_MAX_TOKENS if fused else 0
+        self.select_in_kernel = SELECT_IN_KERNEL_MAX_TOKENS if fused and not wide else 0
 
     def _decode_weights(self) -> MoeDecodeWeights:
         """This layer's routed (and shared) expert weights as `moe_decode` takes them; a layout
