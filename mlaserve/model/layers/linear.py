@@ -79,12 +79,13 @@ __all__ = [
 # Tokens up to which a linear runs `ops.gemv` on CUDA (`gemv_max_m`), from bench/gemv.py
 # (bench/RESULTS.md): against cuBLAS (bf16) the GEMV wins at 1-2 tokens and loses from 4 on,
 # except on narrow outputs (N <= 1024: the router, kv_a) where it wins to 4, and to 8 with
-# K <= 4096; against block_fp8_linear it wins at 1-2 tokens (one launch for four at M = 1) and at
-# 4 up to N = 4096. With no split over K, a very long K (V3's o_proj, K = 16384) leaves too few
-# programs streaming: there the GEMMs win even at one token.
+# K <= 4096; against block_fp8_linear's W8A16 kernel it wins at one token, and at 2 up to
+# N = 4096 (V3's q|kv_a, whose 66 W8A16 programs leave half the SMs idle). With no split over K,
+# a very long K (V3's o_proj, K = 16384) leaves too few programs streaming: there the GEMMs win
+# even at one token.
 GEMV_MAX_M = 2
-GEMV_MAX_M_FP8 = 2
-GEMV_MAX_M_FP8_UP_TO_4096 = 4  # FP8, N <= 4096
+GEMV_MAX_M_FP8 = 1
+GEMV_MAX_M_FP8_UP_TO_4096 = 2  # FP8, N <= 4096
 GEMV_MAX_M_NARROW = 4  # N <= GEMV_NARROW_N, either kind
 GEMV_MAX_M_NARROW_SHORT_K = 8  # ... and K <= GEMV_SHORT_K
 GEMV_NARROW_N = 1024
