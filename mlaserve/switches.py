@@ -106,7 +106,7 @@ SWITCHES: tuple[Switch, ...] = (
         "int",
         "`DECODE_MAX_TOKENS` = 8 (`DECODE_MAX_TOKENS_BYTES_BOUND` = 3: byte-bound 16-bit experts;"
         " `WIDE_FP8_DECODE_MAX_TOKENS` = 2, 4 for a rank's expert of <= `WIDE_NARROW_INTER` = 512:"
-        " FP8 experts wider than `WIDE_FP8_HIDDEN` = 2048, as V3's and K2's)",
+        " FP8 experts wider than `moe_decode.FP8_RUN` = 2048, as V3's and K2's)",
         "tokens up to which a MoE layer runs `ops/moe_decode.py` (0: never)",
         "model/layers/moe.py",
     ),

@@ -333,13 +333,14 @@ def decode_tiles(
 
     With `leaves` (the deterministic mode's tree, `moe_decode`): the down kernel's K step is at
     most one leaf's width, so it is a function of that width, the same on every TP rank."""
-    if weights.quantized and weights.block_scaled and weights.hidden > FP8_RUN and leaves is None:
+    fp8_blocks = weights.quantized and weights.block_scaled
+    if fp8_blocks and weights.hidden > FP8_RUN and leaves is not None:
+        tiles = DecodeTiles((16, 16), (128, 128), 4)
+    elif fp8_blocks and weights.hidden > FP8_RUN:
         long_k = (triton.next_power_of_2(weights.hidden),
                   min(WIDE_DOWN_MAX_K, triton.next_power_of_2(weights.inter)))  # fmt: skip
         tiles = DecodeTiles((4, 16), long_k, 4)
-    elif weights.quantized and weights.block_scaled and weights.hidden > FP8_RUN:
-        tiles = DecodeTiles((16, 16), (128, 128), 4)
-    elif weights.quantized and weights.block_scaled:
+    elif fp8_blocks:
         wide = (min(FP8_RUN, triton.next_power_of_2(weights.hidden)),
                 min(FP8_RUN, triton.next_power_of_2(weights.inter)))  # fmt: skip
         tiles = DecodeTiles((8, 8), wide, 4)

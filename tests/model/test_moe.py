@@ -235,13 +235,13 @@ def test_bf16_layers_bound_by_their_expert_bytes_switch_to_grouped_kernels_soone
 def test_fp8_layers_wider_than_one_run_take_the_long_k_tiles_at_one_or_two_tokens(
     monkeypatch,
 ) -> None:
-    """FP8 experts wider than WIDE_FP8_HIDDEN (V3's 7168) take the decode kernels' long-K
+    """FP8 experts wider than moe_decode's FP8_RUN (V3's 7168) take the decode kernels' long-K
     tiles up to WIDE_FP8_DECODE_MAX_TOKENS tokens (twice that for a rank's expert of at most
     WIDE_NARROW_INTER), select outside the kernel, and the grouped kernels serve past that; at
     V2-Lite's 2048 the decode kernels keep DECODE_MAX_TOKENS, their 2048-column runs and the
     selection inside. The deterministic tiles (`leaves`) stay 128 columns wide. The override
     still wins."""
-    from mlaserve.ops.moe_decode import DecodeTiles, decode_tiles
+    from mlaserve.ops.moe_decode import FP8_RUN, DecodeTiles, decode_tiles
 
     pytest.importorskip("triton")
     from mlaserve.config import QuantizationConfig
@@ -249,7 +249,7 @@ def test_fp8_layers_wider_than_one_run_take_the_long_k_tiles_at_one_or_two_token
 
     monkeypatch.setenv("MLASERVE_FUSED_OPS", "1")
     config = make_config("softmax_greedy")
-    limit, wide_max = moe_module.WIDE_FP8_HIDDEN, moe_module.WIDE_FP8_DECODE_MAX_TOKENS
+    limit, wide_max = FP8_RUN, moe_module.WIDE_FP8_DECODE_MAX_TOKENS
     narrow = moe_module.WIDE_NARROW_INTER
     cases = (  # hidden, expert width, decode_max_tokens, selection inside, default tiles
         (limit, 128, moe_module.DECODE_MAX_TOKENS, True, DecodeTiles((8, 8), (2048, 128), 4)),

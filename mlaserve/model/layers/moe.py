@@ -80,14 +80,13 @@ logger = logging.getLogger(__name__)
 DECODE_MAX_TOKENS = 8
 DECODE_MAX_TOKENS_BYTES_BOUND = 3  # bf16 / fp16 experts of >= BYTES_BOUND_EXPERT_BYTES
 BYTES_BOUND_EXPERT_BYTES = 1 << 20  # one expert's gate_up + down
-# FP8 experts wider than this hidden size (V3's and K2's 7168) take the decode kernels' long-K
-# tiles (`decode_tiles`) up to WIDE_FP8_DECODE_MAX_TOKENS tokens, up to twice that where a rank's
-# expert is at most WIDE_NARROW_INTER wide (TP4's V3 share), then the grouped kernels. The layer
-# as the step calls it (router, selection, experts; H200): one TP2 rank's V3 layer 67 / 117 us at
-# 1 / 2 tokens against the grouped kernels' 94 / 131, even at 3; TP4's 42 / 127 us at 1 / 4
-# against 69 / 136. They select the experts outside the kernel: every routed program re-reading
-# V3's split router logits took 122 us at one token (bench/RESULTS.md).
-WIDE_FP8_HIDDEN = 2048
+# FP8 experts wider than one of the decode kernels' FP8 runs (`moe_decode.FP8_RUN`, 2048; V3's
+# and K2's 7168) take their long-K tiles (`decode_tiles`) up to WIDE_FP8_DECODE_MAX_TOKENS tokens,
+# up to twice that where a rank's expert is at most WIDE_NARROW_INTER wide (TP4's V3 share), then
+# the grouped kernels. The layer as the step calls it (router, selection, experts; H200): one TP2
+# rank's V3 layer 67 / 117 us at 1 / 2 tokens against the grouped kernels' 94 / 131, even at 3;
+# TP4's 42 / 127 us at 1 / 4 against 69 / 136. They select the experts outside the kernel: every
+# routed program re-reading V3's split router logits took 122 us at one token (bench/RESULTS.md).
 WIDE_FP8_DECODE_MAX_TOKENS = 2
 WIDE_NARROW_INTER = 512
 # Up to this many tokens the grouped MoE kernels run (past DECODE_MAX_TOKENS), bf16 and FP8
@@ -182,9 +181,12 @@ class DeepseekMoE(nn.Module):
         expert_bytes = sum(
             p[0].numel() * p.element_size() for p in (weight, self.experts.down_proj)
         )
+        from mlaserve.ops.moe_decode import FP8_RUN, moe_decode
+        from mlaserve.ops.moe_grouped import MAX_PAIRS, moe_grouped
+
         bytes_bound = not fp8 and expert_bytes >= BYTES_BOUND_EXPERT_BYTES
         decode_max = DECODE_MAX_TOKENS_BYTES_BOUND if bytes_bound else DECODE_MAX_TOKENS
-        wide = fp8 and self.experts.hidden_size > WIDE_FP8_HIDDEN
+        wide = fp8 and self.experts.hidden_size > FP8_RUN
         if wide:
             narrow = self.experts.local_intermediate <= WIDE_NARROW_INTER
             decode_max = WIDE_FP8_DECODE_MAX_TOKENS * (2 if narrow else 1)
@@ -193,9 +195,6 @@ class DeepseekMoE(nn.Module):
         grouped = switches.moe_grouped_max_tokens(default)
         if limit <= 0 and grouped <= 0:
             return
-        from mlaserve.ops.moe_decode import moe_decode
-        from mlaserve.ops.moe_grouped import MAX_PAIRS, moe_grouped
-
         self._moe_decode, self._moe_grouped = moe_decode, moe_grouped
         try:
             self.decode_weights = self._decode_weights()
