@@ -193,7 +193,12 @@ def sweep_configs() -> list[MlaDecodeConfig]:
     grid = itertools.product((16, 32), (16, 32, 64), (4, 8), (1, 2), (1, 2))
     return [
         MlaDecodeConfig(
-            max_block_m=m, block_n=n, num_warps=w, min_chunk_blocks=c, programs_per_sm=p
+            max_block_m=m,
+            block_n=n,
+            wide_block_n=n,  # one key step at every row count: the tile is what is swept
+            num_warps=w,
+            min_chunk_blocks=c,
+            programs_per_sm=p,
         )
         for m, n, w, c, p in grid
     ]

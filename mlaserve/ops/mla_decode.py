@@ -78,6 +78,7 @@ __all__ = [
     "MLA_DECODE_MAX_Q_LEN",
     "MlaDecodeConfig",
     "MlaDecodeWorkspace",
+    "block_n_for",
     "choose_num_splits",
     "head_groups",
     "mla_decode",
@@ -96,16 +97,22 @@ _INTERPRETER_SMS = 4  # CPU (Triton's interpreter): few splits, fast tests
 
 @dataclass(frozen=True)
 class MlaDecodeConfig:
-    """Tiles of the split kernel and the split rule. The defaults are the fastest of
-    `bench/mla_decode.py --sweep` at bs 1, ctx 1024, fp8 cache on an H100 (7.2 us per layer,
-    against 8.3 us for block_n 32 at 8 warps; bench/RESULTS.md) among tiles that compile for
-    SM90 (Triton 3.6 and its bundled ptxas 12.8) without register spills, with bf16 q and an
-    fp8 or bf16 cache (`test_kernels_compile_for_sm90_and_sm100` keeps it so; block_n 32 at 4
-    warps spills 140 B).
+    """Tiles of the split kernel and the split rule. `block_n` is the fastest of
+    `bench/mla_decode.py --sweep` at bs 1, ctx 1024, fp8 cache, 16 heads on an H100 (7.2 us per
+    layer, against 8.3 us for block_n 32 at 8 warps; bench/RESULTS.md) among tiles that compile
+    for SM90 (Triton 3.6 and its bundled ptxas 12.8) without register spills, with bf16 q and an
+    fp8 or bf16 cache (`test_kernels_compile_for_sm90_and_sm100` keeps it so). Calls of at
+    least `wide_min_rows` query rows (bs * q_len * H: V3's 32-128 heads a rank, or 16 heads
+    from two tokens) take `wide_block_n` instead: half the key steps, a quarter faster on V3's
+    TP2 share at 4 tokens or at ctx 4096, within 0.5 us at one token and ctx 1024 (H200; bench/RESULTS.md,
+    thirty-third session), though it spills 132 B of registers at 4 warps (8 warps do not
+    spill, and ran slower; the compile test bounds the spill).
 
     max_block_m: query rows (of q_len * H) per program, a power of two >= 16 (`tl.dot`'s least
         M). More rows make fewer head groups (each reads the chunk's KV again, from L2)
-    block_n: keys per loop step, a power of two >= 16; chunks are multiples of it (64 spills)
+    block_n, wide_block_n: keys per loop step, a power of two >= 16; chunks are multiples of it
+        (64 spills)
+    wide_min_rows: the least bs * q_len * H that takes wide_block_n
     block_d: the score product's slice of r per step; below r the key tile is loaded in slices
         and again whole for P @ V (256 spills)
     min_chunk_blocks: a split takes at least this many blocks of keys: each split writes
@@ -117,6 +124,8 @@ class MlaDecodeConfig:
 
     max_block_m: int = 16
     block_n: int = 16
+    wide_block_n: int = 32
+    wide_min_rows: int = 32
     block_d: int = 512
     num_warps: int = 4
     num_stages: int = 1
@@ -125,13 +134,17 @@ class MlaDecodeConfig:
     max_splits: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("max_block_m", "block_n", "block_d"):
+        for name in ("max_block_m", "block_n", "wide_block_n", "block_d"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"MlaDecodeConfig.{name}: a power of two >= 16, got {v}")
-        if min(self.min_chunk_blocks, self.programs_per_sm, self.max_splits) < 1:
+        if (
+            min(self.min_chunk_blocks, self.programs_per_sm, self.max_splits, self.wide_min_rows)
+            < 1
+        ):
             raise ValueError(
-                "MlaDecodeConfig: min_chunk_blocks, programs_per_sm and max_splits must be >= 1"
+                "MlaDecodeConfig: min_chunk_blocks, programs_per_sm, max_splits and wide_min_rows "
+                "must be >= 1"
             )
 
 
@@ -140,6 +153,11 @@ _DEFAULT_CONFIG = MlaDecodeConfig()
 
 def _block_m(rows: int, config: MlaDecodeConfig) -> int:
     return min(config.max_block_m, max(16, triton.next_power_of_2(rows)))
+
+
+def block_n_for(query_rows: int, config: MlaDecodeConfig = _DEFAULT_CONFIG) -> int:
+    """Keys per loop step of a call with `query_rows` = bs * q_len * H query rows."""
+    return config.wide_block_n if query_rows >= config.wide_min_rows else config.block_n
 
 
 def head_groups(q_len: int, num_heads: int, config: MlaDecodeConfig = _DEFAULT_CONFIG) -> int:
@@ -546,7 +564,8 @@ def mla_decode(
     num_splits = max(1, num_splits)
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     block_m = _block_m(q_len * heads, config)
-    min_chunk = config.block_n * config.min_chunk_blocks
+    block_n = block_n_for(rows, config)
+    min_chunk = block_n * config.min_chunk_blocks
     pdl = pdl_args(device)
     part = workspace.partial if not direct else out  # unused pointers when direct
     lse = workspace.lse if not direct else out
@@ -561,7 +580,7 @@ def mla_decode(
         block_tables_stride_seq=block_tables.stride(0),
         out_stride_token=out.stride(0), out_stride_head=out.stride(1),
         H=heads, R=rank, DR=rope, PAGE=kv_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_R=triton.next_power_of_2(rank),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=triton.next_power_of_2(rank),
         BLOCK_D=min(config.block_d, triton.next_power_of_2(rank)),
         BLOCK_DR=triton.next_power_of_2(rope), MIN_CHUNK=min_chunk, FP8=fp8, DIRECT=direct,
         DOT_PREC="ieee" if q_nope.dtype == torch.float32 else "tf32", WHILE_LOOP=_use_while(),
@@ -574,7 +593,7 @@ def mla_decode(
     _mla_combine_kernel[(num_tokens, heads, triton.cdiv(rank, block_r))](
         workspace.partial, workspace.lse, seq_lens, out,
         q_len, num_splits, out_stride_token=out.stride(0), out_stride_head=out.stride(1),
-        H=heads, R=rank, BLOCK_N=config.block_n, MIN_CHUNK=min_chunk,
+        H=heads, R=rank, BLOCK_N=block_n, MIN_CHUNK=min_chunk,
         BLOCK_S=block_s, BLOCK_R=block_r, num_warps=4, **pdl,
     )  # fmt: skip
     return out
@@ -595,8 +614,8 @@ def mla_decode_warm_up_tasks(
     config: MlaDecodeConfig = _DEFAULT_CONFIG,
 ) -> list[Callable[[], None]]:
     """One task per kernel variant that batches of 1..max_bs sequences x 1..max_q_len tokens
-    (bs * q_len <= `max_rows`, when given) use (BLOCK_M bucket, direct or split + combine, the
-    combine's tiles) for this cache and q dtype, so that none compiles while serving. Each runs
+    (bs * q_len <= `max_rows`, when given) use (BLOCK_M bucket, BLOCK_N, direct or split +
+    combine, the combine's tiles) for this cache and q dtype, so that none compiles while serving. Each runs
     its variant once on page 0 of `kv_cache` (read only; its output is discarded) with
     `workspace`'s partials, so tasks that run beside serving-shaped forwards (the engine's
     start-up: `model/kernel_warm_up.py`) take a workspace and a cache of their own. q_nope is
@@ -613,7 +632,8 @@ def mla_decode_warm_up_tasks(
             splits = choose_num_splits(bs, q_len, num_heads, sms, config)
             if workspace is not None:
                 splits = min(splits, workspace.rows // (bs * q_len * num_heads))
-            key = (_block_m(q_len * num_heads, config), splits <= 1)
+            rows = bs * q_len * num_heads
+            key = (_block_m(q_len * num_heads, config), block_n_for(rows, config), splits <= 1)
             if splits > 1:
                 block_s = triton.next_power_of_2(splits)
                 key += (block_s, _combine_block_r(rank, block_s))

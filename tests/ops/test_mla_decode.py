@@ -272,6 +272,23 @@ def test_choose_num_splits_and_workspace_rows():
     assert mla_decode_workspace_rows(4, 1, 16, 1, MlaDecodeConfig(max_splits=1)) == 0
 
 
+def test_block_n_by_query_rows():
+    """Calls of >= wide_min_rows query rows (bs * q_len * H) take the wide key step: V3's heads
+    a rank at every batch, 16 heads from two tokens; a one-token 16-head call keeps block_n."""
+    from mlaserve.ops.mla_decode import MlaDecodeConfig, block_n_for
+
+    cfg = MlaDecodeConfig()
+    assert block_n_for(1 * 1 * 16) == cfg.block_n == 16  # V2-Lite, V3 at TP8: bs 1
+    assert block_n_for(2 * 1 * 16) == cfg.wide_block_n == 32  # bs 2, or q_len 2
+    assert block_n_for(1 * 1 * 64) == 32  # V3 at TP2
+    assert block_n_for(31, MlaDecodeConfig(wide_min_rows=32)) == 16
+    assert block_n_for(64, MlaDecodeConfig(wide_block_n=64)) == 64
+    with pytest.raises(ValueError, match="wide_block_n"):
+        MlaDecodeConfig(wide_block_n=24)
+    with pytest.raises(ValueError, match="wide_min_rows"):
+        MlaDecodeConfig(wide_min_rows=0)
+
+
 def test_rejects_what_does_not_fit():
     from mlaserve.ops.mla_decode import mla_decode
 
@@ -481,9 +498,12 @@ pairs = (("bf16", "fp8e4nv", False, cfg.block_d, (90, 100)),
          ("bf16", "fp8e4nv", False, 128, (90,)),  # the sliced score product
          ("fp16", "fp16", False, cfg.block_d, (90,)),
          ("fp32", "fp32", False, cfg.block_d, (90,)))
-for q, kv, direct, block_d, archs in pairs:
-    consts = dict(H=16, R=512, DR=64, PAGE=64, BLOCK_M=cfg.max_block_m, BLOCK_N=cfg.block_n,
-                  BLOCK_R=512, BLOCK_D=block_d, BLOCK_DR=64, MIN_CHUNK=cfg.block_n,
+pairs += (("bf16", "fp8e4nv", False, cfg.block_d, (90, 100), cfg.wide_block_n),  # V3's heads
+          ("bf16", "bf16", False, cfg.block_d, (90,), cfg.wide_block_n))
+for q, kv, direct, block_d, archs, *wide in pairs:
+    block_n = wide[0] if wide else cfg.block_n
+    consts = dict(H=16, R=512, DR=64, PAGE=64, BLOCK_M=cfg.max_block_m, BLOCK_N=block_n,
+                  BLOCK_R=512, BLOCK_D=block_d, BLOCK_DR=64, MIN_CHUNK=block_n,
                   FP8=kv == "fp8e4nv", DIRECT=direct, DOT_PREC="ieee" if q == "fp32" else "tf32",
                   WHILE_LOOP=False, PDL=True)
     ws = "*fp32" if not direct else f"*{q}"
@@ -491,7 +511,7 @@ for q, kv, direct, block_d, archs in pairs:
             "k_scale_ptr": "*fp32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
             "partial_ptr": ws, "lse_ptr": ws, "out_ptr": f"*{q}"}
     for arch in archs:
-        name = f"split_{q}_{kv}_{'direct' if direct else 'ws'}_d{block_d}"
+        name = f"split_{q}_{kv}_{'direct' if direct else 'ws'}_d{block_d}{'_wide' if wide else ''}"
         build(name, M._mla_split_kernel, ptrs, consts, ("qk_scale",), cfg.num_warps, arch)
 for block_s, archs in ((2, (90,)), (64, (90, 100))):
     consts = dict(H=16, R=512, BLOCK_N=cfg.block_n, MIN_CHUNK=cfg.block_n, BLOCK_S=block_s,
@@ -507,7 +527,8 @@ def test_kernels_compile_for_sm90_and_sm100():
     """Both kernels lower to cubins for SM90 (H100) and SM100 (B200) without either GPU
     (Triton's ahead-of-time path, in a subprocess: TRITON_INTERPRET must not leak into it), so
     what the interpreter lets through but the compiler refuses fails here. The default tiles
-    with bf16 q (fp8 or bf16 cache) and the combine must not spill registers on SM90."""
+    with bf16 q (fp8 or bf16 cache) and the combine must not spill registers on SM90; the wide
+    tile (`wide_block_n`) spills at most 256 B."""
     pytest.importorskip("triton")
     import subprocess
     import sys
@@ -526,10 +547,13 @@ def test_kernels_compile_for_sm90_and_sm100():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(result) == 12, sorted(result)
+    assert len(result) == 15, sorted(result)
     for name, (cubin_bytes, shared, spill) in result.items():
         assert cubin_bytes > 0, name
         assert shared <= SHARED_LIMIT, f"{name}: {shared} B of shared memory"
         serving = name.startswith("sm90/split_bf16_") and name.endswith(f"_d{block_d}")
         if serving or name.startswith("sm90/combine"):
             assert spill == 0, f"{name}: {spill} B of register spills"
+        if name.startswith("sm90/split_bf16_") and name.endswith("_wide"):
+            # measured faster than 8 warps, which do not spill (MlaDecodeConfig)
+            assert spill <= 256, f"{name}: {spill} B of register spills"
