@@ -144,9 +144,9 @@ SWITCHES: tuple[Switch, ...] = (
     Switch(
         "MLASERVE_MLA_DECODE_ROWS",
         "int",
-        "`SMALL_BATCH_MAX_ROWS` = 4",
-        "uniform batches of up to this many query rows take `ops/mla_decode.py` instead of "
-        "FlashMLA (0: FlashMLA always)",
+        "`small_batch_max_rows(heads)`: 4 tokens, fewer past 64 query rows (1 from 64 heads)",
+        "uniform batches of up to this many tokens (bs x q_len) take `ops/mla_decode.py` instead "
+        "of FlashMLA (0: FlashMLA always)",
         "kernels_adapter/flashmla.py",
     ),
     Switch(

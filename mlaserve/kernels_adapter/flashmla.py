@@ -18,9 +18,10 @@ q_len * H query rows per KV head, H per rank. The adapter has no head-count limi
 rank at construction.
 
 Only uniform batches (DECODE / VERIFY / DRAFT_EXTEND, q_len <= 8) use the kernel: the batch's
-stated mode decides, never its shapes. Those of at most `small_batch_max_rows()` query rows
-(bs * q_len, a host int fixed per captured graph; 4 unless `MLASERVE_MLA_DECODE_ROWS` says
-otherwise) go to the Triton split-KV kernel of `ops/mla_decode.py` instead. With fused ops the
+stated mode decides, never its shapes. Those of at most `small_batch_max_rows(H)` token rows
+(bs * q_len, a host int fixed per captured graph: 4 for 16 heads a rank, 1 from 64, unless
+`MLASERVE_MLA_DECODE_ROWS` says otherwise) go to the Triton split-KV kernel of
+`ops/mla_decode.py` instead. With fused ops the
 others take a joined query (`joined_q_dtype`, `forward_joined`): at decode sizes the layer's
 W_UK GEMV writes q in the kernel's dtype itself, so `ops/q_prep.py` does not run
 (`MLASERVE_JOINED_Q=0`: it does, for A/B runs). EXTEND batches (prefill chunks) run in the MHA
@@ -66,6 +67,10 @@ PAGE_SIZE = 64
 # forward) dwarfs the KV bytes of a few sequences; see `small_batch_max_rows`. 4 rows covers a
 # bs-1 VERIFY or DRAFT_EXTEND with k = 3 and a bs-4 decode (bench/mla_decode.py, bench/RESULTS.md).
 SMALL_BATCH_MAX_ROWS = 4
+# ... of at most this many query rows (tokens x heads a rank): the Triton kernel's key loop is
+# not pipelined, so with V3's 64 heads a rank it loses to FlashMLA from 2 tokens (bench/RESULTS.md,
+# thirty-third session); one token always takes it.
+SMALL_BATCH_QUERY_ROWS = 64
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
@@ -112,11 +117,14 @@ class _AbsorbedHit:
     q_len: int
 
 
-def small_batch_max_rows() -> int:
-    """Uniform forwards of at most this many query rows (bs * q_len) take the Triton kernel of
-    `ops/mla_decode.py` instead of FlashMLA (bench/mla_decode.py measures the crossover).
+def small_batch_max_rows(num_heads: int) -> int:
+    """Uniform forwards of at most this many token rows (bs * q_len) of `num_heads` heads (per
+    rank) take the Triton kernel of `ops/mla_decode.py` instead of FlashMLA: SMALL_BATCH_MAX_ROWS,
+    fewer where they would pass SMALL_BATCH_QUERY_ROWS query rows, at least 1 (4 for 16 heads,
+    2 for 32, 1 for 64 or more; bench/mla_decode.py measures the crossover).
     `MLASERVE_MLA_DECODE_ROWS` overrides it for A/B runs (0: FlashMLA always)."""
-    return switches.mla_decode_rows(SMALL_BATCH_MAX_ROWS)
+    by_heads = max(1, SMALL_BATCH_QUERY_ROWS // max(1, num_heads))
+    return switches.mla_decode_rows(min(SMALL_BATCH_MAX_ROWS, by_heads))
 
 
 class FlashMLABackend(AttentionBackend):
@@ -209,7 +217,7 @@ class FlashMLABackend(AttentionBackend):
             self._prepare_q, self._mha_key = prepare_q, mha_key
             self._gather_dequant = gather_dequant
             self._joined_q = switches.joined_q()
-            self._small_rows = small_batch_max_rows()
+            self._small_rows = small_batch_max_rows(self.num_heads)
             if self._small_rows > 0:
                 self._mla_decode = mla_decode
                 self._workspace = MlaDecodeWorkspace(  # once for every small batch, per rank

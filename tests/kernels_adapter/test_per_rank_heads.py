@@ -76,6 +76,18 @@ def test_flashmla_checks_per_rank_heads_and_q_len() -> None:
         cls.check_supported(v3, 64, torch.bfloat16, CPU, num_heads=16, max_q_len=8)
 
 
+@pytest.mark.parametrize(("heads", "tokens"), [(3, 4), (16, 4), (32, 2), (64, 1), (128, 1)])
+def test_flashmla_small_batches_by_heads_a_rank(heads: int, tokens: int, monkeypatch) -> None:
+    """The Triton small-batch kernel takes up to 4 tokens, fewer past 64 query rows (V3 at TP2
+    and TP1: one token), and `MLASERVE_MLA_DECODE_ROWS` overrides it at every head count."""
+    from mlaserve.kernels_adapter.flashmla import small_batch_max_rows
+
+    monkeypatch.delenv("MLASERVE_MLA_DECODE_ROWS", raising=False)
+    assert small_batch_max_rows(heads) == tokens
+    monkeypatch.setenv("MLASERVE_MLA_DECODE_ROWS", "3")
+    assert small_batch_max_rows(heads) == 3
+
+
 def test_auto_logs_the_per_rank_shape(caplog) -> None:
     v3 = deepseek_config(heads=V3_HEADS)
     with caplog.at_level(logging.INFO, logger="mlaserve.kernels_adapter.registry"):
