@@ -21,12 +21,11 @@ Only uniform batches (DECODE / VERIFY / DRAFT_EXTEND, q_len <= 8) use the kernel
 stated mode decides, never its shapes. Those of at most `small_batch_max_rows(H)` token rows
 (bs * q_len, a host int fixed per captured graph: 4 for 16 heads a rank, 1 from 64, unless
 `MLASERVE_MLA_DECODE_ROWS` says otherwise) go to the Triton split-KV kernel of
-`ops/mla_decode.py` instead. With fused ops the
-others take a joined query (`joined_q_dtype`, `forward_joined`): at decode sizes the layer's
-W_UK GEMV writes q in the kernel's dtype itself, so `ops/q_prep.py` does not run
-(`MLASERVE_JOINED_Q=0`: it does, for A/B runs). EXTEND batches (prefill chunks) run in the MHA
-form of `mha_extend.py` (`forward_extend_mha`): each sequence's cached latent context is
-dequantised and up-projected to per-head bf16 K [S, H, 192] / V [S, H, 128], then one causal
+`ops/mla_decode.py` instead. With fused ops the others take a joined query (`joined_q_dtype`,
+`forward_joined`): at decode sizes the layer's W_UK GEMV writes q in the kernel's dtype itself,
+so `ops/q_prep.py` does not run (`MLASERVE_JOINED_Q=0`: it does, for A/B runs). EXTEND batches
+(prefill chunks) run in the MHA form of `mha_extend.py` (`forward_extend_mha`): each sequence's
+cached latent context is dequantised and up-projected to per-head bf16 K [S, H, 192] / V [S, H, 128], then one causal
 varlen FlashAttention-2 launch per layer (`flash_varlen.py`, torch's own kernels) attends the
 whole ragged batch, bottom-right aligned, so chunks over a cached prefix stay exact. Batches of
 a few fresh prompts (no cached prefix) go to cuDNN's SDPA instead (`cudnn_fresh.py`), which is

@@ -104,9 +104,9 @@ class MlaDecodeConfig:
     fp8 or bf16 cache (`test_kernels_compile_for_sm90_and_sm100` keeps it so). Calls of at
     least `wide_min_rows` query rows (bs * q_len * H: V3's 32-128 heads a rank, or 16 heads
     from two tokens) take `wide_block_n` instead: half the key steps, a quarter faster on V3's
-    TP2 share at 4 tokens or at ctx 4096, within 0.5 us at one token and ctx 1024 (H200; bench/RESULTS.md,
-    thirty-third session), though it spills 132 B of registers at 4 warps (8 warps do not
-    spill, and ran slower; the compile test bounds the spill).
+    TP2 share at 4 tokens or at ctx 4096, about even at one token and ctx 1024 (H200;
+    bench/RESULTS.md, thirty-third session), though it spills 132 B of registers at 4 warps (8
+    warps do not spill, and ran slower; the compile test bounds the spill).
 
     max_block_m: query rows (of q_len * H) per program, a power of two >= 16 (`tl.dot`'s least
         M). More rows make fewer head groups (each reads the chunk's KV again, from L2)
@@ -615,12 +615,12 @@ def mla_decode_warm_up_tasks(
 ) -> list[Callable[[], None]]:
     """One task per kernel variant that batches of 1..max_bs sequences x 1..max_q_len tokens
     (bs * q_len <= `max_rows`, when given) use (BLOCK_M bucket, BLOCK_N, direct or split +
-    combine, the combine's tiles) for this cache and q dtype, so that none compiles while serving. Each runs
-    its variant once on page 0 of `kv_cache` (read only; its output is discarded) with
-    `workspace`'s partials, so tasks that run beside serving-shaped forwards (the engine's
-    start-up: `model/kernel_warm_up.py`) take a workspace and a cache of their own. q_nope is
-    taken contiguous; `q_pe_strides` (token, head): its layout when it is a view into wider rows
-    (Triton specialises on their divisibility)."""
+    combine, the combine's tiles) for this cache and q dtype, so that none compiles while
+    serving. Each runs its variant once on page 0 of `kv_cache` (read only; its output is
+    discarded) with `workspace`'s partials, so tasks that run beside serving-shaped forwards
+    (the engine's start-up: `model/kernel_warm_up.py`) take a workspace and a cache of their
+    own. q_nope is taken contiguous; `q_pe_strides` (token, head): its layout when it is a view
+    into wider rows (Triton specialises on their divisibility)."""
     device = kv_cache.device
     rank = kv_cache.shape[2] - rope_dim
     sms = workspace.num_sms if workspace is not None else _num_sms(device)
