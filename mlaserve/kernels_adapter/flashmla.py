@@ -17,23 +17,23 @@ q_len * H query rows per KV head, H per rank. The adapter has no head-count limi
 (only q_len <= 8); the split-KV workspace of the Triton small-batch kernel is sized for H per
 rank at construction.
 
-Only uniform batches (DECODE / VERIFY / DRAFT_EXTEND, q_len <= 8) use the kernel: the batch's
-stated mode decides, never its shapes. Those of at most `small_batch_max_rows(H)` token rows
-(bs * q_len, a host int fixed per captured graph: 4 for 16 heads a rank, 1 from 64, unless
-`MLASERVE_MLA_DECODE_ROWS` says otherwise) go to the Triton split-KV kernel of
-`ops/mla_decode.py` instead. With fused ops the others take a joined query (`joined_q_dtype`,
-`forward_joined`): at decode sizes the layer's W_UK GEMV writes q in the kernel's dtype itself,
-so `ops/q_prep.py` does not run (`MLASERVE_JOINED_Q=0`: it does, for A/B runs). EXTEND batches
-(prefill chunks) run in the MHA form of `mha_extend.py` (`forward_extend_mha`): each sequence's
-cached latent context is dequantised and up-projected to per-head bf16 K [S, H, 192] / V [S, H, 128], then one causal
-varlen FlashAttention-2 launch per layer (`flash_varlen.py`, torch's own kernels) attends the
-whole ragged batch, bottom-right aligned, so chunks over a cached prefix stay exact. Batches of
-a few fresh prompts (no cached prefix) go to cuDNN's SDPA instead (`cudnn_fresh.py`), which is
-faster where its top-left causal mask is the right one. Unless `MLASERVE_ABSORBED_HIT=0`, an EXTEND
-batch of one sequence with a few new tokens over a long cached prefix (`absorbed_hit.py`) is
-attended by FlashMLA itself instead, as a causal q_len of up to 128 tokens: W_UK and W_UV run
-on its new tokens only, inside `forward_extend_mha`, so the model and the piecewise graphs see
-the MHA form's contract either way.
+Only uniform batches (DECODE / VERIFY / DRAFT_EXTEND, q_len <= 8) use the kernel: the batch's stated
+mode decides, never its shapes. Those of at most `small_batch_max_rows(H)` token rows (bs * q_len, a
+host int fixed per captured graph: 4 for 16 heads a rank, 1 from 64, unless
+`MLASERVE_MLA_DECODE_ROWS` says otherwise) go to the Triton split-KV kernel of `ops/mla_decode.py`
+instead. With fused ops the others take a joined query (`joined_q_dtype`, `forward_joined`): at
+decode sizes the layer's W_UK GEMV writes q in the kernel's dtype itself, so `ops/q_prep.py` does
+not run (`MLASERVE_JOINED_Q=0`: it does, for A/B runs). EXTEND batches (prefill chunks) run in the
+MHA form of `mha_extend.py` (`forward_extend_mha`): each sequence's cached latent context is
+dequantised and up-projected to per-head bf16 K [S, H, 192] / V [S, H, 128], then one causal varlen
+FlashAttention-2 launch per layer (`flash_varlen.py`, torch's own kernels) attends the whole ragged
+batch, bottom-right aligned, so chunks over a cached prefix stay exact. Batches of a few fresh
+prompts (no cached prefix) go to cuDNN's SDPA instead (`cudnn_fresh.py`), which is faster where its
+top-left causal mask is the right one. Unless `MLASERVE_ABSORBED_HIT=0`, an EXTEND batch of one
+sequence with a few new tokens over a long cached prefix (`absorbed_hit.py`) is attended by FlashMLA
+itself instead, as a causal q_len of up to 128 tokens: W_UK and W_UV run on its new tokens only,
+inside `forward_extend_mha`, so the model and the piecewise graphs see the MHA form's contract
+either way.
 """
 
 from __future__ import annotations
