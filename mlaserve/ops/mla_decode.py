@@ -629,10 +629,10 @@ def mla_decode_warm_up_tasks(
         for bs in range(1, max_bs + 1):
             if max_rows is not None and bs * q_len > max_rows:
                 break
+            rows = bs * q_len * num_heads
             splits = choose_num_splits(bs, q_len, num_heads, sms, config)
             if workspace is not None:
-                splits = min(splits, workspace.rows // (bs * q_len * num_heads))
-            rows = bs * q_len * num_heads
+                splits = min(splits, workspace.rows // rows)
             key = (_block_m(q_len * num_heads, config), block_n_for(rows, config), splits <= 1)
             if splits > 1:
                 block_s = triton.next_power_of_2(splits)
