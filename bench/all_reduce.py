@@ -17,6 +17,12 @@ Before timing, each path's sum of random normal inputs is compared with NCCL's: 
 ulps of the result (bf16 eps x max(|NCCL|, 1)); `ok` when <= `ULPS` (the order of the adds
 differs between the paths: a rounding or two apart).
 
+Then, with `--norm-batch-sizes`, the all-reduce fused with the residual-add + RMSNorm after it
+(`CustomAllReduce.all_reduce_add_rms_norm`, the engine's group) against what it replaces: the
+fp32 partial sum [bs, width] through the forced one-shot, then `add_partials_rms_norm` (one
+part, the bf16 residual), and the norm alone; time per call as above; `same` when the fused
+outputs equal the unfused bitwise on every rank.
+
 Prints a table, the plan this run's numbers imply (the bound per path for
 `custom_all_reduce.MEASURED_PLANS`: one-shot up to the largest size where it is the fastest,
 two-shot up to the largest size past that where it beats NCCL), and one JSON line.
@@ -84,7 +90,9 @@ def _rank_main(rank: int, size: int, workdir: str, args: dict[str, Any]) -> None
         tp = init_tensor_parallel(
             rank, size, backend="nccl", init_method=f"file://{out / 'store'}", timeout_s=120.0
         )
-        biggest = max(args["batch_sizes"]) * max(args["widths"]) * 2
+        # bf16 rows, and the norm table's fp32 rows
+        widest = max(args["batch_sizes"] + [2 * n for n in args["norm_batch_sizes"]])
+        biggest = widest * max(args["widths"]) * 2
         # Its own group: symmetric memory rendezvouses once per group name in a process, and
         # the engine's group already did (tp.custom).
         forced_group = dist.new_group(list(range(size)), backend="nccl")
@@ -131,11 +139,12 @@ def _rank_main(rank: int, size: int, workdir: str, args: dict[str, Any]) -> None
                 row["best_us"] = min(row["nccl_us"], row["one_shot_us"], row["two_shot_us"])
                 row["ok"] = max(worst.tolist()) <= ULPS
                 rows.append(row)
+        norm_rows = _norm_rows(tp, forced, args)
         forced.close()
         if rank == 0:
             plan = tp.custom.plan if tp.custom is not None else None
             (out / "result.json").write_text(
-                json.dumps({"rows": rows, "plan": plan and plan.__dict__})
+                json.dumps({"rows": rows, "norm_rows": norm_rows, "plan": plan and plan.__dict__})
             )
         dist.barrier()
     except BaseException:
@@ -146,8 +155,62 @@ def _rank_main(rank: int, size: int, workdir: str, args: dict[str, Any]) -> None
             destroy_tensor_parallel(tp)
 
 
+def _norm_rows(tp: Any, forced: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+    """The fused all-reduce + residual-add + RMSNorm against the one-shot then the norm (module
+    doc), per (width, bs) of `norm_batch_sizes`; every rank calls it."""
+    import torch.distributed as dist
+
+    from mlaserve.custom_all_reduce import ONE_SHOT
+    from mlaserve.ops.rms_norm import add_partials_rms_norm
+
+    rows: list[dict[str, Any]] = []
+    if tp.custom is None or tp.custom.exchange is None:
+        return rows
+    device = tp.custom.device
+    for width in args["widths"]:
+        for bs in args["norm_batch_sizes"]:
+            g = torch.Generator(device).manual_seed(7 * tp.rank + bs)
+            parts = torch.randn(bs, 1, width, generator=g, device=device)
+            residual = torch.randn(bs, width, device=device).to(torch.bfloat16)
+            dist.broadcast(residual, 0)
+            weight = torch.ones(width, device=device, dtype=torch.bfloat16)
+            if not tp.custom.handles_norm(parts):
+                continue
+
+            def fused(x: torch.Tensor, residual=residual, weight=weight) -> Any:
+                return tp.custom.all_reduce_add_rms_norm(x, residual, weight, 1e-6)
+
+            def unfused(x: torch.Tensor, residual=residual, weight=weight) -> Any:
+                total = forced.all_reduce(x.view(x.shape[0], -1), ONE_SHOT)
+                return add_partials_rms_norm(total.view_as(x), residual, weight, 1e-6)
+
+            def norm_alone(x: torch.Tensor, residual=residual, weight=weight) -> Any:
+                return add_partials_rms_norm(x, residual, weight, 1e-6)
+
+            a, b = fused(parts), unfused(parts)
+            same = torch.tensor(
+                [int(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))], device=device
+            )
+            dist.all_reduce(same, op=dist.ReduceOp.MIN)
+            fns = (fused, unfused, norm_alone)
+            times = torch.tensor(
+                [_time_graph(fn, parts, args["calls"], args["reps"]) for fn in fns], device=device
+            )
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            fused_us, unfused_us, norm_us = times.tolist()
+            rows.append({"width": width, "bs": bs, "fused_us": fused_us,
+                         "unfused_us": unfused_us, "norm_us": norm_us,
+                         "same": bool(same.item())})  # fmt: skip
+    return rows
+
+
 def measure(
-    gpus: int, widths: list[int], batch_sizes: list[int], calls: int = 50, reps: int = 20
+    gpus: int,
+    widths: list[int],
+    batch_sizes: list[int],
+    calls: int = 50,
+    reps: int = 20,
+    norm_batch_sizes: list[int] | None = None,
 ) -> dict[str, Any]:
     """Run the measurement on `gpus` spawned ranks: {"rows": [...], "plan": the group's plan}."""
     from mlaserve.engine.tp_worker import MULTICAST_OFF
@@ -156,7 +219,8 @@ def measure(
         raise SystemExit(f"--gpus {gpus}: only {torch.cuda.device_count()} GPUs visible")
     for key, value in MULTICAST_OFF.items():  # the ranks inherit these
         os.environ.setdefault(key, value)
-    args = {"widths": widths, "batch_sizes": batch_sizes, "calls": calls, "reps": reps}
+    args = {"widths": widths, "batch_sizes": batch_sizes, "calls": calls, "reps": reps,
+            "norm_batch_sizes": norm_batch_sizes or []}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-all-reduce-") as workdir:
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_rank_main, args=(r, gpus, workdir, args)) for r in range(gpus)]
@@ -197,8 +261,12 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     ap.add_argument("--calls", type=int, default=50, help="all-reduces per captured graph")
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed")
+    ap.add_argument("--norm-batch-sizes", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32],
+                    help="the fused all-reduce + norm's table (none: skipped)")  # fmt: skip
     args = ap.parse_args()
-    result = measure(args.gpus, args.widths, args.batch_sizes, args.calls, args.reps)
+    result = measure(
+        args.gpus, args.widths, args.batch_sizes, args.calls, args.reps, args.norm_batch_sizes
+    )
     rows = result["rows"]
     device = torch.cuda.get_device_name()
     nccl = torch.cuda.nccl.version()
@@ -218,6 +286,13 @@ def main() -> None:
     implied = {w: implied_plan([r for r in rows if r["width"] == w]) for w in args.widths}
     for width, plan in implied.items():
         print(f"plan implied by width {width}: {plan}")
+    if result["norm_rows"]:
+        print("all-reduce + residual-add + RMSNorm, fp32 partials, us per call:")
+        print(f"{'width':>6} {'bs':>4} {'fused':>7} {'1-shot+norm':>11} {'norm':>7} "
+              f"{'fused/unfused':>13} same")  # fmt: skip
+    for r in result["norm_rows"]:
+        print(f"{r['width']:>6} {r['bs']:>4} {r['fused_us']:>7.1f} {r['unfused_us']:>11.1f} "
+              f"{r['norm_us']:>7.1f} {r['fused_us'] / r['unfused_us']:>13.2f} {r['same']}")  # fmt: skip
     print(
         json.dumps(
             {
@@ -229,6 +304,7 @@ def main() -> None:
                 "implied_plans": implied,
                 "all_ok": all(r["ok"] for r in rows),
                 "rows": rows,
+                "norm_rows": result["norm_rows"],
             }
         )
     )

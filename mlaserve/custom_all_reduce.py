@@ -32,6 +32,15 @@ on, and each kernel ends with a barrier after which no peer still reads this ran
 the next call may overwrite it; two calls on two streams at once would race on the buffer (the
 model issues its all-reduces on the current stream only: MoE's side stream joins first).
 
+The all-reduce fused with the next residual-add + RMSNorm (`all_reduce_add_rms_norm`, the
+kernel in ops/all_reduce_rms_norm.py): where the plan gives a row-parallel or MoE partial sum
+[T, N] fp32 to one-shot and T <= NORM_ROWS, one launch pushes each row to the peers, waits for
+theirs and normalises, in place of the one-shot, a cast and the norm's kernel. Its exchange
+regions sit after the one-shot's bytes in the same symmetric allocation (one rendezvous), with
+flags of its own (never torch's signal pads, which the one-shot kernels use); zeroed at `create`
+before a barrier, so no peer's first push meets an unzeroed flag. `MLASERVE_ALL_REDUCE_NORM=0`
+leaves it out.
+
 Thresholds: `MEASURED_PLANS`, per GPU count, from the collective timings in issue 42 (nvidia-
 h200-x4) and, for 2 GPUs, bench/all_reduce.py's own run on nvidia-h200-x2; re-measure with `python3 bench/all_reduce.py --gpus N`, which prints the plan its
 run implies. `MLASERVE_ALL_REDUCE_ONE_SHOT_MAX_BYTES` / `_TWO_SHOT_MAX_BYTES` override them
@@ -43,11 +52,14 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mlaserve import switches
+
+if TYPE_CHECKING:
+    from mlaserve.ops.all_reduce_rms_norm import Exchange
 
 __all__ = [
     "MEASURED_PLANS",
@@ -70,6 +82,7 @@ ALIGN = 16  # bytes: the kernels' widest vector; sizes and addresses on it keep 
 MULTICAST_OFF_VAR = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 # Two-shot's out variant is compiled for these world sizes only (one-shot for any).
 TWO_SHOT_WORLD_SIZES = (2, 4, 8)
+NORM_ROWS = 32  # rows the fused all-reduce + norm takes (its exchange: 8 MiB a rank on 2 GPUs)
 OPS = {ONE_SHOT: "one_shot_all_reduce_copy_out", TWO_SHOT: "two_shot_all_reduce_out"}
 
 
@@ -188,10 +201,12 @@ class CustomAllReduce:
     rank for the same shape and dtype."""
 
     def __init__(self, group: Any, device: torch.device, plan: AllReducePlan,
-                 buffer: torch.Tensor) -> None:  # fmt: skip
+                 buffer: torch.Tensor, exchange: Exchange | None = None) -> None:  # fmt: skip
         self.group, self.device, self.plan = group, device, plan
         self.group_name: str = group.group_name
-        self.buffer: torch.Tensor | None = buffer  # uint8 [plan.max_bytes], symmetric
+        # uint8 [plan.max_bytes (+ the exchange regions)], symmetric
+        self.buffer: torch.Tensor | None = buffer
+        self.exchange = exchange  # the fused all-reduce + norm's; None: not used
 
     @classmethod
     def create(
@@ -210,24 +225,39 @@ class CustomAllReduce:
                       f"{group.group_name!r} in this process (an earlier tensor-parallel engine)")  # fmt: skip
         if reason := agree_on_reason(reason, "a peer cannot use symmetric memory", group, device):
             return _fallback(reason, world_size)
-        buffer, reason = None, None
+        buffer, reason, exchange = None, None, None
+        fused = switches.all_reduce_norm() and plan.one_shot_max_bytes > 0
+        if fused:  # Triton's: imported only where it runs
+            from mlaserve.ops.all_reduce_rms_norm import Exchange, exchange_bytes
+        nbytes = plan.max_bytes + (exchange_bytes(NORM_ROWS, world_size) if fused else 0)
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
-            buffer = symm_mem.empty(plan.max_bytes, dtype=torch.uint8, device=device)
-            symm_mem.rendezvous(buffer, group.group_name)  # the name: every torch 2.x takes it
+            buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+            # the name: every torch 2.x takes it
+            handle = symm_mem.rendezvous(buffer, group.group_name)
             _RENDEZVOUSED.add(group.group_name)
+            if fused:
+                buffer[plan.max_bytes :].zero_()  # the flags start at zero (module doc)
+                bases = [int(ptr) + plan.max_bytes for ptr in handle.buffer_ptrs]
+                exchange = Exchange(
+                    handle.rank, world_size, NORM_ROWS,
+                    torch.tensor(bases, dtype=torch.int64, device=device),
+                    torch.zeros(NORM_ROWS, dtype=torch.int32, device=device),
+                )  # fmt: skip
         except Exception as exc:  # allocation or rendezvous failed on this rank
-            reason = f"symmetric buffer of {plan.max_bytes} bytes: {type(exc).__name__}: {exc}"
+            reason = f"symmetric buffer of {nbytes} bytes: {type(exc).__name__}: {exc}"
+        # (a collective on the device, after the zeroing on this stream: the barrier it needs)
         if reason := agree_on_reason(reason, "a peer's symmetric buffer failed", group, device):
             return _fallback(reason, world_size)
         backend = getattr(symm_mem, "get_backend", lambda _: "default")(device)
         logger.info(
             "custom all-reduce on %d GPUs: one-shot up to %d bytes, two-shot up to %d, NCCL past "
-            "(symmetric buffer %d bytes, symmetric-memory backend %s)", world_size,
-            plan.one_shot_max_bytes, plan.two_shot_max_bytes, plan.max_bytes, backend,
+            "(symmetric buffer %d bytes, symmetric-memory backend %s); fused with the next "
+            "norm up to %d rows: %s", world_size, plan.one_shot_max_bytes,
+            plan.two_shot_max_bytes, nbytes, backend, NORM_ROWS, exchange is not None,
         )  # fmt: skip
-        return cls(group, device, plan, buffer)
+        return cls(group, device, plan, buffer, exchange)
 
     def handles(self, x: torch.Tensor) -> bool:
         """Whether `all_reduce(x)` takes a custom path: a CUDA tensor on this device, bf16 or
@@ -267,6 +297,35 @@ class CustomAllReduce:
             buf.copy_(flat)
             torch.ops.symm_mem.two_shot_all_reduce_out(buf, "sum", self.group_name, out.view(-1))
         return out
+
+    def handles_norm(self, parts: torch.Tensor) -> bool:
+        """Whether `all_reduce_add_rms_norm(parts, ...)` takes `parts` [T, S, N]: fp32,
+        contiguous, on this device, T <= NORM_ROWS, N within a slot, and [T, N] fp32 a size
+        the plan gives to one-shot. Shape and dtype only, so every rank answers alike."""
+        num_tokens, _, n = parts.shape
+        return (
+            self.exchange is not None
+            and self.buffer is not None
+            and parts.device == self.device
+            and parts.dtype == torch.float32
+            and parts.is_contiguous()
+            and num_tokens <= self.exchange.rows
+            and n <= self.exchange.row_width
+            and self.plan.choose(num_tokens * n * 4) == ONE_SHOT
+        )
+
+    def all_reduce_add_rms_norm(
+        self, parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual) * weight, x + residual) for x = the sum over the ranks of
+        `parts` [T, S, N] fp32 summed over S, rounded to residual's dtype, in one launch: the
+        bits of the one-shot all-reduce, then `ops.rms_norm.add_partials_rms_norm` (2 ranks;
+        more: the ranks summed in rank order). Only for `handles_norm(parts)` tensors."""
+        if self.buffer is None or self.exchange is None:
+            raise RuntimeError("custom all-reduce: the fused norm used after close() or unset")
+        from mlaserve.ops.all_reduce_rms_norm import all_reduce_add_rms_norm
+
+        return all_reduce_add_rms_norm(parts, residual, weight, eps, self.exchange)
 
     def close(self) -> None:
         """Drop the buffer (before the group is destroyed); later calls raise."""

@@ -20,6 +20,7 @@ __all__ = [
     "Switch",
     "SwitchError",
     "absorbed_hit",
+    "all_reduce_norm",
     "all_reduce_one_shot_max_bytes",
     "all_reduce_two_shot_max_bytes",
     "background_warm_up",
@@ -216,6 +217,15 @@ SWITCHES: tuple[Switch, ...] = (
         "NCCL only)",
         "custom_all_reduce.py",
     ),
+    Switch(
+        "MLASERVE_ALL_REDUCE_NORM",
+        "bool",
+        "on",
+        "where the one-shot takes a partial sum of at most 32 rows that a residual-add + RMSNorm "
+        "follows, one kernel does both; 0: the one-shot, then the norm; read when the group "
+        "starts",
+        "custom_all_reduce.py",
+    ),
 )
 
 
@@ -328,6 +338,11 @@ def compile_processes() -> bool:
 def all_reduce_one_shot_max_bytes(default: int) -> int:
     """`MLASERVE_ALL_REDUCE_ONE_SHOT_MAX_BYTES`, else the measured `default`."""
     return _int("MLASERVE_ALL_REDUCE_ONE_SHOT_MAX_BYTES", default)
+
+
+def all_reduce_norm() -> bool:
+    """`MLASERVE_ALL_REDUCE_NORM`: the all-reduce fused with the next residual-add + RMSNorm."""
+    return _bool("MLASERVE_ALL_REDUCE_NORM")
 
 
 def all_reduce_two_shot_max_bytes(default: int) -> int:

@@ -22,19 +22,24 @@ in a CUDA graph (tests/test_custom_all_reduce_gpu.py replays them against NCCL).
 spans nodes (`--nnodes` > 1) has no custom all-reduce: symmetric memory is within a node, so
 NCCL takes every size there.
 
+`RankPartials` is a row-parallel or MoE output whose all-reduce is left to the residual-add +
+RMSNorm after it (`model/layers/norm.py`), which hands it to `reduce_add_rms_norm`: one kernel
+for both where the custom all-reduce's fused path takes the size (custom_all_reduce.py), else
+None and the norm all-reduces (`RankPartials.all_reduced`) and normalises as before.
+
 `tree_all_reduce` is the deterministic mode's all-reduce: an all-gather of the ranks' fp32
 subtree sums and the summation tree's top levels on every rank (`ops/invariant_rowwise.py`,
 `TREE_LEAVES`), never a collective's own order, so its bits do not depend on the TP size.
 
-Imports only custom_all_reduce.py, switches.py and the torch form of the summation tree
-(ops/invariant_rowwise.py) from mlaserve, so every layer from config/ up may hold a
-`TensorParallel`.
+Imports only custom_all_reduce.py, switches.py, the torch form of the summation tree
+(ops/invariant_rowwise.py) and the MoE's partials (ops/moe_partials.py, a leaf) from mlaserve,
+so every layer from config/ up may hold a `TensorParallel`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -42,15 +47,18 @@ import torch.distributed as dist
 from mlaserve import switches
 from mlaserve.custom_all_reduce import CustomAllReduce
 from mlaserve.ops.invariant_rowwise import TREE_LEAVES, tree_sum
+from mlaserve.ops.moe_partials import MoePartials
 
 __all__ = [
     "NO_TP",
+    "RankPartials",
     "TensorParallel",
     "all_gather",
     "all_reduce",
     "broadcast",
     "destroy_tensor_parallel",
     "init_tensor_parallel",
+    "reduce_add_rms_norm",
     "subtree_leaves",
     "tree_all_reduce",
 ]
@@ -132,6 +140,35 @@ def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     x = x.contiguous()
     dist.all_reduce(x, op=dist.ReduceOp.SUM, group=tp.group)
     return x
+
+
+class RankPartials(NamedTuple):
+    """This rank's share of a sum over the tensor-parallel ranks, not yet all-reduced: the
+    layer's output is the sum over the ranks of `parts` summed over its slots in order (fp32),
+    rounded once to `dtype`. Made on CUDA by the layers whose output a residual-add + RMSNorm
+    takes next (row-parallel `o_proj` / `down_proj`, the MoE), under `tp.wide_partials`."""
+
+    parts: torch.Tensor  # [T, slots, N] fp32, contiguous
+    dtype: torch.dtype
+    tp: TensorParallel
+
+    def all_reduced(self) -> torch.Tensor:
+        """[T, 1, N] fp32: the slots summed in order, then all-reduced (not rounded)."""
+        num_tokens, slots, n = self.parts.shape
+        own = self.parts if slots == 1 else MoePartials(self.parts, self.dtype).total(torch.float32)
+        return all_reduce(own.reshape(num_tokens, n), self.tp).view(num_tokens, 1, n)
+
+
+def reduce_add_rms_norm(
+    x: RankPartials, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The all-reduce of `x` fused with the residual-add + RMSNorm after it (custom_all_reduce.
+    py's `all_reduce_add_rms_norm`): (normed, new residual), or None where that path does not
+    take the size (then the caller all-reduces and normalises). The same answer on every rank."""
+    custom = x.tp.custom
+    if custom is None or not custom.handles_norm(x.parts):
+        return None
+    return custom.all_reduce_add_rms_norm(x.parts, residual, weight, eps)
 
 
 def all_gather(x: torch.Tensor, tp: TensorParallel, dim: int = -1) -> torch.Tensor:

@@ -169,3 +169,93 @@ def test_custom_all_reduce_equals_nccl_in_and_out_of_graphs(tmp_path: Path) -> N
             print(f"rank {rank} {case}: eager {eager} graph {graph1}/{graph2} max {ulps:.2f} ulp")
             assert eager and graph1 and graph2, f"rank {rank} {case}: differs from NCCL's sum"
             assert ulps <= ULPS, f"rank {rank} {case}: {ulps:.2f} ulps from NCCL"
+
+
+# (T, slots) of the fused all-reduce + norm's calls: one row to the 32-row bound, one slot (a
+# row-parallel linear's sum) and an MoE layer's nine; the graph's chain changes T call to call,
+# so the rows' call counts (and their slots' parities) drift apart, and calls each case three
+# times in a row (under PDL a call launches while the one before it, on the same rows, runs).
+NORM_CASES = [(1, 1), (3, 9), (8, 1), (32, 1), (1, 9), (5, 1)]
+NORM_REPLAYS = 41
+
+
+def _unfused(parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> Any:
+    """The path the fused kernel replaces: slots summed in order, NCCL's all-reduce (fp32),
+    then add_partials_rms_norm on the one part."""
+    from mlaserve.ops.rms_norm import add_partials_rms_norm
+
+    own = parts[:, 0]
+    for s in range(1, parts.shape[1]):
+        own = own + parts[:, s]
+    return add_partials_rms_norm(_nccl_sum(own)[:, None].contiguous(), residual, weight, 1e-6)
+
+
+def _fused_norm_vs_unfused(tp: Any) -> dict[str, Any]:
+    """Per case, eager and in a graph of the whole chain replayed NORM_REPLAYS times on fresh
+    inputs: whether the fused outputs (through `reduce_add_rms_norm`, as the model's norm
+    calls it) equal the unfused path's bitwise; the last replay's outputs, for the ranks'
+    comparison; and whether 33 rows are declined."""
+    from mlaserve.tensor_parallel import RankPartials, reduce_add_rms_norm
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    if tp.custom is None or tp.custom.exchange is None:
+        raise RuntimeError("init_tensor_parallel set up no fused all-reduce + norm (see the log)")
+    g = torch.Generator("cuda").manual_seed(5)  # the same weight and residuals on every rank
+    weight = (torch.rand(HIDDEN, generator=g, device="cuda") + 0.5).to(torch.bfloat16)
+
+    def inputs(case: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens, slots = NORM_CASES[case]
+        mine = torch.Generator("cuda").manual_seed(1000 * tp.rank + seed)
+        shared = torch.Generator("cuda").manual_seed(seed)
+        parts = torch.randn(num_tokens, slots, HIDDEN, generator=mine, device=device)
+        residual = torch.randn(num_tokens, HIDDEN, generator=shared, device=device) * 4
+        return parts, residual.to(torch.bfloat16)
+
+    def fused(parts: torch.Tensor, residual: torch.Tensor) -> Any:
+        out = reduce_add_rms_norm(RankPartials(parts, torch.bfloat16, tp), residual, weight, 1e-6)
+        if out is None:
+            raise RuntimeError(f"the fused path declined {tuple(parts.shape)}")
+        return out
+
+    result: dict[str, Any] = {}
+    for case in range(len(NORM_CASES)):
+        parts, residual = inputs(case, case)
+        got, want = fused(parts, residual), _unfused(parts, residual, weight)
+        result[f"eager {NORM_CASES[case]}"] = all(map(torch.equal, got, want))
+    statics = [inputs(case, 100 + case) for case in range(len(NORM_CASES))]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # each case 3 times back to back: a kernel after its own call
+        captured = [[fused(parts, residual) for _ in range(3)][-1] for parts, residual in statics]
+    equal = [True] * len(NORM_CASES)
+    for replay in range(NORM_REPLAYS):
+        for case, (parts, residual) in enumerate(statics):
+            fresh = inputs(case, 200 + 10 * replay + case)
+            parts.copy_(fresh[0])
+            residual.copy_(fresh[1])
+        graph.replay()
+        for case, (parts, residual) in enumerate(statics):
+            want = _unfused(parts, residual, weight)
+            equal[case] &= all(map(torch.equal, captured[case], want))
+    for case, same in enumerate(equal):
+        result[f"graph {NORM_CASES[case]}"] = same
+    result["last"] = [tuple(t.cpu() for t in out) for out in captured]
+    too_many = RankPartials(torch.zeros(33, 1, HIDDEN, device=device), torch.bfloat16, tp)
+    result["declines_33"] = reduce_add_rms_norm(too_many, statics[0][1][:1], weight, 1e-6) is None
+    del graph
+    return result
+
+
+def test_fused_all_reduce_norm_equals_the_unfused_path(tmp_path: Path) -> None:
+    """Bitwise: on 2 ranks the fused kernel adds the same two fp32 values as NCCL, rounds as
+    add_partials_rms_norm does and normalises with the same block; both ranks hold the same
+    outputs."""
+    results = run_on_gpus(_fused_norm_vs_unfused, 2, tmp_path)
+    lasts = [result.pop("last") for result in results]
+    for rank, result in enumerate(results):
+        assert result.pop("declines_33"), f"rank {rank}: 33 rows taken past the exchange"
+        for case, same in result.items():
+            print(f"rank {rank} {case}: {same}")
+            assert same, f"rank {rank} {case}: the fused outputs differ from the unfused path's"
+    for case, (a, b) in enumerate(zip(*lasts, strict=True)):
+        assert all(map(torch.equal, a, b)), f"{NORM_CASES[case]}: the ranks' outputs differ"

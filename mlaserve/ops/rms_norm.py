@@ -65,11 +65,12 @@ def _rms_norm_kernel(
         )  # fmt: skip
     else:
         x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
-    if PARTS > 1:  # x: PARTS fp32 partial sums per row, summed in order, rounded once
-        for p in tl.static_range(1, PARTS):
-            x += tl.load(x_ptr + row * x_stride + p * N + offs, mask=mask, other=0.0)
-        x = x.to(res_out_ptr.dtype.element_ty)
+    for p in tl.static_range(1, PARTS):  # x: PARTS fp32 partial sums per row, summed in order
+        x += tl.load(x_ptr + row * x_stride + p * N + offs, mask=mask, other=0.0)
     if ADD:
+        # x rounded once to the residual's dtype (a no-op unless x holds fp32 partial sums: one
+        # part included, as a tensor-parallel all-reduce leaves them)
+        x = x.to(res_out_ptr.dtype.element_ty)
         r = tl.load(res_ptr + row * res_stride + offs, mask=mask, other=0.0)
         # Rounded to the model dtype, like the unfused `x + residual`.
         x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)

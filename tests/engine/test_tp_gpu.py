@@ -80,12 +80,18 @@ def tp1() -> dict:
     return _run(scored=True)
 
 
+# The agreement's floor: a sanity bound, not the check (the margins are). In bf16 where the first
+# near-tie falls is chance: 8 prompts x 48 tokens measured 0.464-0.641 on 2 H200s, every first
+# divergence at a TP1 gap of 0.05 nats or less (bench/RESULTS.md, thirty-fourth session).
+MIN_AGREEMENT = 0.4
+
+
 def _assert_near_ties(got: dict, ref: dict, what: str) -> None:
     ties = divergence_margins(got["ids"], ref["ids"], ref["margins"])
     rate = agreement(got["ids"], ref["ids"])
     print(f"{what}: greedy agreement {rate:.3f}; reference margins where they part: {ties}")
     assert all(t < NEAR_TIE for t in ties), ties
-    assert rate >= 0.5
+    assert rate >= MIN_AGREEMENT
 
 
 def test_tp2_graphs_and_eager_agree_with_tp1(tp1: dict) -> None:

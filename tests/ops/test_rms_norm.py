@@ -54,17 +54,20 @@ def test_add_rms_norm_matches_reference(num_tokens, hidden, device, monkeypatch)
     assert not torch.equal(residual, new_residual)  # inputs left alone, a new sum returned
 
 
+@pytest.mark.parametrize("slots", [7, 1])
 @pytest.mark.parametrize("num_tokens,hidden,device", CASES)
-def test_partials_norm_equals_combine_then_add_norm(num_tokens, hidden, device, monkeypatch):
+def test_partials_norm_equals_combine_then_add_norm(num_tokens, hidden, device, slots, monkeypatch):
     """An MoE layer's uncombined output through the fused norm: the same bits as the MoE
     combine kernel followed by the fused add + RMSNorm (what it replaces), and within the
-    tolerance of the torch reference on the combined tensor."""
+    tolerance of the torch reference on the combined tensor. One slot too: an all-reduced
+    tensor-parallel sum, which must be rounded before the residual add as well."""
     from mlaserve.ops.moe_partials import MoePartials
 
     fused, ref = _norms(hidden, device, monkeypatch)
     g = torch.Generator(device=device).manual_seed(hidden + 3 * num_tokens)
     dtype = model_dtype(device)
-    parts = MoePartials(torch.randn(num_tokens, 7, hidden, generator=g, device=device) * 0.5, dtype)
+    parts = torch.randn(num_tokens, slots, hidden, generator=g, device=device) * 0.5
+    parts = MoePartials(parts, dtype)
     residual = (torch.randn(num_tokens, hidden, generator=g, device=device) * 3).to(dtype)
     out, res = fused.forward_with_residual(parts, residual)
     combined = parts.total()  # the combine kernel

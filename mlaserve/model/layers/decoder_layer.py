@@ -17,6 +17,7 @@ from mlaserve.model.layers.mlp import DeepseekMLP
 from mlaserve.model.layers.moe import DeepseekMoE
 from mlaserve.model.layers.norm import RMSNorm
 from mlaserve.ops.moe_partials import MoePartials, SortedExpertRows
+from mlaserve.tensor_parallel import RankPartials
 
 if TYPE_CHECKING:
     from mlaserve.engine.forward_batch import ForwardBatch
@@ -57,19 +58,20 @@ class DeepseekDecoderLayer(nn.Module):
 
     def forward_residual(
         self,
-        x: torch.Tensor | MoePartials | SortedExpertRows,
+        x: torch.Tensor | MoePartials | SortedExpertRows | RankPartials,
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: ForwardBatch,
         rows: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor | MoePartials | SortedExpertRows, torch.Tensor]:
+    ) -> tuple[torch.Tensor | MoePartials | SortedExpertRows | RankPartials, torch.Tensor]:
         """The layer on input `x + residual` (`x` alone when residual is None), returned as the
         pair (FFN output, residual stream before it) whose sum is the layer's output. The sum is
         left to the next norm, which fuses it (`RMSNorm.forward_with_residual`): the same
         roundings as adding first, one kernel fewer per norm on CUDA. An MoE layer's output may
         come uncombined (`MoePartials`, `SortedExpertRows`, on CUDA): the next norm sums it in
-        the same launch.
+        the same launch. Under tensor parallelism on CUDA, attention's and the FFN's outputs
+        come as this rank's partial sums (`RankPartials`): the next norm all-reduces them.
         `rows`: the only rows read after this layer; past attention it runs on them alone."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
@@ -81,7 +83,7 @@ class DeepseekDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
         if isinstance(self.mlp, DeepseekMoE):  # its combine happens in the next norm
             return self.mlp(h, combine=False), residual
-        return self.mlp(h), residual
+        return self.mlp.forward_partials(h), residual
 
     @torch.no_grad()
     def warm_up(self, num_tokens: int, act_dtype: torch.dtype) -> None:
@@ -96,5 +98,6 @@ class DeepseekDecoderLayer(nn.Module):
         h, residual = self.input_layernorm.forward_with_residual(h, residual)
         self.self_attn.project(h)
         h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
-        out = self.mlp(h, combine=False) if isinstance(self.mlp, DeepseekMoE) else self.mlp(h)
+        moe = isinstance(self.mlp, DeepseekMoE)
+        out = self.mlp(h, combine=False) if moe else self.mlp.forward_partials(h)
         self.input_layernorm.forward_with_residual(out, residual)

@@ -59,7 +59,13 @@ from mlaserve.model.layers.fp8_linear import (
 from mlaserve.ops import fused_ops_enabled
 from mlaserve.ops.fp8_gemm import block_fp8_linear
 from mlaserve.ops.invariant_rowwise import TREE_LEAVES, leaf_width
-from mlaserve.tensor_parallel import NO_TP, TensorParallel, all_reduce, tree_all_reduce
+from mlaserve.tensor_parallel import (
+    NO_TP,
+    RankPartials,
+    TensorParallel,
+    all_reduce,
+    tree_all_reduce,
+)
 
 __all__ = [
     "NO_TP",
@@ -403,6 +409,23 @@ class RowParallelLinear(_Linear):
             y = all_reduce(y, self.tp).to(x.dtype)
         # NOTE: the bias is added once, after the sum over ranks.
         return y if self.bias is None else y + self.bias
+
+    def forward_partials(self, x: torch.Tensor) -> torch.Tensor | RankPartials:
+        """`forward(x)`, but where a reduced output would be summed over the ranks in fp32
+        (`tp.wide_partials`, on CUDA, no bias, not the deterministic mode) this rank's fp32
+        partial sum as `RankPartials` [T, 1, out]: the all-reduce left to the residual-add +
+        RMSNorm that takes it next (`RMSNorm.forward_with_residual`)."""
+        deferred = (
+            self.reduce_output
+            and self.tp.wide_partials
+            and self._invariant is None
+            and self.bias is None
+            and x.is_cuda
+        )
+        if not deferred:
+            return self(x)
+        y = self.matmul(x, out_dtype=torch.float32)
+        return RankPartials(y.view(y.shape[0], 1, y.shape[1]), x.dtype, self.tp)
 
     def _forward_invariant(self, x: torch.Tensor) -> torch.Tensor:
         """The deterministic mode: this rank's subtree of the K sum (fp32), the ranks' by

@@ -50,6 +50,7 @@ from mlaserve.model.layers.linear import (
 from mlaserve.model.layers.norm import RMSNorm
 from mlaserve.model.layers.rotary import apply_rope
 from mlaserve.ops import fused_ops_enabled
+from mlaserve.tensor_parallel import RankPartials
 
 if TYPE_CHECKING:
     from mlaserve.engine.forward_batch import ForwardBatch
@@ -183,10 +184,11 @@ class MLAAttention(nn.Module):
         sin: torch.Tensor,
         batch: ForwardBatch,
         rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | RankPartials:
         """x [T, hidden]; cos/sin [T, d_r / 2] -> [T, hidden]. `rows` [n] int64: only these rows'
         outputs are read, so o_proj runs on them alone -> [n, hidden] (attention, and its KV
-        write, still covers all T rows)."""
+        write, still covers all T rows). Under tensor parallelism on CUDA: this rank's partial
+        sums (`RankPartials`), which the next norm all-reduces."""
         if self.w_uk is None:
             raise RuntimeError("MLAAttention: call process_weights_after_loading() after loading")
         if self._head_matmul is not None:
@@ -291,7 +293,7 @@ class MLAAttention(nn.Module):
         sin: torch.Tensor,
         batch: ForwardBatch,
         rows: torch.Tensor | None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | RankPartials:
         """`forward` in the deterministic mode (module docstring): the absorbed form in every
         phase, each step a function of the token's own row (and, in attention, of the cache
         bytes of its keys 0..p, its own written first)."""
@@ -306,9 +308,11 @@ class MLAAttention(nn.Module):
         o = head_matmul(o_latent, self.w_uv.transpose(1, 2))  # [T, H, d_v]
         return self._o_proj(o.reshape(num_tokens, self.num_heads * self.v_head_dim), rows)
 
-    def _o_proj(self, o: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        """o [T, H * d_v] -> [T, hidden], or [n, hidden] of `rows` alone."""
-        return self.o_proj(o if rows is None else o.index_select(0, rows))
+    def _o_proj(self, o: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | RankPartials:
+        """o [T, H * d_v] -> [T, hidden], or [n, hidden] of `rows` alone; under tensor
+        parallelism on CUDA this rank's partial sums, for the next norm to all-reduce
+        (`RowParallelLinear.forward_partials`)."""
+        return self.o_proj.forward_partials(o if rows is None else o.index_select(0, rows))
 
     def warm_up_tasks(self, act_dtype: torch.dtype) -> list[Callable[[], None]]:
         """The decode kernels' compiles for every token bucket they take, a task per variant

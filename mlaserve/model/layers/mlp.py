@@ -14,6 +14,7 @@ from mlaserve.model.layers.linear import (
     TensorParallel,
 )
 from mlaserve.ops import fused_ops_enabled
+from mlaserve.tensor_parallel import RankPartials
 
 __all__ = ["DeepseekMLP", "silu_and_mul"]
 
@@ -72,3 +73,8 @@ class DeepseekMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]"""
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    def forward_partials(self, x: torch.Tensor) -> torch.Tensor | RankPartials:
+        """`forward`, with down_proj's all-reduce left to the next norm where it can take it
+        (`RowParallelLinear.forward_partials`): a dense layer's FFN."""
+        return self.down_proj.forward_partials(self.act(self.gate_up_proj(x)))

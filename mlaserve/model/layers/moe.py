@@ -63,6 +63,7 @@ from mlaserve.model.layers.moe_router import TopKRouter, select_experts
 from mlaserve.ops import fused_ops_enabled
 from mlaserve.ops.invariant_rowwise import TREE_LEAVES, leaf_width
 from mlaserve.ops.moe_partials import MoePartials, SortedExpertRows
+from mlaserve.tensor_parallel import RankPartials
 
 if TYPE_CHECKING:
     from mlaserve.ops.moe_weights import MoeDecodeWeights
@@ -326,12 +327,12 @@ class DeepseekMoE(nn.Module):
 
     def forward(
         self, x: torch.Tensor, *, combine: bool = True
-    ) -> torch.Tensor | MoePartials | SortedExpertRows:
+    ) -> torch.Tensor | MoePartials | SortedExpertRows | RankPartials:
         """[T, hidden] -> [T, hidden]. `combine=False` lets the fused kernels return their
         output uncombined (`MoePartials`, `SortedExpertRows`) for the next residual-add +
-        RMSNorm to combine in its own launch (one kernel fewer per layer); without tensor
-        parallelism only (the all-reduce wants the sum), and other paths return the tensor all
-        the same."""
+        RMSNorm to combine in its own launch (one kernel fewer per layer), and other paths
+        return the tensor all the same; under tensor parallelism on CUDA (fp32 partial sums)
+        this rank's partials (`RankPartials`), which that norm all-reduces too."""
         if self.deterministic:
             return self._forward_invariant(x, combine)
         num_tokens, weights = x.shape[0], self.decode_weights
@@ -375,18 +376,18 @@ class DeepseekMoE(nn.Module):
 
     def _reduce(
         self, y: torch.Tensor | MoePartials, dtype: torch.dtype, combine: bool
-    ) -> torch.Tensor | MoePartials:
+    ) -> torch.Tensor | MoePartials | RankPartials:
         """Under TP, this rank's routed + shared partial sums (fp32: `MoePartials` or [T, H])
         summed over the ranks in fp32 by one all-reduce, then rounded once to `dtype`, as one
         rank's combine rounds its whole sum: TP1's bits up to fp32 summation order. On CUDA
-        with `combine=False` the rounding is left to the next norm (one slot of partials).
-        Without `tp.wide_partials` the all-reduce of `y` as it is (rounded by each rank), and
-        on one rank `y` as it is."""
+        with `combine=False` the all-reduce and the rounding are left to the next norm
+        (`RankPartials`, its slots uncombined). Without `tp.wide_partials` the all-reduce of
+        `y` as it is (rounded by each rank), and on one rank `y` as it is."""
         if not self.tp.wide_partials:
             return y if isinstance(y, MoePartials) else all_reduce(y, self.tp)
+        parts = y.parts if isinstance(y, MoePartials) else y.view(y.shape[0], 1, y.shape[1])
+        if not combine and parts.is_cuda:
+            return RankPartials(parts, dtype, self.tp)
         if isinstance(y, MoePartials):
             y = y.total(torch.float32)
-        y = all_reduce(y, self.tp)
-        if not combine and y.is_cuda:
-            return MoePartials(y.view(y.shape[0], 1, y.shape[1]), dtype)
-        return y.to(dtype)
+        return all_reduce(y, self.tp).to(dtype)

@@ -17,6 +17,7 @@ from torch import nn
 
 from mlaserve.ops import fused_ops_enabled
 from mlaserve.ops.moe_partials import MoePartials, SortedExpertRows
+from mlaserve.tensor_parallel import RankPartials, reduce_add_rms_norm
 
 __all__ = ["RMSNorm"]
 
@@ -56,11 +57,20 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def forward_with_residual(
-        self, x: torch.Tensor | MoePartials | SortedExpertRows, residual: torch.Tensor
+        self,
+        x: torch.Tensor | MoePartials | SortedExpertRows | RankPartials,
+        residual: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x, residual [T, N] -> (norm(x + residual), x + residual); the sum rounded to x's
         dtype first, as the unfused `residual + x` is. x may be an MoE layer's uncombined
-        output (`MoePartials`, `SortedExpertRows`): combined here, in the same launch on CUDA."""
+        output (`MoePartials`, `SortedExpertRows`): combined here, in the same launch on CUDA;
+        or a tensor-parallel rank's partial sums (`RankPartials`, CUDA only): all-reduced here,
+        in the same launch where the custom all-reduce takes the size."""
+        if isinstance(x, RankPartials):
+            fused = reduce_add_rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
+            x = MoePartials(x.all_reduced(), x.dtype)
         if isinstance(x, MoePartials):
             if self.fused:
                 return self._add_partials_rms_norm(x.parts, residual, self.weight, self.eps)
