@@ -83,7 +83,7 @@ class DeepseekDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
         if isinstance(self.mlp, DeepseekMoE):  # its combine happens in the next norm
             return self.mlp(h, combine=False), residual
-        return self.mlp.forward_partials(h), residual
+        return self.mlp(h, partials=True), residual
 
     @torch.no_grad()
     def warm_up(self, num_tokens: int, act_dtype: torch.dtype) -> None:
@@ -99,5 +99,5 @@ class DeepseekDecoderLayer(nn.Module):
         self.self_attn.project(h)
         h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
         moe = isinstance(self.mlp, DeepseekMoE)
-        out = self.mlp(h, combine=False) if moe else self.mlp.forward_partials(h)
+        out = self.mlp(h, combine=False) if moe else self.mlp(h, partials=True)
         self.input_layernorm.forward_with_residual(out, residual)

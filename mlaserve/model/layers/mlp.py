@@ -70,11 +70,8 @@ class DeepseekMLP(nn.Module):
 
             self.act = fused_silu_and_mul
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, hidden] -> [T, hidden]"""
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-    def forward_partials(self, x: torch.Tensor) -> torch.Tensor | RankPartials:
-        """`forward`, with down_proj's all-reduce left to the next norm where it can take it
-        (`RowParallelLinear.forward_partials`): a dense layer's FFN."""
-        return self.down_proj.forward_partials(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, *, partials: bool = False) -> torch.Tensor | RankPartials:
+        """[T, hidden] -> [T, hidden]. `partials` (a dense layer's FFN): down_proj's all-reduce
+        left to the next norm where it can take it (`RowParallelLinear.forward_partials`)."""
+        h = self.act(self.gate_up_proj(x))
+        return self.down_proj.forward_partials(h) if partials else self.down_proj(h)
