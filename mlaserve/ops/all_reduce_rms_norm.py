@@ -14,7 +14,7 @@ program per row; each rank's program for row t:
    CTA barrier, so its stores are visible first) and waits until its own flags [t, r] of every
    peer r reach the same number (acquire);
 3. sums slots [parity, t, 0..W-1] in rank order (every rank the same bits), adds the residual,
-   normalises.
+   normalises (`ops.rms_norm.add_and_normalise`, the unfused norm's own tail).
 
 Exchange region, per rank (`Exchange`): fp32 data [2, ROWS, W, SLOT] then int32 flags [ROWS,
 W]; `epochs` [ROWS] int32 counts this rank's calls per row (local memory, written only by that
@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
+from mlaserve.ops.rms_norm import add_and_normalise
 
 __all__ = ["Exchange", "all_reduce_add_rms_norm", "exchange_bytes"]
 
@@ -132,14 +133,9 @@ def _all_reduce_rms_norm_kernel(
         total += tl.load(
             data + (slots + r) * SLOT_N + offs, mask=mask, other=0.0, cache_modifier=".cg"
         )
-    res = tl.load(res_ptr + row64 * res_stride + offs, mask=mask, other=0.0)
-    dtype = res_out_ptr.dtype.element_ty
-    s = (total.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
-    tl.store(res_out_ptr + row64 * N + offs, s, mask=mask)
-    sf = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / N + eps)
-    y = (sf * rstd).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row64 * N + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+    add_and_normalise(
+        total, w, res_ptr, res_stride, out_ptr, res_out_ptr, row64, offs, mask, eps, N, True
+    )  # fmt: skip
 
 
 def all_reduce_add_rms_norm(

@@ -27,7 +27,13 @@ import triton.language as tl
 from mlaserve.ops.moe_sorted_combine import combined_token_row
 from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
 
-__all__ = ["add_partials_rms_norm", "add_rms_norm", "add_sorted_rms_norm", "rms_norm"]
+__all__ = [
+    "add_and_normalise",
+    "add_partials_rms_norm",
+    "add_rms_norm",
+    "add_sorted_rms_norm",
+    "rms_norm",
+]
 
 _MAX_N = 16384
 
@@ -67,12 +73,24 @@ def _rms_norm_kernel(
         x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
     for p in tl.static_range(1, PARTS):  # x: PARTS fp32 partial sums per row, summed in order
         x += tl.load(x_ptr + row * x_stride + p * N + offs, mask=mask, other=0.0)
+    add_and_normalise(
+        x, w, res_ptr, res_stride, out_ptr, res_out_ptr, row, offs, mask, eps, N, ADD
+    )  # fmt: skip
+
+
+@triton.jit
+def add_and_normalise(
+    x, w, res_ptr, res_stride, out_ptr, res_out_ptr, row, offs, mask, eps, N: tl.constexpr,
+    ADD: tl.constexpr,
+):  # fmt: skip
+    """One row's tail of the norms here (and of `ops.all_reduce_rms_norm`'s, which must give the
+    same bits): with ADD, x rounded once to the residual's dtype (a no-op unless x holds fp32
+    partial sums: one part included, as a tensor-parallel all-reduce leaves them), the residual
+    row added and rounded like the unfused `x + residual`, the sum stored as the new residual;
+    then x normalised in fp32, rounded, scaled by w (fp32 [BLOCK]) and stored."""
     if ADD:
-        # x rounded once to the residual's dtype (a no-op unless x holds fp32 partial sums: one
-        # part included, as a tensor-parallel all-reduce leaves them)
         x = x.to(res_out_ptr.dtype.element_ty)
         r = tl.load(res_ptr + row * res_stride + offs, mask=mask, other=0.0)
-        # Rounded to the model dtype, like the unfused `x + residual`.
         x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * N + offs, x, mask=mask)
     xf = x.to(tl.float32)
