@@ -153,10 +153,10 @@ class RankPartials(NamedTuple):
     tp: TensorParallel
 
     def all_reduced(self) -> torch.Tensor:
-        """[T, 1, N] fp32: the slots summed in order, then all-reduced (not rounded)."""
+        """[T, N] fp32: the slots summed in order, then all-reduced (not rounded)."""
         num_tokens, slots, n = self.parts.shape
         own = self.parts if slots == 1 else MoePartials(self.parts, self.dtype).total(torch.float32)
-        return all_reduce(own.reshape(num_tokens, n), self.tp).view(num_tokens, 1, n)
+        return all_reduce(own.reshape(num_tokens, n), self.tp)
 
 
 def reduce_add_rms_norm(

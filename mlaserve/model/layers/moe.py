@@ -385,9 +385,8 @@ class DeepseekMoE(nn.Module):
         `y` as it is (rounded by each rank), and on one rank `y` as it is."""
         if not self.tp.wide_partials:
             return y if isinstance(y, MoePartials) else all_reduce(y, self.tp)
-        parts = y.parts if isinstance(y, MoePartials) else y.view(y.shape[0], 1, y.shape[1])
+        parts = y.parts if isinstance(y, MoePartials) else y.unsqueeze(1)
+        mine = RankPartials(parts, dtype, self.tp)
         if not combine and parts.is_cuda:
-            return RankPartials(parts, dtype, self.tp)
-        if isinstance(y, MoePartials):
-            y = y.total(torch.float32)
-        return all_reduce(y, self.tp).to(dtype)
+            return mine
+        return mine.all_reduced().to(dtype)

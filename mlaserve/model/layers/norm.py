@@ -70,7 +70,7 @@ class RMSNorm(nn.Module):
             fused = reduce_add_rms_norm(x, residual, self.weight, self.eps)
             if fused is not None:
                 return fused
-            x = MoePartials(x.all_reduced(), x.dtype)
+            x = MoePartials(x.all_reduced().unsqueeze(1), x.dtype)
         if isinstance(x, MoePartials):
             if self.fused:
                 return self._add_partials_rms_norm(x.parts, residual, self.weight, self.eps)
