@@ -152,12 +152,12 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             f"router_logits: gate must be contiguous fp32 [E, {hidden}], got "
             f"{weight.dtype} {list(weight.shape)}"
         )
+    if num_tokens == 0:  # e.g. a prefill chunk without logits rows (logits_hidden_only)
+        return torch.empty(1, 0, num_experts, dtype=torch.float32, device=x.device)
     if x.stride(-1) != 1:
         x = x.contiguous()
     block_t, block_e, block_k, splits = _tiles(num_tokens, num_experts, hidden)
     out = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
-    if num_tokens == 0:
-        return out
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_experts, block_e), splits)
     _router_logits_kernel[grid](
         x, weight, out, num_tokens, x.stride(0),

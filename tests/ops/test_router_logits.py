@@ -2,9 +2,10 @@
 
 Bound: |err| <= 1e-5 * (|x| @ |w|^T) elementwise, i.e. fp32-GEMM accuracy relative to the sum
 of the magnitudes of the products (tf32x3 rounds the gate's low bits at ~2^-22; a plain TF32
-product would miss it by ~100x). Token counts below, at and past 16-row tiles and multiples of
-16, and prefill-sized counts that take the 64-expert-wide tiles (V3 from 256 tokens, V2-Lite from
-1024); expert counts of V2-Lite, V3 and the default model.
+product would miss it by ~100x). Token counts: none (a prefill chunk without logits rows), below,
+at and past 16-row tiles and multiples of 16, and prefill-sized counts that take the
+64-expert-wide tiles (V3 from 256 tokens, V2-Lite from 1024); expert counts of V2-Lite, V3 and
+the default model.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from tests.ops.cases import cpu_case, gpu_case, model_dtype
 SHAPES = {"v2lite": (64, 2048), "v3": (256, 7168), "default": (8, 256), "tiny": (12, 160)}
 CASES = [
     gpu_case(t, shape)
-    for t in (9, 17, 32, 64, 128, 257, 1000, 2048, 4100)
+    for t in (0, 9, 17, 32, 64, 128, 257, 1000, 2048, 4100)
     for shape in ("v2lite", "v3", "default")
 ] + [cpu_case(5, "tiny"), cpu_case(33, "default"), cpu_case(1009, "tiny"), cpu_case(3, "v3")]
+CASES.append(cpu_case(0, "v3"))
 
 
 @pytest.mark.parametrize("num_tokens,shape_name,device", CASES)
