@@ -395,8 +395,8 @@ def moe_decode(
     if tree and not combine:
         raise ValueError("moe_decode: leaves are combined here (combine=False has no tree)")
     y = torch.empty_like(x, dtype=out_dtype or x.dtype)
-    if num_tokens == 0:
-        return y
+    if num_tokens == 0:  # the form of any other count: the next norm under TP takes fp32 parts
+        return y if combine else MoePartials.empty(x, top_k + shared)
     pairs = num_tokens * (top_k + shared)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()

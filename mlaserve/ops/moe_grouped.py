@@ -291,8 +291,8 @@ def moe_grouped(
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"moe_grouped: x must be bf16 or fp16 (tensor cores), got {x.dtype}")
     y = torch.empty_like(x)
-    if num_tokens == 0:
-        return y
+    if num_tokens == 0:  # the form of any other count: the next norm under TP takes fp32 parts
+        return y if combine else MoePartials.empty(x, top_k + shared)
     slots = top_k + shared
     num_experts = weights.w13.shape[0]
     e_total = num_experts + shared

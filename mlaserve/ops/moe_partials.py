@@ -20,6 +20,12 @@ class MoePartials(NamedTuple):
     parts: torch.Tensor  # [T, slots, H] fp32
     dtype: torch.dtype
 
+    @classmethod
+    def empty(cls, x: torch.Tensor, slots: int) -> MoePartials:
+        """The partials of no tokens ([0, slots, H] fp32) for x [0, H]: the kernels' form for
+        an empty batch too (the last layer of a prefill chunk without logits rows)."""
+        return cls(x.new_empty(0, slots, x.shape[1], dtype=torch.float32), x.dtype)
+
     def total(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """[T, H]: the slots summed in order, rounded to `dtype` (default `self.dtype`; fp32:
         unrounded, a tensor-parallel rank's share before the all-reduce)."""

@@ -1,5 +1,6 @@
 """Tensor parallelism on 2 GPUs (NCCL): CUDA graphs with the collectives inside, overlap
-scheduling and MTP speculation, on the default model in the served configuration (bf16, FP8 KV).
+scheduling, MTP speculation and prefill chunks without logits rows, on the default model in the
+served configuration (bf16, FP8 KV).
 
 Run on a 2-GPU host with `python -m pytest -m gpu tests/engine/test_tp_gpu.py`; skipped with
 fewer than 2 GPUs.
@@ -123,3 +124,21 @@ def test_tp2_speculation_is_lossless(tp1: dict) -> None:
     assert spec["draft_replays"] > 0
     _assert_near_ties(spec, tp1, "TP2 MTP k=2 vs TP1")
     print(f"accept lengths: {spec['stats'].spec_accept_lengths}")
+
+
+def test_tp2_prefill_chunks_without_logits_rows() -> None:
+    """A prompt past the step's token budget is prefilled in chunks, all but the last without a
+    logits row, so the last layer runs on no rows (`ForwardBatch.logits_hidden_only`): the MoE's
+    empty partials, then the deferred all-reduce and norm. Eagerly (a graph pads the rows), next
+    to a short prompt: both complete with every token (an empty bf16 MoE output killed the
+    engine here)."""
+    llm = LLM(device="cuda", tensor_parallel_size=2, cuda_graph=False, piecewise_cuda_graph=False,
+              max_num_batched_tokens=128, enable_prefix_caching=False)  # fmt: skip
+    try:
+        prompts = [{"prompt_token_ids": list(range(3, 3 + 700))}, PROMPTS[0]]
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [GREEDY.max_tokens] * 2
+    finally:
+        llm.shutdown()
+        gc.collect()
+        torch.cuda.empty_cache()

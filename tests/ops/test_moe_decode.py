@@ -297,3 +297,26 @@ def test_leaves_refuse_uneven_splits_and_uncombined_partials():
     x = torch.zeros(1, SHAPES["default"][3])
     with pytest.raises(ValueError, match="leaves"):
         moe_decode(x, weights, ids, fp8, leaves=2)  # 64-column FP8 leaves
+
+
+@pytest.mark.parametrize("op", ["moe_decode", "moe_grouped"])
+def test_no_tokens_keep_the_form_of_any_other_count(op):
+    """An empty batch (the last layer of a prefill chunk without logits rows) returns what any
+    other does: [0, H] in x's dtype combined, fp32 `MoePartials` [0, slots, H] uncombined (the
+    form a tensor-parallel norm all-reduces; a bf16 [0, H] there killed a TP2 engine)."""
+    import importlib
+
+    from mlaserve.ops.moe_partials import MoePartials
+
+    _, top_k, num_s, hidden, _ = shape = SHAPES["tiny"]
+    gen = torch.Generator().manual_seed(0)
+    kernel, _, scales = make_weights(shape, False, torch.float16, "cpu", gen)
+    run = getattr(importlib.import_module(f"mlaserve.ops.{op}"), op)
+    x = torch.zeros(0, hidden, dtype=torch.float16)
+    ids, weights = torch.zeros(0, top_k, dtype=torch.int64), torch.zeros(0, top_k)
+    args = (x, weights, ids, layer_weights(kernel, scales))
+    combined = run(*args)
+    assert combined.dtype == x.dtype and combined.shape == (0, hidden)
+    parts = run(*args, combine=False)
+    assert isinstance(parts, MoePartials) and parts.dtype == x.dtype
+    assert parts.parts.dtype == torch.float32 and parts.parts.shape == (0, top_k + num_s, hidden)
