@@ -7,6 +7,7 @@ weights from `--load-format dummy`, against its floor; and the 61-layer V3 TPOT 
     python3 bench/tp_decode.py --tp 4 --graphs --arch k2   # Kimi-K2's width (64 heads, 384 experts)
     python3 bench/tp_decode.py --tp 1 --graphs             # the same model on one GPU (TP N's reference)
     python3 bench/tp_decode.py --tp 2 --graphs --profile 20   # + rank 0's 20 costliest kernels per bs
+    python3 bench/tp_decode.py --tp 2 --graphs --gaps 8       # + rank 0's GPU idle over --steps steps
 
 The model: V3's config (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, qk_nope 128, rope 64,
 v 128, 256 routed experts top-8 in 8 groups (top 4) + 1 shared, moe_intermediate 2048, dense
@@ -158,6 +159,48 @@ def step_kernels(llm: Any) -> list[tuple[str, float, float]]:
     return decode.kernel_spans(prof)
 
 
+def step_gaps(llm: Any, steps: int, top: int) -> dict[str, Any]:
+    """Rank 0's GPU over `steps` consecutive engine steps (torch.profiler, CUDA activity): wall
+    per step, GPU span / busy / idle per step (idle: the gaps between consecutive operations,
+    replay boundaries included), the `top` largest gaps with the operations around them, and
+    the median of each step's longest all-reduce kernel (its wait for the slowest rank in)."""
+    import time
+
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    for _ in range(2):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps * 1e3
+    ops = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == DeviceType.CUDA)  # fmt: skip
+    gaps, last_end, last_name = [], ops[0][1], ops[0][2]  # idle: nothing running (PDL overlaps)
+    for start, end, name in ops[1:]:
+        gaps.append((start - last_end, last_name, name))
+        if end > last_end:
+            last_end, last_name = end, name
+    gaps.sort(reverse=True)
+    ars = [end - start for start, end, name in ops if "allreduce" in name.lower().replace("_", "")]
+    per_step = max(1, len(ars) // steps)
+    longest = [max(ars[i : i + per_step]) for i in range(0, len(ars) - per_step + 1, per_step)]
+    return {
+        "wall_ms": wall,
+        "gpu_span_ms": (ops[-1][1] - ops[0][0]) / steps / 1e3,
+        "gpu_busy_ms": sum(end - start for start, end, _ in ops) / steps / 1e3,
+        "gpu_idle_ms": sum(g for g, _, _ in gaps if g > 0) / steps / 1e3,
+        "longest_all_reduce_us": statistics.median(longest) if longest else 0.0,
+        "largest_gaps": [[round(g, 1), a[:60], b[:60]] for g, a, b in gaps[:top]],
+    }
+
+
 def count_all_reduces(kernels: list[tuple[str, float, float]]) -> int:
     """All-reduce kernels among one step's (NCCL's AllReduce, symmetric memory's one_shot /
     two_shot_all_reduce)."""
@@ -207,7 +250,15 @@ def _time_batch_sizes(llm: Any, args: argparse.Namespace, bandwidth: float,
         decode.fake_prefill(llm, bs, args.context, new_tokens=new_tokens)
         steps = [decode.time_steps(llm, args.steps) for _ in range(args.rounds)]
         kernels = step_kernels(llm)
+        gaps = step_gaps(llm, args.steps, args.gaps) if args.gaps else None
         decode.finish_all(llm)
+        if gaps is not None:
+            print(f"rank 0, layers {args.layers}, bs {bs}, {args.steps} steps: wall "
+                  f"{gaps['wall_ms']:.3f} ms a step; GPU span {gaps['gpu_span_ms']:.3f}, busy "
+                  f"{gaps['gpu_busy_ms']:.3f}, idle {gaps['gpu_idle_ms']:.3f}; a step's longest "
+                  f"all-reduce {gaps['longest_all_reduce_us']:.1f} us (median)", flush=True)  # fmt: skip
+            for g, before, after in gaps["largest_gaps"]:
+                print(f"  {g:8.1f} us  after {before}  before {after}", flush=True)
         if args.profile:
             print(f"rank 0, layers {args.layers}, bs {bs}: one step's kernels", flush=True)
             decode.print_kernel_table(kernels, args.layers, args.profile)
@@ -220,6 +271,7 @@ def _time_batch_sizes(llm: Any, args: argparse.Namespace, bandwidth: float,
                 "bytes_floor_ms": decode.floor_ms(
                     llm, bs, args.context, bandwidth, upper_bound=False
                 ),
+                **({"gaps": gaps} if gaps is not None else {}),
             }
         )
         print(json.dumps({"layers": args.layers, **rows[-1]}), flush=True)
@@ -245,7 +297,8 @@ def child_run(args: argparse.Namespace, layers: int) -> dict[str, Any]:
                "--layers", str(layers), "--arch", args.arch, "--context", str(args.context), "--steps",
                str(args.steps), "--rounds", str(args.rounds), "--batch-sizes",
                *map(str, args.batch_sizes if layers == args.layers else [1]),
-               "--profile", str(args.profile if layers == args.layers else 0)]  # fmt: skip
+               "--profile", str(args.profile if layers == args.layers else 0),
+               "--gaps", str(args.gaps if layers == args.layers else 0)]  # fmt: skip
         if args.graphs:
             cmd.append("--graphs")
         subprocess.run(cmd, check=True)
@@ -276,6 +329,9 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true", help="graphed steps (needs graphs under TP)")
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="print rank 0's K costliest kernels of one step per batch size")  # fmt: skip
+    ap.add_argument("--gaps", type=int, default=0, metavar="K",
+                    help="profile --steps steps on rank 0 per batch size: GPU idle, the K "
+                         "largest gaps")  # fmt: skip
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # internal: one depth's run
     args = ap.parse_args()
     if args.child:
