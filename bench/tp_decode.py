@@ -217,6 +217,7 @@ def run_depth(args: argparse.Namespace) -> dict[str, Any]:
 
     bandwidth = decode.copy_bandwidth(torch.device("cuda", 0))
     new_tokens = args.rounds * (args.steps + 2) + 8  # every timed step, warm-ups, the profile
+    new_tokens += args.steps + 2 if args.gaps else 0  # the profiled steps of --gaps
     with tempfile.TemporaryDirectory(prefix="tp-decode-v3-") as tmp:
         folder = write_model(Path(tmp), args.layers, args.arch)
         try:
