@@ -2,10 +2,16 @@
 control group (gloo, CPU tensors; `engine/tp_workers.py` makes it), never a pickled request.
 
 Rank 0 owns the scheduler, sampling and acceptance; the other ranks run the same device work on
-the same inputs, in the same order, so that their collectives meet. Each message is two
-broadcasts, a header and a body:
+the same inputs, in the same order, so that their collectives meet. A message is a header and a
+body:
 
     header  int64 [HEADER_LEN]: op, then the op's fields (below), ..., body length (last)
+
+and travels as one broadcast of a fixed frame, int64 [FRAME_LEN] = the header, then the body's
+first INLINE_LEN values (zero-padded); only a longer body sends the rest in a second broadcast.
+A decode step's body is 7 values a sequence plus its pages (16 at 1024 tokens of 64-token
+pages): up to ~90 such sequences fit, and such a step costs the control group one broadcast, not
+two (gloo's cost per broadcast is mostly its latency; `bench/step_broadcast.py` measures it).
 
     STEP          a target forward: mode, T, S, L, P, has_table_rows, logits_hidden_only,
                   route path, route size, route graphed, future_identity (-1: no future ids),
@@ -55,7 +61,9 @@ from mlaserve.engine.forward_route import ForwardRoute, RoutePath
 from mlaserve.engine.input_buffers import HostBatch
 
 __all__ = [
+    "FRAME_LEN",
     "HEADER_LEN",
+    "INLINE_LEN",
     "CaptureDraftMsg",
     "CaptureMsg",
     "DraftDecodeMsg",
@@ -71,9 +79,13 @@ __all__ = [
     "encode_draft_extend",
     "encode_graphs",
     "encode_step",
+    "frame_message",
+    "unframe_message",
 ]
 
 HEADER_LEN = 16
+INLINE_LEN = 2048
+FRAME_LEN = HEADER_LEN + INLINE_LEN
 OP_STEP, OP_STOP, OP_GRAPHS, OP_CAPTURE, OP_CAPTURE_DRAFT, OP_DRAFT_DECODE, OP_DRAFT_EXTEND = range(
     7
 )
@@ -211,6 +223,35 @@ def encode_draft_extend(msg: DraftExtendMsg):
     return _pack((OP_DRAFT_EXTEND, fields), [_i64(msg.ids), _i64(msg.ends), _i64(lens), pages])
 
 
+def frame_message(header: torch.Tensor, body: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header [HEADER_LEN], body) -> (frame [FRAME_LEN], rest): the frame holds the header and
+    the body's first INLINE_LEN values; rest is the remainder (empty: nothing more to send)."""
+    frame = torch.zeros(FRAME_LEN, dtype=torch.int64)
+    frame[:HEADER_LEN] = header
+    inline = body[:INLINE_LEN]
+    frame[HEADER_LEN : HEADER_LEN + inline.numel()] = inline
+    return frame, body[INLINE_LEN:]
+
+
+def unframe_message(
+    frame: torch.Tensor, rest: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`frame_message`'s inverse -> (header, body), both copies (the frame is a receive buffer
+    the next message overwrites). `rest`: the body past INLINE_LEN, when the header says there
+    is one (`_rest_len`)."""
+    header = frame[:HEADER_LEN].clone()
+    n = int(header[-1])
+    body = frame[HEADER_LEN : HEADER_LEN + min(n, INLINE_LEN)].clone()
+    if rest is not None and rest.numel():
+        body = torch.cat([body, rest])
+    return header, body
+
+
+def _rest_len(frame: torch.Tensor) -> int:
+    """How many body values follow the frame in a second broadcast (0: none)."""
+    return max(0, int(frame[HEADER_LEN - 1]) - INLINE_LEN)
+
+
 def decode_message(header: torch.Tensor, body: torch.Tensor) -> Message:
     """The message `encode_*` encoded (the worker's own arrays)."""
     h = header.tolist()
@@ -273,9 +314,10 @@ class StepSender:
 
     def _send(self, header: torch.Tensor, body: torch.Tensor) -> None:
         self.num_sent += 1
-        dist.broadcast(header, 0, group=self.group)
-        if body.numel():  # an empty body is not sent (the receiver reads its length first)
-            dist.broadcast(body, 0, group=self.group)
+        frame, rest = frame_message(header, body)
+        dist.broadcast(frame, 0, group=self.group)
+        if rest.numel():  # only a body past the frame (the receiver reads its length first)
+            dist.broadcast(rest.contiguous(), 0, group=self.group)
 
     def send_step(self, host: HostBatch, route: ForwardRoute, feed: int = 0) -> None:
         self._send(*encode_step(host, route, feed))
@@ -292,8 +334,8 @@ class StepSender:
         self._send(*encode(msg))
 
     def stop(self) -> None:
-        header = _header(OP_STOP, [], 0)
-        dist.broadcast(header, 0, group=self.group)
+        frame, _ = frame_message(_header(OP_STOP, [], 0), torch.zeros(0, dtype=torch.int64))
+        dist.broadcast(frame, 0, group=self.group)
 
 
 class StepReceiver:
@@ -301,13 +343,14 @@ class StepReceiver:
 
     def __init__(self, group: Any) -> None:
         self.group = group
-        self._header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        self._frame = torch.empty(FRAME_LEN, dtype=torch.int64)
 
     def receive(self) -> Message | None:
-        dist.broadcast(self._header, 0, group=self.group)
-        if int(self._header[0]) == OP_STOP:
+        dist.broadcast(self._frame, 0, group=self.group)
+        if int(self._frame[0]) == OP_STOP:
             return None
-        body = torch.empty(int(self._header[-1]), dtype=torch.int64)
-        if body.numel():
-            dist.broadcast(body, 0, group=self.group)
-        return decode_message(self._header, body)
+        rest = None
+        if n := _rest_len(self._frame):
+            rest = torch.empty(n, dtype=torch.int64)
+            dist.broadcast(rest, 0, group=self.group)
+        return decode_message(*unframe_message(self._frame, rest))

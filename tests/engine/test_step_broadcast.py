@@ -1,5 +1,6 @@
 """The step broadcast's wire format: every message encoded on rank 0 decodes to the same values
-(no process group needed: the encoders and `decode_message` are the two ends)."""
+(no process group needed: the encoders and `decode_message` are the two ends), through the frame
+a broadcast carries (`frame_message` / `unframe_message`) whether the body fits it or not."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.engine.forward_route import EAGER, ForwardRoute, RoutePath
 from mlaserve.engine.input_buffers import HostBatch
 from mlaserve.engine.step_broadcast import (
+    FRAME_LEN,
     HEADER_LEN,
+    INLINE_LEN,
     CaptureDraftMsg,
     CaptureMsg,
     DraftDecodeMsg,
@@ -25,6 +28,8 @@ from mlaserve.engine.step_broadcast import (
     encode_draft_extend,
     encode_graphs,
     encode_step,
+    frame_message,
+    unframe_message,
 )
 
 
@@ -106,3 +111,33 @@ def test_routes_are_checked() -> None:
         ForwardRoute(RoutePath.UNIFORM, 0)
     with pytest.raises(ValueError, match="EAGER"):
         ForwardRoute(RoutePath.EAGER, 4)
+
+
+@pytest.mark.parametrize("tokens", [5, INLINE_LEN // 3, INLINE_LEN, 3 * INLINE_LEN])
+def test_a_step_travels_in_one_frame_or_a_frame_and_the_rest(tokens: int) -> None:
+    """A body up to INLINE_LEN values rides in the frame (one broadcast); a longer one sends
+    the rest after it. Either way the message decodes as sent, and owns its arrays: the frame
+    is the receiver's buffer, overwritten by the next message."""
+    host = HostBatch(
+        ForwardMode.EXTEND, np.arange(tokens, dtype=np.int64), list(range(tokens)),
+        list(range(100, 100 + tokens)), [tokens], [tokens], [[3, 4]], [tokens - 1],
+    )  # fmt: skip
+    header, body = encode_step(host, EAGER)
+    frame, rest = frame_message(header, body)
+    assert frame.shape == (FRAME_LEN,) and frame.dtype == torch.int64
+    assert rest.numel() == max(0, body.numel() - INLINE_LEN)
+    got_header, got_body = unframe_message(frame, rest)
+    frame.fill_(-7)  # the next message
+    assert torch.equal(got_header, header) and torch.equal(got_body, body)
+    msg = decode_message(got_header, got_body)
+    assert msg.host.input_ids.tolist() == list(range(tokens))
+    assert msg.host.slot_mapping.tolist() == list(range(100, 100 + tokens))
+    assert msg.host.block_tables == [[3, 4]] and msg.host.logits_indices == [tokens - 1]
+
+
+def test_a_frame_without_its_rest_is_refused() -> None:
+    header, body = encode_capture(CaptureMsg(tuple(range(1, INLINE_LEN + 2)), (), ()))
+    frame, rest = frame_message(header, body)
+    assert rest.numel() == 1
+    with pytest.raises(ValueError, match="header says"):
+        decode_message(*unframe_message(frame))

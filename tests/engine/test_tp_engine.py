@@ -25,6 +25,7 @@ import pytest
 
 from mlaserve import LLM, SamplingParams
 from mlaserve.config import ConfigError, EngineConfig, ModelConfig
+from mlaserve.engine.step_broadcast import INLINE_LEN
 from mlaserve.engine.tp_workers import EngineDeadError
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:"]
@@ -65,6 +66,28 @@ def test_tp2_matches_tp1_then_stops_its_worker(case: str, small_model: dict) -> 
     assert _no_children() == []
     with pytest.raises(EngineDeadError, match="shut down"):
         tp2.engine.step()
+
+
+def test_tp2_step_past_one_frame_matches_tp1() -> None:
+    """A 700-token prompt's EXTEND step (a body of ~2100 values) overflows the step message's
+    frame (`step_broadcast.INLINE_LEN`): the worker takes the rest in a second broadcast and
+    follows; the decode steps after it fit the frame."""
+    prompt = {"prompt_token_ids": [3 + (i * 37) % 4000 for i in range(700)]}
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    tp1 = LLM(device="cpu", enable_prefix_caching=False)
+    want = [list(o.outputs[0].token_ids) for o in tp1.generate([prompt], params, use_tqdm=False)]
+    del tp1
+    tp2 = LLM(device="cpu", tensor_parallel_size=2, enable_prefix_caching=False)
+    try:
+        sender, bodies = tp2.engine.runner.step_sender, []
+        send = sender._send
+        sender._send = lambda header, body: (bodies.append(body.numel()), send(header, body))
+        got = tp2.generate([prompt], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in got] == want
+        assert max(bodies) > INLINE_LEN > min(bodies)
+    finally:
+        tp2.shutdown()
+    assert _no_children() == []
 
 
 def _reaches(start: object, target: object, depth: int) -> bool:
