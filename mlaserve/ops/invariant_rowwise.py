@@ -122,8 +122,9 @@ def rowwise_matmul(
 ) -> torch.Tensor:
     """`invariant_matmul` in torch: one fp32 [1, K] @ [K, N] per row (the same call whatever
     M is), rounded once. The CPU path of the deterministic mode. `leaves` > 1: K in that many
-    equal chunks, one fp32 call each (each chunk's weight columns copied contiguous, so a call
-    sees the same operands whatever rank holds them), summed by `tree_sum`."""
+    equal chunks, one fp32 call each (each chunk's weight columns and each row's chunk copied
+    into their own buffers, so a call sees the same operands, alignment included, whatever rank
+    holds them: an AVX2 BLAS sums a misaligned row's head apart), summed by `tree_sum`."""
     lead, k = x.shape[:-1], x.shape[-1]
     kc = leaf_width(k, leaves, "rowwise_matmul: K")  # fp32 operands: any leaf width
     if leaves > 1 and bias is not None:
@@ -132,7 +133,9 @@ def rowwise_matmul(
     chunks = [wf[:, c * kc : (c + 1) * kc].contiguous() for c in range(leaves)]
     rows = []
     for r in x.reshape(-1, 1, k).float():
-        parts = [F.linear(r[:, c * kc : (c + 1) * kc], chunk) for c, chunk in enumerate(chunks)]
+        parts = [
+            F.linear(r[:, c * kc : (c + 1) * kc].clone(), chunk) for c, chunk in enumerate(chunks)
+        ]
         rows.append(tree_sum(torch.stack(parts)) if leaves > 1 else parts[0])
     y = torch.cat(rows) if rows else x.new_empty(0, w.shape[0], dtype=torch.float32)
     if bias is not None:
