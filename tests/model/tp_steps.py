@@ -142,6 +142,8 @@ def collective_steps(tp: TensorParallel) -> dict[str, torch.Tensor]:
         "all_reduce": tp.all_reduce(x.clone()),
         "all_gather_0": tp.all_gather(x, 0),
         "all_gather_last": tp.all_gather(x, -1),
+        "all_gather_row": tp.all_gather(x[:1], -1),  # one row: the gathered buffer, viewed
+        "all_gather_mid": tp.all_gather(x.view(3, 2, 2), 1),
         "broadcast": tp.broadcast(bcast, src=1),
         "broadcast_strided": tp.broadcast(strided, src=0).clone(),
         "tree_all_reduce": tp.tree_all_reduce(x.clone()),
