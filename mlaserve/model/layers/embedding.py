@@ -4,8 +4,9 @@ The vocabulary is padded up to a multiple of the TP size, as vLLM does (V3's 129
 8; a vocabulary that does not is padded, never an error): rank r holds rows
 [r*Vp/tp, (r+1)*Vp/tp) of the padded [Vp, hidden] table, the rows past V zero.
 
-    embedding   each rank looks up the ids in its slice (others give zero rows), then one
-                all-reduce sums the ranks' [T, hidden]: every rank has the full embedding
+    embedding   each rank looks up the ids in its slice (others give zero rows; one kernel on
+                CUDA, `ops/vocab_slice_embedding.py`), then one all-reduce sums the ranks'
+                [T, hidden]: every rank has the full embedding
     LM head     each rank computes its [N, Vp/tp] slice of the logits, then one all-gather along
                 the vocabulary: every rank has the full [N, V] logits (padding sliced off)
 
@@ -13,6 +14,8 @@ On one rank both are a plain lookup / matmul and no collective runs.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +25,7 @@ from mlaserve.model.checkpoint_tensor import CheckpointTensor
 from mlaserve.model.layers.linear import NO_TP, TensorParallel, check_shape, wide_linear
 from mlaserve.tensor_parallel import all_gather, all_reduce
 
-__all__ = ["ParallelLMHead", "VocabParallelEmbedding"]
+__all__ = ["ParallelLMHead", "VocabParallelEmbedding", "slice_lookup"]
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -46,6 +49,16 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(self.local_vocab, hidden_size, dtype=params_dtype), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader
+        # Under TP on CUDA the masked lookup is one kernel (the torch lines below are its
+        # reference and the CPU path).
+        self._slice_lookup = None
+        if tp.size > 1:
+            from mlaserve.ops import fused_ops_enabled
+
+            if fused_ops_enabled(self.weight.device):
+                from mlaserve.ops.vocab_slice_embedding import vocab_slice_embedding
+
+                self._slice_lookup = vocab_slice_embedding
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
         """`loaded` is the whole [V, hidden] table, unread; read this rank's rows, zero the
@@ -60,13 +73,26 @@ class VocabParallelEmbedding(nn.Module):
         """[T] int64 -> [T, hidden], the same on every rank."""
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
-        # Masked lookup: ids outside this slice read row 0 and are zeroed, so the all-reduce
-        # sums exactly one non-zero row per token (no data-dependent shapes: graph-safe).
-        local = input_ids - self.vocab_start
-        mine = (local >= 0) & (local < self.local_vocab)
-        out = F.embedding(local.masked_fill(~mine, 0), self.weight)
-        out.masked_fill_(~mine.unsqueeze(-1), 0)
-        return all_reduce(out, self.tp)
+        lookup = self._slice_lookup or slice_lookup
+        return all_reduce(lookup(input_ids, self.weight, self.vocab_start), self.tp)
+
+    def warm_up_tasks(self, act_dtype: torch.dtype) -> list[Callable[[], None]]:
+        """The slice lookup's compile (`model/kernel_warm_up.py`); nothing else compiles."""
+        if self._slice_lookup is None:
+            return []
+        ids = torch.zeros(1, dtype=torch.int64, device=self.weight.device)
+        return [lambda: self._slice_lookup(ids, self.weight, self.vocab_start)]
+
+
+def slice_lookup(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    """[T] int64 -> [T, hidden]: rows of `weight` (the table's rows start, start + 1, ...) for
+    the ids in it, zero rows for the others, so that the TP all-reduce sums exactly one non-zero
+    row per token (no data-dependent shapes: graph-safe). The reference of
+    `ops/vocab_slice_embedding.py`."""
+    local = ids - start
+    mine = (local >= 0) & (local < weight.shape[0])
+    out = F.embedding(local.masked_fill(~mine, 0), weight)  # others read row 0, then zeroed
+    return out.masked_fill_(~mine.unsqueeze(-1), 0)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -96,6 +122,9 @@ class ParallelLMHead(VocabParallelEmbedding):
                 from mlaserve.ops.invariant_matmul import invariant_matmul
 
                 self._invariant = invariant_matmul
+
+    def warm_up_tasks(self, act_dtype: torch.dtype) -> list[Callable[[], None]]:
+        return []  # a matmul (and an all-gather): nothing of its own to compile
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """[N, hidden] -> [N, vocab] float32, the same on every rank."""
