@@ -420,13 +420,15 @@ class LLMEngine:
         # Under TP with overlap, the workers get the sampled ids on the device (their next
         # step's future ids): the forward's message announces them, `feed_workers` sends them.
         feed = len(scheduled.sampled_requests) if self.overlap else 0
-        target = self.graphs.run_with_hidden(host, feed)
+        # ... or read them from their own graph's argmax, where that is what rank 0 samples
+        greedy_feed = feed > 0 and self.runner.takes_graph_greedy(scheduled, self.grammar)
+        target = self.graphs.run_with_hidden(host, feed, greedy_feed)
         logits = target.logits[: target.num_rows]
         if host.prompt_spans:
             for scored in self.runner.prompt_logprobs(logits, host):
                 self.output.record_prompt_logprobs(scored)
         sample = self.runner.sample_async(logits, scheduled, self.grammar, target.greedy)
-        self.runner.feed_workers(sample.feed, feed)
+        self.runner.feed_workers(sample.feed, feed, target.greedy if target.greedy_feed else None)
         self.scheduler.after_step(scheduled)
         for row, r in enumerate(scheduled.sampled_requests):
             r.num_pending_tokens += 1

@@ -79,6 +79,10 @@ class ModelRunner:
         # Rank 0 under TP > 1: each target forward's batch (`make_batch` with a route), and the
         # draft's and the capture's messages, go to the other ranks (`engine/step_broadcast.py`).
         self.step_sender: StepSender | None = None
+        # Steps whose feed the workers took from their own graph's greedy rows / broadcast
+        # (`feed_workers`): what the GPU tests read to know which path ran.
+        self.num_greedy_feeds = 0
+        self.num_broadcast_feeds = 0
         self.model_config = model_config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(model_config)
@@ -396,6 +400,7 @@ class ModelRunner:
         *,
         route: ForwardRoute | None = None,
         feed: int = 0,
+        greedy_feed: bool = False,
     ) -> ForwardBatch:
         """`max_seq_len`: the bound on seq_lens the backend may use; eager steps pass the exact
         host-side maximum, a CUDA graph its fixed capture bound (max_model_len). `pad_to`: the
@@ -403,7 +408,8 @@ class ModelRunner:
         batch is padding alone). `split=False`: for a graph that replays the inputs' device-side
         split itself (`InputBuffers.split`), over `pad_tokens_to` token rows if given.
         `route`: given for a target forward (the graph runner's): under TP, rank 0 sends the
-        batch with it, and `feed` (the ids `feed_workers` broadcasts after it), to the workers."""
+        batch with it, `feed` (the ids the next step may read) and `greedy_feed` (whether they
+        are the graph's own greedy rows rather than `feed_workers`' broadcast) to the workers."""
         max_seq_len = max_seq_len or max(host.seq_lens)
         batch = self.buffers.fill(
             host,
@@ -418,17 +424,44 @@ class ModelRunner:
         # Under TP, rank 0 sends the batch once its own staging accepted it (a batch refused
         # here never reaches the workers); the forward that follows meets theirs.
         if self.step_sender is not None and route is not None:
-            self.step_sender.send_step(host, route, feed)
+            self.step_sender.send_step(host, route, feed, greedy_feed)
         return batch
 
-    def feed_workers(self, ids: torch.Tensor | None, n: int) -> None:
+    def takes_graph_greedy(self, sched: SchedulerOutput, grammar: GrammarBackend | None) -> bool:
+        """Whether `sample_async` takes a DECODE graph's greedy rows as this step's tokens, as
+        they are: every sampled request greedy with nothing adjusting its logits (no penalty,
+        no min_tokens ban, no grammar). Decided from the requests alone, before the forward
+        (its STEP message says where the workers' feed comes from); `feed_workers` checks it.
+        False without workers (one rank: nobody to feed, so nothing to decide)."""
+        if self.step_sender is None:
+            return False
+        sampled = sched.sampled_requests
+        if grammar is not None and any(r.grammar is not None for r in sampled):
+            return False
+        return all(self.sampling_slots.keeps_logits_greedy(r.params) for r in sampled)
+
+    def feed_workers(
+        self, ids: torch.Tensor | None, n: int, greedy: GreedyRows | None = None
+    ) -> None:
         """Rank 0 under TP: the `n` sampled ids [n] int64 on the device, broadcast on the model
-        group to the workers (the `feed` its STEP message announced); nothing else."""
+        group to the workers (the `feed` its STEP message announced); nothing else. `greedy`:
+        the STEP said greedy_feed, so the workers read these rows of their own graph and
+        nothing is sent; `ids` must then be those very rows (else the ranks' next inputs
+        would differ: an engine bug, raised)."""
         if self.step_sender is None or n == 0:
             return
         if ids is None or ids.shape != (n,) or ids.dtype != torch.int64:
             raise ValueError(f"feed_workers: expected [{n}] int64 ids, got {ids!r}")
+        if greedy is not None:
+            if ids.data_ptr() != greedy.token_ids.data_ptr():
+                raise OverlapError(
+                    "feed_workers: the STEP told the workers to read the graph's greedy rows, "
+                    "but the sampler chose other tokens (ModelRunner.takes_graph_greedy is wrong)"
+                )
+            self.num_greedy_feeds += 1
+            return
         self.tp.broadcast(ids.contiguous(), src=0)
+        self.num_broadcast_feeds += 1
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -15,7 +15,7 @@ two (gloo's cost per broadcast is mostly its latency; `bench/step_broadcast.py` 
 
     STEP          a target forward: mode, T, S, L, P, has_table_rows, logits_hidden_only,
                   route path, route size, route graphed, future_identity (-1: no future ids),
-                  feed
+                  feed, greedy_feed
                   body [T + T + T + S + S (+ S) + S + P + L]: input_ids | positions |
                   slot_mapping | seq_lens | q_lens | (table_rows) | pages per sequence | the
                   pages, flat | logits_indices
@@ -34,7 +34,11 @@ two (gloo's cost per broadcast is mostly its latency; `bench/step_broadcast.py` 
 
 Device values go on the model group (NCCL on CUDA) right after the message's device work, by
 `TensorParallel.broadcast` from rank 0, never through the host: a STEP with feed n > 0 is
-followed by its n sampled ids ([n] int64: the next step's future ids under overlap scheduling);
+followed by its n sampled ids ([n] int64: the next step's future ids under overlap scheduling),
+unless it sets greedy_feed: then the ids are the first n of the replayed DECODE graph's own
+argmax rows (`TargetOutput.greedy`), which every rank computed from the same gathered logits,
+and nothing follows (rank 0 sends it only where its sampler takes exactly those rows:
+`ModelRunner.feed_workers` checks);
 DRAFT_DECODE by the emitted tokens and accept lengths ([bs, q + 1] int64: tokens | length);
 DRAFT_EXTEND with n > 0 by the sampled ids ([n] int64).
 
@@ -96,8 +100,10 @@ _MODES = list(ForwardMode)
 class StepMsg:
     host: HostBatch
     route: ForwardRoute
-    feed: int  # ids broadcast on the device after the forward (0: none)
+    feed: int  # sampled ids the next step may read as future ids (0: none)
     future_identity: int  # -1: the batch reads no future ids; else `HostBatch.future_identity`
+    # the feed is this forward's graph's greedy rows (no broadcast); else broadcast after it
+    greedy_feed: bool = False
 
 
 @dataclass(frozen=True)
@@ -168,7 +174,7 @@ def _pack(header_fields: tuple[int, Sequence[int]], parts: list[np.ndarray]):
     return _header(op, fields, body.numel()), body
 
 
-def encode_step(host: HostBatch, route: ForwardRoute, feed: int = 0):
+def encode_step(host: HostBatch, route: ForwardRoute, feed: int = 0, greedy_feed: bool = False):
     """-> (header [HEADER_LEN], body) int64 CPU tensors for a target forward of `host`."""
     lens, pages = _tables(host.block_tables)
     parts = [
@@ -185,7 +191,7 @@ def encode_step(host: HostBatch, route: ForwardRoute, feed: int = 0):
     fields = [
         _MODES.index(host.mode), len(host.input_ids), host.num_seqs, len(host.logits_indices),
         len(pages), host.table_rows is not None, host.logits_hidden_only,
-        int(route.path), route.size, route.graphed, future, feed,
+        int(route.path), route.size, route.graphed, future, feed, greedy_feed,
     ]  # fmt: skip
     return _pack((OP_STEP, fields), parts)
 
@@ -282,6 +288,7 @@ def decode_message(header: torch.Tensor, body: torch.Tensor) -> Message:
 
 def _decode_step(f: list[int], flat: np.ndarray) -> StepMsg:
     mode, t, s, n_logits, n_pages, owned, hidden_only, path, size, graphed, future, feed = f[:12]
+    greedy_feed = bool(f[12])
     sizes = [t, t, t, s, s, *([s] if owned else []), s, n_pages, n_logits]
     chunks = np.split(flat, np.cumsum(sizes)[:-1])
     ids, positions, slots, seq_lens, q_lens = chunks[:5]
@@ -301,7 +308,7 @@ def _decode_step(f: list[int], flat: np.ndarray) -> StepMsg:
         logits_hidden_only=bool(hidden_only),
     )
     route = ForwardRoute(RoutePath(path), size, bool(graphed))
-    return StepMsg(host, route, feed, future)
+    return StepMsg(host, route, feed, future, greedy_feed)
 
 
 class StepSender:
@@ -319,8 +326,10 @@ class StepSender:
         if rest.numel():  # only a body past the frame (the receiver reads its length first)
             dist.broadcast(rest.contiguous(), 0, group=self.group)
 
-    def send_step(self, host: HostBatch, route: ForwardRoute, feed: int = 0) -> None:
-        self._send(*encode_step(host, route, feed))
+    def send_step(
+        self, host: HostBatch, route: ForwardRoute, feed: int = 0, greedy_feed: bool = False
+    ) -> None:
+        self._send(*encode_step(host, route, feed, greedy_feed))
 
     def send(self, msg: Message) -> None:
         """Any message but a STEP (`send_step`)."""

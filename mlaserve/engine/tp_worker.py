@@ -212,7 +212,15 @@ class Follower:
             host.future_ids = self.feed
             host.future_identity = msg.future_identity
         self.target = self.graphs.execute(host, msg.route)
-        self.feed = self._receive((msg.feed,)) if msg.feed else None
+        if msg.greedy_feed:  # rank 0 samples this graph's argmax rows: this rank made the same
+            if self.target.greedy is None:
+                raise RuntimeError(
+                    f"tensor parallel worker: a greedy feed from route {msg.route}, whose "
+                    "forward took no argmax on this rank"
+                )
+            self.feed = self.target.greedy.token_ids[: msg.feed]
+        else:
+            self.feed = self._receive((msg.feed,)) if msg.feed else None
 
     def _receive(self, shape: tuple[int, ...]) -> Any:
         """A device tensor rank 0 broadcasts on the model group (empty: none is sent)."""

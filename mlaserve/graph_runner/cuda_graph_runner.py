@@ -73,6 +73,9 @@ class TargetOutput:
     # A DECODE graph's argmax of its logits rows (every padded row), taken inside the graph:
     # the sampler's whole work for an all-greedy batch (`Sampler`); None elsewhere.
     greedy: GreedyRows | None = None
+    # Under TP: the forward's STEP told the workers that `greedy`'s rows are the feed (no
+    # broadcast follows; `ModelRunner.feed_workers`).
+    greedy_feed: bool = False
 
 
 @dataclass
@@ -314,15 +317,21 @@ class CudaGraphRunner:
         return ForwardRoute(RoutePath.UNIFORM, size, graphed)
 
     @torch.inference_mode()
-    def run_with_hidden(self, host: HostBatch, feed: int = 0) -> TargetOutput:
+    def run_with_hidden(
+        self, host: HostBatch, feed: int = 0, greedy_feed: bool = False
+    ) -> TargetOutput:
         """`run`, keeping what a draft model reads: the final-normed hidden states of every row
         of the (padded) batch, and the batch itself (views of the input buffers). `feed`: under
-        TP, the number of sampled ids rank 0 broadcasts after this forward
-        (`ModelRunner.feed_workers`)."""
-        return self.execute(host, self.route(host), feed)
+        TP, the number of sampled ids the workers' next step may read (`ModelRunner.
+        feed_workers`); `greedy_feed`: rank 0's sampler will take a DECODE graph's greedy rows
+        as they are (`ModelRunner.takes_graph_greedy`), so where this forward replays one, the
+        workers read their own graph's rows instead of a broadcast (`TargetOutput.greedy_feed`)."""
+        return self.execute(host, self.route(host), feed, greedy_feed)
 
     @torch.inference_mode()
-    def execute(self, host: HostBatch, route: ForwardRoute, feed: int = 0) -> TargetOutput:
+    def execute(
+        self, host: HostBatch, route: ForwardRoute, feed: int = 0, greedy_feed: bool = False
+    ) -> TargetOutput:
         """Run `host` by `route` (this rank's own, or rank 0's under TP). Under TP rank 0's
         `make_batch` sends the batch with its route to the workers; a worker refuses a graphed
         route naming a graph it did not capture (a group that captured differently)."""
@@ -347,9 +356,10 @@ class CudaGraphRunner:
                 f"size {size} on this rank (the ranks captured different graphs)"
             )
         split = not route.graphed or not entry.splits_inputs
+        greedy_feed = greedy_feed and feed > 0 and route.graphed and entry.greedy is not None
         batch = self.runner.make_batch(
             host, pad_to=size, max_seq_len=self.bound, q_len=q_len, split=split,
-            route=route, feed=feed,
+            route=route, feed=feed, greedy_feed=greedy_feed,
         )  # fmt: skip
         rows = host.num_seqs * q_len
         if not route.graphed:
@@ -357,4 +367,6 @@ class CudaGraphRunner:
             return TargetOutput(logits, hidden, batch, rows, graphed=False)
         entry.graph.replay()
         self.num_replays += 1
-        return TargetOutput(entry.logits, entry.hidden, batch, rows, True, entry.greedy)
+        return TargetOutput(
+            entry.logits, entry.hidden, batch, rows, True, entry.greedy, greedy_feed
+        )

@@ -157,8 +157,7 @@ class SamplingSlots:
                 ones = torch.ones(len(output_ids), dtype=torch.float32, device=self.device)
                 counts[slot].index_add_(0, self._ids(output_ids, "output_ids"), ones)
         self._params[slot] = params
-        eos = () if params.ignore_eos else self.eos_token_ids
-        self._bans[slot] = tuple(sorted(set(params.stop_ids) | set(eos)))
+        self._bans[slot] = self._ban_ids(params)
         self._rows.clear()
 
     def release(self, slot: int) -> None:
@@ -168,6 +167,20 @@ class SamplingSlots:
         self._params[slot] = None
         self._bans[slot] = ()
         self._rows.clear()
+
+    def keeps_logits_greedy(self, params: SamplingParams) -> bool:
+        """A row of these params is greedy and nothing changes its logits (no penalty, no
+        min_tokens ban): the argmax of the raw logits is its token. A batch of such rows only
+        is `fixed`."""
+        if not params.is_greedy or _uses_penalties(params):
+            return False
+        return params.min_tokens == 0 or not self._ban_ids(params)
+
+    def _ban_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        """The ids a row below its min_tokens may not sample: its stop ids and (unless it
+        ignores EOS) the EOS ids."""
+        eos = () if params.ignore_eos else self.eos_token_ids
+        return tuple(sorted(set(params.stop_ids) | set(eos)))
 
     def params_of(self, slot: int) -> SamplingParams | None:
         return self._params[slot]
@@ -248,7 +261,7 @@ class SamplingSlots:
             for row, (slot, p) in enumerate(zip(slots, params, strict=True))
             if p.min_tokens > 0 and self._bans[slot]
         ]
-        fixed = switches["all_greedy"] and not (use_rep or use_freq or bans)
+        fixed = all(self.keeps_logits_greedy(p) for p in params)
         template = SamplingBatch(
             vocab_size=v,
             temperatures=floats[:, _TEMP],

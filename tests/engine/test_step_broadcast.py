@@ -52,7 +52,9 @@ def test_step_round_trip(owned: bool) -> None:
     assert header.shape == (HEADER_LEN,) and body.dtype == torch.int64
     msg = decode_message(header, body)
     assert isinstance(msg, StepMsg)
-    assert (msg.route, msg.feed, msg.future_identity) == (route, 2, -1)
+    assert (msg.route, msg.feed, msg.future_identity, msg.greedy_feed) == (route, 2, -1, False)
+    greedy = decode_message(*encode_step(host, route, feed=2, greedy_feed=True))
+    assert (greedy.feed, greedy.greedy_feed) == (2, True)
     got = msg.host
     assert got.mode is ForwardMode.EXTEND
     assert got.input_ids.tolist() == list(range(3, 10))

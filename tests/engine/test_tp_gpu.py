@@ -47,16 +47,18 @@ GREEDY = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
 SCORED = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=2)
 
 
-def _run(scored: bool = False, **kwargs) -> dict:
+def _run(scored: bool = False, params: SamplingParams = GREEDY, **kwargs) -> dict:
     # cache off: the scored run below must compute what the first did (same batches: bitwise)
     kwargs.setdefault("enable_prefix_caching", False)
     llm = LLM(device="cuda", **kwargs)
     if llm.engine.spec_decoder is not None:  # speculate every step (no cost policy in the way)
         llm.engine.spec_decoder.policy.forced = FORCED_SPEC
     try:
-        outs = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         stats = llm.engine.get_stats()
         run = {"ids": [list(o.token_ids) for o in outs], "stats": stats, "engine": llm.engine}
+        runner = llm.engine.runner
+        run["feeds"] = {"greedy": runner.num_greedy_feeds, "broadcast": runner.num_broadcast_feeds}
         run["max_in_flight"] = llm.engine.ledger.max_in_flight
         if llm.engine.spec_decoder is not None:
             run["draft_replays"] = llm.engine.spec_decoder.drafter.num_replays
@@ -113,6 +115,29 @@ def test_tp2_overlap_changes_no_token() -> None:
     off = _run(tensor_parallel_size=2, max_num_seqs=16, overlap_schedule=False)
     assert on["max_in_flight"] == 2 and off["max_in_flight"] == 1
     assert on["ids"] == off["ids"]
+    # Graphed greedy decode steps: the workers read their own graph's argmax, nothing is
+    # broadcast; the prompts' step (no DECODE graph) broadcasts its ids. Without overlap the
+    # workers read no future ids, so nothing is fed at all.
+    assert on["feeds"]["greedy"] >= 40 and on["feeds"]["broadcast"] >= 1, on["feeds"]
+    assert off["feeds"] == {"greedy": 0, "broadcast": 0}
+
+
+# Seeded sampling, and greedy rows whose logits a penalty or a min_tokens ban changes: rank 0's
+# sampler does not take the graph's argmax, so every fed step broadcasts its ids.
+ADJUSTED = [
+    SamplingParams(max_tokens=48, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=48, temperature=0, repetition_penalty=1.3, ignore_eos=True),
+    SamplingParams(max_tokens=48, temperature=0, min_tokens=40),
+]
+
+
+@pytest.mark.parametrize("params", ADJUSTED, ids=["seeded", "penalty", "min_tokens"])
+def test_tp2_overlap_changes_no_token_when_rank_0_adjusts_the_logits(params) -> None:
+    """As above, where the workers' future ids must come from rank 0's broadcast."""
+    on = _run(params=params, tensor_parallel_size=2, max_num_seqs=16)
+    off = _run(params=params, tensor_parallel_size=2, max_num_seqs=16, overlap_schedule=False)
+    assert on["ids"] == off["ids"]
+    assert on["feeds"]["greedy"] == 0 and on["feeds"]["broadcast"] >= 40, on["feeds"]
 
 
 def test_tp2_speculation_is_lossless(tp1: dict) -> None:

@@ -202,3 +202,31 @@ def test_a_steady_batch_uploads_its_steps_only(device: torch.device) -> None:
         batch = slots.batch([3, 1], [1, 1])
     assert dict(counted.ops) == {"_to_copy": 1}
     assert batch.steps.tolist() == [1, 1] and batch.slots.tolist() == [3, 1]
+
+
+def test_keeps_logits_greedy_is_when_the_sampler_takes_the_argmax_computed_ahead(
+    device: torch.device,
+) -> None:
+    """`keeps_logits_greedy` (what rank 0 tells the TP workers before a forward: their feed is
+    their own graph's argmax) holds exactly when the sampler returns the `GreedyRows` handed
+    to it at a request's first step, and stays sufficient later (a ban that has ended only
+    makes the sampler take them where the predicate already said no)."""
+    from mlaserve.sampling import GreedyRows
+
+    rng = random.Random(4)
+    vocab, eos = 32, (1,)
+    slots = SamplingSlots(2, vocab, device, eos_token_ids=eos)
+    seen = set()
+    for i in range(200):
+        p = random_params(rng)
+        slots.admit(0, p, seed=i, prompt_ids=[3, 7])
+        logits = (torch.randn(1, vocab, generator=torch.Generator().manual_seed(i)) * 3).to(device)
+        ids = logits.argmax(-1)
+        greedy = GreedyRows(ids, torch.ones(1, dtype=torch.bool, device=device), ids)
+        for step in (0, 6):
+            out = sampler(logits, slots.batch([0], [step]), None, greedy)
+            took = out.token_ids is greedy.token_ids
+            keeps = slots.keeps_logits_greedy(p)
+            assert took == keeps if step == 0 else (took or not keeps), (p, step)
+            seen.add((step, keeps, took))
+    assert {(0, True, True), (0, False, False), (6, False, True)} <= seen
