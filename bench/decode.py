@@ -133,6 +133,23 @@ def time_steps(llm: LLM, steps: int) -> float:
     return (time.perf_counter() - t0) / steps * 1e3
 
 
+def time_steady_steps(llm: LLM, steps: int, warm: int = 4) -> float:
+    """ms per engine step in the steady state: `warm` steps first, then the clock runs from the
+    return of one step to the return of the `steps`-th after it, both at the same point of the
+    overlapped pipeline (one step in flight), so no drain or refill is in the figure.
+    `time_steps` instead starts and ends on a synchronised device: its figure holds one refill
+    (the host's launch of the first step, under TP also the workers' lag behind it)."""
+    engine = llm.engine
+    for _ in range(warm):
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / steps * 1e3
+
+
 def decode_graph(llm: LLM, bs: int) -> torch.cuda.CUDAGraph:
     graphs = llm.engine.graphs
     size = min(s for s in graphs.batch_sizes if s >= bs)

@@ -23,8 +23,12 @@ Measured, in this order, on the same GPUs:
    device copy bandwidth on cuda:0, then for each batch size `bs` requests whose `--context`
    tokens of KV are taken as computed (bench/decode.py's `fake_prefill`: pages allocated, KV left
    as the pool holds it; a decode step reads the same bytes whatever the values) decode through
-   `LLMEngine.step()`; step = wall time per step, median of `--rounds` runs of `--steps` steps;
-   the all-reduces of one step are counted from a torch.profiler trace of a step on rank 0
+   `LLMEngine.step()`; step = wall time per step in the steady state (bench/decode.py's
+   `time_steady_steps`: the clock between two returns of `step()`, one step in flight at both),
+   median of `--rounds` runs of `--steps` steps; "after sync" = one run of 16 steps from and to
+   a synchronised device (`time_steps`, this bench's step before the thirty-sixth session),
+   which also holds one refill of the pipeline (rank 0's launch of its first step and the
+   workers' lag behind it, ~1 ms at TP2); the all-reduces of one step are counted from a torch.profiler trace of a step on rank 0
    (kernels named AllReduce / all_reduce: NCCL's and symmetric memory's).
 
 Floor per step = rank 0's bytes (bench/decode.py's `floor_ms`: every non-expert weight of this
@@ -133,6 +137,9 @@ K2_WIDTH = {
 WIDTHS = {"v3": V3_WIDTH, "k2": K2_WIDTH}
 
 
+SYNC_STEPS = 16  # the "after sync" run: the steps of this bench's earlier rounds
+
+
 def write_model(folder: Path, layers: int, arch: str = "v3") -> Path:
     """config.json (V3's or K2's width, `layers` layers) and the default model's tokenizer files."""
     from mlaserve.config import default_model_path
@@ -216,7 +223,8 @@ def run_depth(args: argparse.Namespace) -> dict[str, Any]:
     from mlaserve.config import ConfigError
 
     bandwidth = decode.copy_bandwidth(torch.device("cuda", 0))
-    new_tokens = args.rounds * (args.steps + 2) + 8  # every timed step, warm-ups, the profile
+    # every timed step and its warm-ups (steady rounds, the run after a sync), the profile
+    new_tokens = args.rounds * (args.steps + 4) + (SYNC_STEPS + 2) + 8
     new_tokens += args.steps + 2 if args.gaps else 0  # the profiled steps of --gaps
     with tempfile.TemporaryDirectory(prefix="tp-decode-v3-") as tmp:
         folder = write_model(Path(tmp), args.layers, args.arch)
@@ -249,7 +257,8 @@ def _time_batch_sizes(llm: Any, args: argparse.Namespace, bandwidth: float,
     rows = []
     for bs in args.batch_sizes:
         decode.fake_prefill(llm, bs, args.context, new_tokens=new_tokens)
-        steps = [decode.time_steps(llm, args.steps) for _ in range(args.rounds)]
+        steps = [decode.time_steady_steps(llm, args.steps) for _ in range(args.rounds)]
+        after_sync = decode.time_steps(llm, SYNC_STEPS)
         kernels = step_kernels(llm)
         gaps = step_gaps(llm, args.steps, args.gaps) if args.gaps else None
         decode.finish_all(llm)
@@ -268,6 +277,7 @@ def _time_batch_sizes(llm: Any, args: argparse.Namespace, bandwidth: float,
                 "bs": bs,
                 "step_ms": statistics.median(steps),
                 "step_ms_range": [min(steps), max(steps)],
+                "step_after_sync_ms": after_sync,
                 "all_reduces": count_all_reduces(kernels),
                 "bytes_floor_ms": decode.floor_ms(
                     llm, bs, args.context, bandwidth, upper_bound=False
@@ -325,7 +335,7 @@ def main() -> None:
     ap.add_argument("--arch", choices=sorted(WIDTHS), default="v3",
                     help="the width: DeepSeek-V3's (default) or Kimi-K2's")  # fmt: skip
     ap.add_argument("--context", type=int, default=1024, help="tokens of KV per sequence")
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--graphs", action="store_true", help="graphed steps (needs graphs under TP)")
     ap.add_argument("--profile", type=int, default=0, metavar="K",
@@ -362,10 +372,11 @@ def main() -> None:
     print(f"\ndevice: {args.tp} x {torch.cuda.get_device_name()}  V3 width, {args.layers} layers "
           f"(1 dense), FP8 block weights (dummy), KV fp8, ctx {args.context}, steps {mode}, "
           f"backend {deep['backend']}, copy BW {deep['copy_bandwidth_tbs']:.2f} TB/s")  # fmt: skip
-    print(f"{'bs':>4} {'step ms':>8} {'bytes ms':>8} {'ARs':>4} {'AR us':>6} {'AR path':>8} "
-          f"{'floor ms':>8} {'step/floor':>10}")  # fmt: skip
+    print(f"{'bs':>4} {'step ms':>8} {'after sync':>10} {'bytes ms':>8} {'ARs':>4} {'AR us':>6} "
+          f"{'AR path':>8} {'floor ms':>8} {'step/floor':>10}")  # fmt: skip
     for r in deep["rows"]:
-        print(f"{r['bs']:>4} {r['step_ms']:>8.3f} {r['bytes_floor_ms']:>8.3f} "
+        print(f"{r['bs']:>4} {r['step_ms']:>8.3f} {r['step_after_sync_ms']:>10.3f} "
+              f"{r['bytes_floor_ms']:>8.3f} "
               f"{r['all_reduces']:>4} {r['all_reduce_best_us']:>6.1f} "
               f"{r['all_reduce_chosen']:>8} {r['floor_ms']:>8.3f} {r['step_vs_floor']:>10.2f}")  # fmt: skip
     summary: dict[str, Any] = {
