@@ -28,8 +28,9 @@ Measured, in this order, on the same GPUs:
    median of `--rounds` runs of `--steps` steps; "after sync" = one run of 16 steps from and to
    a synchronised device (`time_steps`, this bench's step before the thirty-sixth session),
    which also holds one refill of the pipeline (rank 0's launch of its first step and the
-   workers' lag behind it, ~1 ms at TP2); the all-reduces of one step are counted from a torch.profiler trace of a step on rank 0
-   (kernels named AllReduce / all_reduce: NCCL's and symmetric memory's).
+   workers' lag behind it, ~1 ms at TP2); the all-reduces of one step are counted from a
+   torch.profiler trace of a step on rank 0 (kernels named AllReduce / all_reduce: NCCL's and
+   symmetric memory's).
 
 Floor per step = rank 0's bytes (bench/decode.py's `floor_ms`: every non-expert weight of this
 rank once, the routed experts bs tokens touch in expectation under uniform routing, this rank's

@@ -436,7 +436,7 @@ class ModelRunner:
         if self.step_sender is None:
             return False
         sampled = sched.sampled_requests
-        if grammar is not None and any(r.grammar is not None for r in sampled):
+        if _grammar_masks(grammar, sampled):
             return False
         return all(self.sampling_slots.keeps_logits_greedy(r.params) for r in sampled)
 
@@ -549,7 +549,7 @@ class ModelRunner:
         if not sampling:  # nothing to read back: the host waits on a fence instead (rule 1)
             return PendingSample(None, None, self.fence())
         mask = None
-        if grammar is not None and any(r.grammar is not None for r in sampling):
+        if _grammar_masks(grammar, sampling):
             matchers = [r.grammar for r in sampling]  # structured output
 
             def mask(x: torch.Tensor) -> None:
@@ -584,3 +584,8 @@ class ModelRunner:
         out = self.sampler(logits, sb, mask, greedy)
         slots.record(sb.slots, out.token_ids)
         return sb, out
+
+
+def _grammar_masks(grammar: GrammarBackend | None, requests: Sequence[Request]) -> bool:
+    """Whether the sampler masks these requests' logits by their grammars (structured output)."""
+    return grammar is not None and any(r.grammar is not None for r in requests)

@@ -6,8 +6,8 @@ rows for the ids other ranks hold (an all-reduce then sums exactly one non-zero 
     out     [T, H] weight's dtype, contiguous: weight[ids - start] where start <= id < start + R,
             else zeros
 
-One kernel where the torch reference (`VocabParallelEmbedding.forward`: shift, two compares,
-and, two masked fills around the lookup) launches eight; the values are the same bits (a copy).
+One kernel where the torch reference (`model/layers/embedding.py: slice_lookup`: shift, two
+compares, and, two masked fills around the lookup) launches eight; the same bits (a copy).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(self.local_vocab, hidden_size, dtype=params_dtype), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader
-        # Under TP on CUDA the masked lookup is one kernel (the torch lines below are its
+        # Under TP on CUDA the masked lookup is one kernel (`slice_lookup` below is its
         # reference and the CPU path).
         self._slice_lookup = None
         if tp.size > 1:
@@ -112,6 +112,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         deterministic: bool = False,
     ) -> None:
         super().__init__(vocab_size, hidden_size, params_dtype=params_dtype, tp=tp)
+        self._slice_lookup = None  # a matmul (and an all-gather), never a lookup
         self._invariant = None
         if deterministic:
             from mlaserve.ops import fused_ops_enabled
@@ -122,9 +123,6 @@ class ParallelLMHead(VocabParallelEmbedding):
                 from mlaserve.ops.invariant_matmul import invariant_matmul
 
                 self._invariant = invariant_matmul
-
-    def warm_up_tasks(self, act_dtype: torch.dtype) -> list[Callable[[], None]]:
-        return []  # a matmul (and an all-gather): nothing of its own to compile
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """[N, hidden] -> [N, vocab] float32, the same on every rank."""
