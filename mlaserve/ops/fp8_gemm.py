@@ -36,6 +36,7 @@ decided on the host; nothing reads device memory, so the whole op is graph-captu
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -49,6 +50,7 @@ from mlaserve.ops.fp8_quant import (
 )
 
 __all__ = [
+    "FP8_WARM_UP_TOKENS",
     "TORCH_BLOCKWISE_MIN_M",
     "W8A16_MAX_M",
     "W8A16_MIN_M",
@@ -57,6 +59,7 @@ __all__ = [
     "block_fp8_matmul_reference",
     "choose_gemm",
     "flashinfer_available",
+    "fp8_gemm_warm_up_tasks",
     "gemm_backend",
 ]
 
@@ -70,6 +73,11 @@ TORCH_BLOCKWISE_MIN_M = 256
 # GEMM there on V3's shapes (bench/gemv.py, bench/RESULTS.md), with exact activations.
 W8A16_MIN_M = 1
 W8A16_MAX_M = 64
+# A token count for each Triton variant `block_fp8_linear` runs on SM90 (`fp8_gemm_warm_up_tasks`):
+# the W8A16 decode kernel (up to 16 rows), the W8A16 GEMM's 32- and 64-row tiles, W8A8 (its
+# activation quantisation and GEMM), and the blockwise GEMM's activation quantisation (column-
+# major scales). Those kernels take M unspecialised, so one count stands for its whole range.
+FP8_WARM_UP_TOKENS = (2, 17, 33, W8A16_MAX_M + 1, TORCH_BLOCKWISE_MIN_M)
 
 
 @functools.cache
@@ -177,6 +185,34 @@ def block_fp8_linear(
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, n)
+
+
+def fp8_gemm_warm_up_tasks(
+    w_q: torch.Tensor,
+    w_s: torch.Tensor,
+    x_dtype: torch.dtype,
+    out_dtype: torch.dtype | None = None,
+) -> list[Callable[[], None]]:
+    """A task per `FP8_WARM_UP_TOKENS` count: `block_fp8_linear` once on zeros with this weight,
+    so that every Triton variant its GEMMs and quantisation take for this shape compiles before
+    serving (a speculative VERIFY or a prefill chunk of any length past the decode GEMV finds
+    them built). None where no Triton kernel runs (the CPU)."""
+    if gemm_backend(w_q.device, 1, w_q.shape[0], w_q.shape[1], w_s.shape[0], x_dtype) == "emulated":
+        return []
+    return [
+        functools.partial(_linear_once, m, w_q, w_s, x_dtype, out_dtype) for m in FP8_WARM_UP_TOKENS
+    ]
+
+
+def _linear_once(
+    m: int,
+    w_q: torch.Tensor,
+    w_s: torch.Tensor,
+    x_dtype: torch.dtype,
+    out_dtype: torch.dtype | None,
+) -> None:
+    x = torch.zeros(m, w_q.shape[1], dtype=x_dtype, device=w_q.device)
+    block_fp8_linear(x, w_q, w_s, out_dtype=out_dtype)
 
 
 def block_fp8_matmul_reference(

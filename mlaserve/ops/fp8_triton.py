@@ -52,7 +52,9 @@ def widen_e4m3(w, dtype: tl.constexpr):
         return w.to(dtype)
 
 
-@triton.jit
+# The scales' strides unspecialised: column-major ones are M apart (Triton would compile a
+# variant for M % 16 == 0 and one for the rest: a compile while serving).
+@triton.jit(do_not_specialize=["stride_sm", "stride_sk"])
 def _per_token_group_quant_kernel(
     x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, stride_sk,
     fp8_max, eps, GROUP: tl.constexpr,
@@ -95,7 +97,9 @@ def per_token_group_quant_fp8_triton(
     return q, s
 
 
-@triton.jit
+# M unspecialised: one compiled variant serves every token count of a tile choice, so warm-up
+# at one count per choice (`fp8_gemm.FP8_WARM_UP_TOKENS`) leaves no compile to serving.
+@triton.jit(do_not_specialize=["M"])
 def _block_fp8_matmul_kernel(
     a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K, group_n, kb_per_split,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cs, stride_cm, stride_cn,
@@ -217,7 +221,7 @@ W8A16_WIDE_MAX_M = 16
 _WIDE_BLOCK_N = 32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # as `_block_fp8_matmul_kernel`
 def _w8a16_wide_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, M, N, group_n,
     stride_xm, stride_wn, stride_sn, stride_sk, stride_ym,

@@ -283,3 +283,47 @@ def test_kernels_capture_in_a_cuda_graph() -> None:
     expected = step()
     for got, want in zip(out, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_warm_up_token_counts_cover_every_triton_variant() -> None:
+    """`FP8_WARM_UP_TOKENS`, one count per Triton variant `block_fp8_linear` takes on SM90 past
+    the decode GEMV: the W8A16 decode kernel, the W8A16 GEMM's 32- and 64-row tiles, W8A8, and
+    the blockwise GEMM (its activation quantisation). The kernels take M unspecialised, so a
+    count stands for its range; no token count runs a variant the counts miss. On the CPU
+    (the emulated GEMM) there are no tasks."""
+    from mlaserve.ops.fp8_gemm import FP8_WARM_UP_TOKENS, fp8_gemm_warm_up_tasks
+
+    def variant(m: int) -> tuple:
+        backend = choose_gemm(9, m, 7168, 8192, 56)
+        tile = None if backend != "triton_w8a16" else (16 if m <= 16 else 32 if m <= 32 else 64)
+        return backend, tile
+
+    warmed = [variant(m) for m in FP8_WARM_UP_TOKENS]
+    assert len(set(warmed)) == len(warmed) == 5
+    assert {variant(m) for m in range(2, 4097)} == set(warmed)
+    q, s = quantize_weight_block(torch.randn(256, 512))
+    assert fp8_gemm_warm_up_tasks(q, s, torch.float32) == []
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_warm_up_leaves_no_compile_to_any_token_count(out_dtype) -> None:
+    """After `fp8_gemm_warm_up_tasks` ran, `block_fp8_linear` at token counts of every range and
+    remainder mod 16 (a VERIFY of 21 rows, a prefill chunk of 100 or 260) compiles nothing: the
+    compile watch stays at 0 (a Triton compile while serving stalls every request for ~1 s)."""
+    from mlaserve.graph_runner.compile_watch import CompileWatch
+    from mlaserve.ops.fp8_gemm import fp8_gemm_warm_up_tasks
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n, k = 1408, 2560  # a shape no other test has: its variants are not built yet
+    q, s = quantize_weight_block(torch.randn(n, k, device="cuda", generator=g) * 0.05)
+    for task in fp8_gemm_warm_up_tasks(q, s, torch.bfloat16, out_dtype):
+        task()
+    watch = CompileWatch()
+    watch.mark_ready()
+    for m in (3, 7, 16, 21, 32, 40, 48, 63, 64, 66, 80, 100, 255, 256, 260, 300, 513):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        block_fp8_linear(x, q, s, out_dtype=out_dtype)
+    torch.cuda.synchronize()
+    assert watch.compiles_since_ready == 0

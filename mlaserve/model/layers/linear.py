@@ -256,17 +256,28 @@ class _Linear(nn.Module):
 
     def warm_up_tasks(self, act_dtype: torch.dtype) -> list[Callable[[], None]]:
         """The GEMV's compiles for every token bucket up to `gemv_max_m` (activations in
-        `act_dtype`), a task each (`model/kernel_warm_up.py`), for before serving."""
-        if not self.gemv_max_m:
+        `act_dtype`), and an FP8 weight's block-FP8 GEMMs' at every size past it
+        (`fp8_gemm_warm_up_tasks`), a task each (`model/kernel_warm_up.py`), for before
+        serving. None in the deterministic mode (its own matmul)."""
+        if self._invariant is not None:
             return []
-        from mlaserve.ops.gemv import gemv_warm_up_tasks
-
-        # a row-parallel layer's partial sums leave the GEMV in fp32 (`wide_partials`)
+        # a row-parallel layer's partial sums leave the GEMMs in fp32 (`wide_partials`)
         wide = self.split_dim == 1 and self.tp.wide_partials
-        return gemv_warm_up_tasks(
-            self.weight, self.weight_scale_inv, self.gemv_max_m, act_dtype,
-            torch.float32 if wide else None,
-        )  # fmt: skip
+        out_dtype = torch.float32 if wide else None
+        tasks: list[Callable[[], None]] = []
+        if self.gemv_max_m:
+            from mlaserve.ops.gemv import gemv_warm_up_tasks
+
+            tasks += gemv_warm_up_tasks(
+                self.weight, self.weight_scale_inv, self.gemv_max_m, act_dtype, out_dtype
+            )
+        if self.weight_scale_inv is not None:
+            from mlaserve.ops.fp8_gemm import fp8_gemm_warm_up_tasks
+
+            tasks += fp8_gemm_warm_up_tasks(
+                self.weight, self.weight_scale_inv, act_dtype, out_dtype
+            )
+        return tasks
 
     def fp8_weight_loader(
         self,
