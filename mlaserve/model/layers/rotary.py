@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from mlaserve.config import ModelConfig
+from mlaserve.ops import fused_ops_enabled
 
 __all__ = ["RotaryEmbedding", "apply_rope", "rope_inv_freq", "yarn_get_mscale"]
 
@@ -70,16 +71,23 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """positions -> (cos, sin), computed per forward (no table: any position, graph-safe)."""
+    """positions -> (cos, sin), computed per forward (no table: any position, graph-safe); on
+    CUDA in one kernel (`ops/rotary_cos_sin.py`, the same bits as the torch reference here)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         inv_freq, self.attention_factor = rope_inv_freq(config)
-        self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
+        device = torch.get_default_device()
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.interleaved = config.model_type == "deepseek_v2" or config.rope_interleave
+        self._fused = fused_ops_enabled(device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64 -> cos, sin [T, rope_dim / 2] fp32 (attention factor applied)"""
+        if self._fused:
+            from mlaserve.ops.rotary_cos_sin import rotary_cos_sin
+
+            return rotary_cos_sin(positions, self.inv_freq, self.attention_factor)
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
 
