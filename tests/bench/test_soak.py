@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak import KINDS, Limits, Outcome, Planned, compare, plan_list
+from bench.soak import KINDS, Limits, Outcome, Planned, compare, near_tie, plan_list
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The CPU soaks: a 256-token context over a 12-page pool of 16 (176 tokens for one request, so
@@ -85,6 +85,11 @@ def test_compare_finds_the_divergent_token_and_its_gap():
     )  # fmt: skip
     by_text = compare(_outcome("axcd", None), alone)
     assert (by_text["position"], by_text["logit_gap"], by_text["compared_by"]) == (1, 0.1, "text")
+    # a near tie agrees, a margin or an unknown gap (the alone run ended first) does not
+    assert near_tie(by_text, 0.1) and not near_tie(by_text, 0.05)
+    assert not near_tie(by_tokens, 0.1)
+    past_end = compare(_outcome("abcdz", list("abcdz")), alone)
+    assert past_end["logit_gap"] is None and not near_tie(past_end, 10.0)
 
 
 def _run(script: str, *args: str) -> dict:
