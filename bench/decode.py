@@ -195,6 +195,32 @@ def kernel_spans(prof) -> list[tuple[str, float, float]]:
     return out
 
 
+def kernel_sequence(prof) -> list[tuple[float, float, float, str]]:
+    """(start us after the first, GPU us, gap us, name) of every CUDA operation of a
+    torch.profiler trace in start order, copies included: the gap is the start minus the latest
+    end before it (negative where a PDL launch overlaps its predecessor)."""
+    from torch.autograd import DeviceType
+
+    ops = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+    )
+    out, first, last_end = [], ops[0][0] if ops else 0.0, None
+    for start, end, name in ops:
+        gap = 0.0 if last_end is None else start - last_end
+        last_end = end if last_end is None else max(last_end, end)
+        out.append((start - first, end - start, gap, name))
+    return out
+
+
+def print_kernel_sequence(sequence: list[tuple[float, float, float, str]], count: int) -> None:
+    """The first `count` operations of `kernel_sequence`, one a line."""
+    print(f"  {'#':>4} {'start us':>9} {'us':>8} {'gap us':>7}  name")
+    for i, (start, us, gap, name) in enumerate(sequence[:count]):
+        print(f"  {i:4d} {start:9.1f} {us:8.2f} {gap:7.2f}  {name[:90]}")
+
+
 def print_kernel_table(kernels: list[tuple[str, float, float]], layers: int, top: int = 25) -> None:
     """Kernels grouped by name, by the span they add (the critical path): one replay's profile."""
     by_name: dict[str, list[tuple[float, float]]] = {}

@@ -8,6 +8,7 @@ weights from `--load-format dummy`, against its floor; and the 61-layer V3 TPOT 
     python3 bench/tp_decode.py --tp 1 --graphs             # the same model on one GPU (TP N's reference)
     python3 bench/tp_decode.py --tp 2 --graphs --profile 20   # + rank 0's 20 costliest kernels per bs
     python3 bench/tp_decode.py --tp 2 --graphs --gaps 8       # + rank 0's GPU idle over --steps steps
+    python3 bench/tp_decode.py --tp 2 --graphs --sequence 80  # + rank 0's first 80 ops of a step
 
 The model: V3's config (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, qk_nope 128, rope 64,
 v 128, 256 routed experts top-8 in 8 groups (top 4) + 1 shared, moe_intermediate 2048, dense
@@ -153,10 +154,10 @@ def write_model(folder: Path, layers: int, arch: str = "v3") -> Path:
     return folder
 
 
-def step_kernels(llm: Any) -> list[tuple[str, float, float]]:
+def step_kernels(llm: Any) -> tuple[list[tuple[str, float, float]], list[tuple]]:
     """(name, GPU us, us it adds to the span) of every kernel one engine step runs on rank 0
-    (`decode.kernel_spans`): a step every rank replays, since a graph with collectives cannot
-    replay on one rank alone."""
+    (`decode.kernel_spans`), and its operations in order (`decode.kernel_sequence`): a step
+    every rank replays, since a graph with collectives cannot replay on one rank alone."""
     import decode
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -164,7 +165,7 @@ def step_kernels(llm: Any) -> list[tuple[str, float, float]]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.engine.step()
         torch.cuda.synchronize()
-    return decode.kernel_spans(prof)
+    return decode.kernel_spans(prof), decode.kernel_sequence(prof)
 
 
 def step_gaps(llm: Any, steps: int, top: int) -> dict[str, Any]:
@@ -260,7 +261,7 @@ def _time_batch_sizes(llm: Any, args: argparse.Namespace, bandwidth: float,
         decode.fake_prefill(llm, bs, args.context, new_tokens=new_tokens)
         steps = [decode.time_steady_steps(llm, args.steps) for _ in range(args.rounds)]
         after_sync = decode.time_steps(llm, SYNC_STEPS)
-        kernels = step_kernels(llm)
+        kernels, sequence = step_kernels(llm)
         gaps = step_gaps(llm, args.steps, args.gaps) if args.gaps else None
         decode.finish_all(llm)
         if gaps is not None:
@@ -273,6 +274,9 @@ def _time_batch_sizes(llm: Any, args: argparse.Namespace, bandwidth: float,
         if args.profile:
             print(f"rank 0, layers {args.layers}, bs {bs}: one step's kernels", flush=True)
             decode.print_kernel_table(kernels, args.layers, args.profile)
+        if args.sequence:
+            print(f"rank 0, layers {args.layers}, bs {bs}: one step in order", flush=True)
+            decode.print_kernel_sequence(sequence, args.sequence)
         rows.append(
             {
                 "bs": bs,
@@ -310,7 +314,8 @@ def child_run(args: argparse.Namespace, layers: int) -> dict[str, Any]:
                str(args.steps), "--rounds", str(args.rounds), "--batch-sizes",
                *map(str, args.batch_sizes if layers == args.layers else [1]),
                "--profile", str(args.profile if layers == args.layers else 0),
-               "--gaps", str(args.gaps if layers == args.layers else 0)]  # fmt: skip
+               "--gaps", str(args.gaps if layers == args.layers else 0),
+               "--sequence", str(args.sequence if layers == args.layers else 0)]  # fmt: skip
         if args.graphs:
             cmd.append("--graphs")
         subprocess.run(cmd, check=True)
@@ -341,6 +346,10 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true", help="graphed steps (needs graphs under TP)")
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="print rank 0's K costliest kernels of one step per batch size")  # fmt: skip
+    ap.add_argument("--sequence", type=int, default=0, metavar="K",
+                    help="print rank 0's first K operations of one step in order (start, "
+                         "duration, gap): a kernel's time in the step, which a chain of it alone "
+                         "can misstate")  # fmt: skip
     ap.add_argument("--gaps", type=int, default=0, metavar="K",
                     help="profile --steps steps on rank 0 per batch size: GPU idle, the K "
                          "largest gaps")  # fmt: skip

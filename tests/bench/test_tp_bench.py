@@ -168,3 +168,32 @@ def test_kernel_spans_count_what_each_kernel_adds_past_the_earlier_ends() -> Non
         event("host op", 0.0, 50.0, DeviceType.CPU),
     ])  # fmt: skip
     assert kernel_spans(trace) == [("a", 10.0, 0.0), ("b", 7.0, 2.0), ("c", 7.0, 8.0)]
+
+
+def test_kernel_sequence_orders_operations_and_their_gaps(capsys) -> None:
+    """`decode.kernel_sequence`: a trace's CUDA operations by start, copies included, each with
+    its start after the first, its duration and the gap to the latest end before it (negative
+    under a PDL overlap); the host's events are left out. `print_kernel_sequence` prints the
+    first K."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from bench.decode import kernel_sequence, print_kernel_sequence
+
+    def event(name, start, end, device=DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device,
+                               time_range=SimpleNamespace(start=start, end=end))  # fmt: skip
+
+    trace = SimpleNamespace(events=lambda: [
+        event("gemm", 20.0, 30.0), event("Memcpy HtoD", 10.0, 12.0), event("norm", 31.0, 33.0),
+        event("pdl_next", 32.0, 40.0), event("aten::mm", 0.0, 50.0, DeviceType.CPU),
+    ])  # fmt: skip
+    seq = kernel_sequence(trace)
+    assert [(s, d, g, n) for s, d, g, n in seq] == [
+        (0.0, 2.0, 0.0, "Memcpy HtoD"), (10.0, 10.0, 8.0, "gemm"), (21.0, 2.0, 1.0, "norm"),
+        (22.0, 8.0, -1.0, "pdl_next"),
+    ]  # fmt: skip
+    print_kernel_sequence(seq, 2)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and "gemm" in lines[2] and "norm" not in "".join(lines)
