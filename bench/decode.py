@@ -195,17 +195,23 @@ def kernel_spans(prof) -> list[tuple[str, float, float]]:
     return out
 
 
-def kernel_sequence(prof) -> list[tuple[float, float, float, str]]:
-    """(start us after the first, GPU us, gap us, name) of every CUDA operation of a
-    torch.profiler trace in start order, copies included: the gap is the start minus the latest
-    end before it (negative where a PDL launch overlaps its predecessor)."""
+def cuda_ops(prof) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every CUDA operation of a torch.profiler trace (kernels and
+    copies), in start order."""
     from torch.autograd import DeviceType
 
-    ops = sorted(
+    return sorted(
         (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
         if e.device_type == DeviceType.CUDA
     )
+
+
+def kernel_sequence(prof) -> list[tuple[float, float, float, str]]:
+    """(start us after the first, GPU us, gap us, name) of every `cuda_ops` operation in start
+    order: the gap is the start minus the latest end before it (negative where a PDL launch
+    overlaps its predecessor)."""
+    ops = cuda_ops(prof)
     out, first, last_end = [], ops[0][0] if ops else 0.0, None
     for start, end, name in ops:
         gap = 0.0 if last_end is None else start - last_end

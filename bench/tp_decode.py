@@ -175,8 +175,8 @@ def step_gaps(llm: Any, steps: int, top: int) -> dict[str, Any]:
     the median of each step's longest all-reduce kernel (its wait for the slowest rank in)."""
     import time
 
+    import decode
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
@@ -189,8 +189,7 @@ def step_gaps(llm: Any, steps: int, top: int) -> dict[str, Any]:
             engine.step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / steps * 1e3
-    ops = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                 if e.device_type == DeviceType.CUDA)  # fmt: skip
+    ops = decode.cuda_ops(prof)
     gaps, last_end, last_name = [], ops[0][1], ops[0][2]  # idle: nothing running (PDL overlaps)
     for start, end, name in ops[1:]:
         gaps.append((start - last_end, last_name, name))
