@@ -6,9 +6,9 @@ MLP they replace, against the layer's bytes floor.
     python3 bench/moe_decode.py --arch v3tp2 --weights fp8 --tokens 1 2 4 8 --sweep
 
 DeepSeek-V2-Lite's MoE layer (hidden 2048, 64 experts top-6 softmax, 2 shared, width 1408), or
-with `--arch v3tp2` one tensor-parallel rank's share of a DeepSeek-V3 layer at TP2 (hidden 7168,
-256 experts top-8 sigmoid in 8 groups, 1 shared, width 2048 / 2 = 1024: the shapes each rank's
-kernels see), random weights, bf16 and FP8 (block scales). `--layers` distinct layers are called in turn so
+with `--arch v3tpN` one tensor-parallel rank's share of a DeepSeek-V3 layer at TP N = 2, 4, 8
+(hidden 7168, 256 experts top-8 sigmoid in 8 groups, 1 shared, width 2048 / N: the shapes each
+rank's kernels see), random weights, bf16 and FP8 (block scales). `--layers` distinct layers are called in turn so
 that no expert stays in L2 between calls (one layer's experts are 1.1 GB in bf16). Each variant
 runs `--iters` calls captured in one CUDA graph, timed with CUDA events (median of 5 replays, `bench/fusions.py`'s timer):
 GPU time per layer call, routing included, launch overhead excluded, as in the decode graph.
@@ -63,7 +63,13 @@ V3_TP2 = {
     **{key: V3_WIDTH[key] for key in V3_MOE_KEYS},
     "moe_intermediate_size": V3_WIDTH["moe_intermediate_size"] // 2,
 }
-ARCHS = {"v2lite": V2LITE, "v3tp2": V3_TP2}
+ARCHS = {
+    "v2lite": V2LITE,
+    **{
+        f"v3tp{n}": {**V3_TP2, "moe_intermediate_size": V3_WIDTH["moe_intermediate_size"] // n}
+        for n in (2, 4, 8)
+    },
+}
 REPS = 5  # timed replays of each captured graph (median)
 # decode kernels: (block_n, num_warps, block_k) of (gate_up, down); FP8 takes a block_k over
 # 128 only with block_n dividing 128 (moe_decode's uniform scales)

@@ -9,6 +9,7 @@ weights from `--load-format dummy`, against its floor; and the 61-layer V3 TPOT 
     python3 bench/tp_decode.py --tp 2 --graphs --profile 20   # + rank 0's 20 costliest kernels per bs
     python3 bench/tp_decode.py --tp 2 --graphs --gaps 8       # + rank 0's GPU idle over --steps steps
     python3 bench/tp_decode.py --tp 2 --graphs --sequence 80  # + rank 0's first 80 ops of a step
+    python3 bench/tp_decode.py --tp 2 --graphs --rank-shapes-of 8  # a TP8 rank's step on 2 GPUs
 
 The model: V3's config (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, qk_nope 128, rope 64,
 v 128, 256 routed experts top-8 in 8 groups (top 4) + 1 shared, moe_intermediate 2048, dense
@@ -45,6 +46,13 @@ parts (embedding, LM head, sampling, the step's host work) = step_F - F p; V3 = 
 V3's 3 dense layers count as MoE layers: at bs 1 a dense MLP (3 x 7168 x 18432) reads the same
 bytes as the 8 routed + 1 shared experts a token uses (9 x 3 x 7168 x 2048). The floor is
 extrapolated the same way. A time model only: 61 layers at TP N < 8 do not fit in memory.
+
+Rank shapes of a larger TP (`--rank-shapes-of M`, M a multiple of `--tp`): the dimensions
+tensor parallelism splits (heads, the dense and expert intermediate sizes, the vocabulary) scaled
+by tp / M, so each of the `--tp` ranks holds the weights, bytes and kernels of a rank of TP M:
+TP M's per-rank step measured on fewer GPUs. What differs from TP M is the collectives: their
+count per step is TP M's, but each all-reduce spans `--tp` GPUs (issue 42's table: one-shot, bs
+1, 6.6 us on 2 H200s, 7.4 on 4), and the floor counts them at `--tp` GPUs' times likewise.
 
 CUDA graphs: the default measures eager steps, so the host's launch time is in them; `--graphs`
 measures graphed steps (every rank replays the same graph, its all-reduces inside), as served.
@@ -137,17 +145,39 @@ K2_WIDTH = {
     "rope_scaling": {**V3_WIDTH["rope_scaling"], "factor": 32, "beta_fast": 1.0},
 }
 WIDTHS = {"v3": V3_WIDTH, "k2": K2_WIDTH}
+# What tensor parallelism splits (model/layers: mla's heads, mlp's and the experts' intermediate
+# sizes, the vocab-parallel embedding and LM head); q_a / kv_a, the router and norms replicate.
+SPLIT_DIMS = ("num_attention_heads", "num_key_value_heads", "intermediate_size",
+              "moe_intermediate_size", "vocab_size")  # fmt: skip
 
 
 SYNC_STEPS = 16  # the "after sync" run: the steps of this bench's earlier rounds
 
 
-def write_model(folder: Path, layers: int, arch: str = "v3") -> Path:
-    """config.json (V3's or K2's width, `layers` layers) and the default model's tokenizer files."""
+def rank_shapes_of(config: dict, tp: int, of: int) -> dict:
+    """`config` with every dimension tensor parallelism splits (SPLIT_DIMS) scaled by tp / of:
+    served at TP `tp`, each rank then holds the weight shapes and bytes of a rank of TP `of`.
+    A proxy for `of` GPUs on `tp`: the same per-rank kernels, but `tp` GPUs' collectives."""
+    if of < tp or of % tp:
+        raise ValueError(f"rank shapes of TP {of} on TP {tp}: {of} must be a multiple of {tp}")
+    out = dict(config)
+    for key in SPLIT_DIMS:
+        if config[key] % of:
+            raise ValueError(f"{key} {config[key]} does not split over {of} ranks")
+        out[key] = config[key] // of * tp
+    return out
+
+
+def write_model(
+    folder: Path, layers: int, arch: str = "v3", shapes: tuple[int, int] | None = None
+) -> Path:
+    """config.json (V3's or K2's width, `layers` layers; with `shapes` = (tp, of), a rank of TP
+    `of`'s shapes at TP `tp`: `rank_shapes_of`) and the default model's tokenizer files."""
     from mlaserve.config import default_model_path
 
     folder.mkdir(parents=True, exist_ok=True)
     config = {**WIDTHS[arch], "num_hidden_layers": layers}
+    config = rank_shapes_of(config, *shapes) if shapes else config
     (folder / "config.json").write_text(json.dumps(config))
     for name in TOKENIZER_FILES:
         shutil.copy(default_model_path() / name, folder)
@@ -228,7 +258,8 @@ def run_depth(args: argparse.Namespace) -> dict[str, Any]:
     new_tokens = args.rounds * (args.steps + 4) + (SYNC_STEPS + 2) + 8
     new_tokens += args.steps + 2 if args.gaps else 0  # the profiled steps of --gaps
     with tempfile.TemporaryDirectory(prefix="tp-decode-v3-") as tmp:
-        folder = write_model(Path(tmp), args.layers, args.arch)
+        shapes = (args.tp, args.rank_shapes_of) if args.rank_shapes_of else None
+        folder = write_model(Path(tmp), args.layers, args.arch, shapes)
         try:
             llm = LLM(
                 str(folder),
@@ -309,7 +340,8 @@ def child_run(args: argparse.Namespace, layers: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tp-decode-out-") as tmp:
         out = Path(tmp) / "depth.json"
         cmd = [sys.executable, __file__, "--child", str(out), "--tp", str(args.tp),
-               "--layers", str(layers), "--arch", args.arch, "--context", str(args.context), "--steps",
+               "--layers", str(layers), "--arch", args.arch,
+               "--rank-shapes-of", str(args.rank_shapes_of), "--context", str(args.context), "--steps",
                str(args.steps), "--rounds", str(args.rounds), "--batch-sizes",
                *map(str, args.batch_sizes if layers == args.layers else [1]),
                "--profile", str(args.profile if layers == args.layers else 0),
@@ -352,6 +384,10 @@ def main() -> None:
     ap.add_argument("--gaps", type=int, default=0, metavar="K",
                     help="profile --steps steps on rank 0 per batch size: GPU idle, the K "
                          "largest gaps")  # fmt: skip
+    ap.add_argument("--rank-shapes-of", type=int, default=0, metavar="M",
+                    help="give each of the --tp ranks the weight shapes of a rank of TP M (heads, "
+                         "intermediate sizes, vocabulary scaled by tp / M): TP M's per-rank step "
+                         "on --tp GPUs, with --tp GPUs' all-reduces (0: off)")  # fmt: skip
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # internal: one depth's run
     args = ap.parse_args()
     if args.child:
@@ -359,6 +395,11 @@ def main() -> None:
         return
     if args.fit_layers and not 1 <= args.fit_layers < args.layers:
         raise SystemExit(f"--fit-layers {args.fit_layers}: must be in [1, --layers)")
+    if args.rank_shapes_of:
+        try:
+            rank_shapes_of(WIDTHS[args.arch], args.tp, args.rank_shapes_of)
+        except ValueError as exc:
+            raise SystemExit(f"--rank-shapes-of: {exc}") from exc
     import all_reduce
     import torch
 
@@ -378,7 +419,10 @@ def main() -> None:
             r["floor_ms"] = r["bytes_floor_ms"] + r["all_reduces"] * best / 1e3
             r["step_vs_floor"] = r["step_ms"] / r["floor_ms"]
     mode = "graphed" if deep["graphs"] else "eager (CUDA graphs under TP not in this tree)"
-    print(f"\ndevice: {args.tp} x {torch.cuda.get_device_name()}  V3 width, {args.layers} layers "
+    of = args.rank_shapes_of or args.tp
+    shapes = f", each rank a TP {of} rank's shapes" if args.rank_shapes_of else ""
+    print(f"\ndevice: {args.tp} x {torch.cuda.get_device_name()}  {args.arch.upper()} width{shapes}, "
+          f"{args.layers} layers "
           f"(1 dense), FP8 block weights (dummy), KV fp8, ctx {args.context}, steps {mode}, "
           f"backend {deep['backend']}, copy BW {deep['copy_bandwidth_tbs']:.2f} TB/s")  # fmt: skip
     print(f"{'bs':>4} {'step ms':>8} {'after sync':>10} {'bytes ms':>8} {'ARs':>4} {'AR us':>6} "
@@ -392,6 +436,7 @@ def main() -> None:
         "bench": "tp_decode",
         "device": torch.cuda.get_device_name(),
         "tp": args.tp,
+        "rank_shapes_of": of,
         "arch": args.arch,
         "steps": "graphed" if deep["graphs"] else "eager",
         "context": args.context,
@@ -401,7 +446,8 @@ def main() -> None:
     if shallow and 1 in args.batch_sizes:
         step, floor = extrapolate(deep, shallow, "step_ms"), extrapolate(deep, shallow, "floor_ms")
         summary["v3_61_layers_bs1"] = {"step": step, "floor": floor}
-        print(f"\n{args.arch.upper()}, 61 layers, TP {args.tp}, bs 1 (a time model: per layer from {args.layers} - "
+        proxy = f" (its rank shapes on {args.tp} GPUs)" if args.rank_shapes_of else ""
+        print(f"\n{args.arch.upper()}, 61 layers, TP {of}{proxy}, bs 1 (a time model: per layer from {args.layers} - "
               f"{args.fit_layers} layers, fixed = step_{args.fit_layers} - {args.fit_layers} x "
               f"per layer, V3 = fixed + 61 x per layer; dense layers counted as MoE ones):")  # fmt: skip
         print(f"  TPOT {step['v3_ms']:.2f} ms ({step['per_layer_ms']:.3f} ms/layer, fixed "

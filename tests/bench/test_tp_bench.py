@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from bench.all_reduce import implied_plan
-from bench.tp_decode import V3_LAYERS, count_all_reduces, extrapolate, write_model
+from bench.tp_decode import (
+    V3_LAYERS,
+    V3_WIDTH,
+    count_all_reduces,
+    extrapolate,
+    rank_shapes_of,
+    write_model,
+)
 from mlaserve.config import ModelConfig
 from mlaserve.custom_all_reduce import MEASURED_PLANS
 from mlaserve.tensor_parallel import TensorParallel
@@ -88,6 +95,37 @@ def test_the_k2_width_config_parses_as_kimi_k2_and_splits_over_8(tmp_path: Path)
         assert (tp.split(mc.num_attention_heads, "heads") * mc.v_head_dim) % 128 == 0  # o_proj
         assert tp.split(mc.moe_intermediate_size, "moe_intermediate") % 128 == 0
         assert mc.n_routed_experts % n == 0  # expert parallel takes whole experts
+
+
+@pytest.mark.parametrize(
+    ("arch", "tp", "of"), [("v3", 2, 4), ("v3", 2, 8), ("k2", 2, 8), ("v3", 1, 8)]
+)
+def test_rank_shapes_of_a_larger_tp_give_each_rank_that_tps_shapes(
+    tmp_path: Path, arch: str, tp: int, of: int
+) -> None:
+    """A rank of TP `tp` on the scaled config holds what a rank of TP `of` holds on the real one:
+    heads, dense and expert intermediate slices, vocabulary rows; replicated widths unchanged."""
+    real = ModelConfig.from_pretrained(write_model(tmp_path / "real", 8, arch))
+    scaled = ModelConfig.from_pretrained(write_model(tmp_path / "scaled", 8, arch, (tp, of)))
+    small, big = TensorParallel(0, tp), TensorParallel(0, of)
+    for name in ("num_attention_heads", "intermediate_size", "moe_intermediate_size", "vocab_size"):
+        assert small.split(getattr(scaled, name), name) == big.split(getattr(real, name), name)
+    for name in (
+        "hidden_size",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "n_routed_experts",
+        "num_experts_per_tok",
+    ):
+        assert getattr(scaled, name) == getattr(real, name)
+    assert scaled.quantization == real.quantization
+
+
+def test_rank_shapes_of_refuses_what_does_not_split() -> None:
+    with pytest.raises(ValueError, match="multiple of 2"):
+        rank_shapes_of(V3_WIDTH, 2, 3)
+    with pytest.raises(ValueError, match="num_attention_heads 128 does not split over 256"):
+        rank_shapes_of(V3_WIDTH, 2, 256)
 
 
 def test_tp_agreement_runs_each_variant_in_its_own_process_on_the_cpu() -> None:
