@@ -1,16 +1,16 @@
-"""Rank 0's cost of telling a tensor-parallel worker one decode step (`engine/step_broadcast.py`):
-the framed message (one gloo broadcast while the body fits the frame) against the header and
-body as two broadcasts (the wire format before the frame), over a real gloo group of 2
-processes on this machine.
+"""Rank 0's cost of telling its tensor-parallel workers one decode step
+(`engine/step_broadcast.py`): the frame through the shared-memory ring (`engine/host_ring.py`,
+the default on one node) against one gloo broadcast on the control group (several nodes, or
+`MLASERVE_STEP_RING=0`), over a real group of `--ranks` processes on this machine.
 
-    python3 bench/step_broadcast.py [--batch-sizes 1 8 64 256] [--steps 2000]
+    python3 bench/step_broadcast.py [--ranks 2 8] [--batch-sizes 1 8 64 256] [--steps 2000]
 
 Each batch size encodes a DECODE step of that many sequences (one token each, 16 pages a
 sequence, table rows owned) with `encode_step`; rank 0 sends it `--steps` times back to back
-and the worker receives and decodes each (`StepReceiver` for the frame; its two-broadcast twin
-here for the old format). Prints rank 0's microseconds a message (median of 3 rounds) and the
-body's length, then one JSON line. The control group is gloo on CPU tensors on a GPU host too:
-this is the host work the step message adds to rank 0's step, not a GPU figure.
+(`StepSender`) and every worker receives and decodes each (`StepReceiver`). Prints rank 0's
+microseconds a message (median of 3 rounds; back to back, so a message costs at least the
+slowest worker's receive and decode) and the body's length, then one JSON line. CPU tensors on
+a GPU host too: the host work the step message adds to rank 0's step, not a GPU figure.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -32,13 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.engine.forward_route import ForwardRoute, RoutePath
 from mlaserve.engine.input_buffers import HostBatch
-from mlaserve.engine.step_broadcast import (
-    HEADER_LEN,
-    StepReceiver,
-    StepSender,
-    decode_message,
-    encode_step,
-)
+from mlaserve.engine.step_broadcast import StepReceiver, StepSender, encode_step
+from mlaserve.engine.tp_worker import open_step_ring
 
 PAGES_PER_SEQ = 16
 
@@ -52,50 +46,31 @@ def decode_step(bs: int) -> tuple[HostBatch, ForwardRoute]:
     return host, ForwardRoute(RoutePath.UNIFORM, bs, graphed=True)
 
 
-def _two_broadcasts_send(group, header: torch.Tensor, body: torch.Tensor) -> None:
-    dist.broadcast(header, 0, group=group)
-    if body.numel():
-        dist.broadcast(body, 0, group=group)
-
-
-def _two_broadcasts_receive(group, header: torch.Tensor) -> None:
-    dist.broadcast(header, 0, group=group)
-    body = torch.empty(int(header[-1]), dtype=torch.int64)
-    if body.numel():
-        dist.broadcast(body, 0, group=group)
-    decode_message(header, body)
-
-
-def _rank(rank: int, port: int, sizes: list[int], steps: int, rounds: int, out: str) -> None:
+def _rank(rank: int, world: int, port: int, sizes: list[int], steps: int, rounds: int,
+          out: str) -> None:  # fmt: skip
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     group = dist.group.WORLD
+    ring = open_step_ring(rank, world, group, nnodes=1, device_type="cuda")  # spinning readers
     rows = []
     for bs in sizes:
         host, route = decode_step(bs)
         body = encode_step(host, route)[1]
-        for fmt in ("frame", "two"):
+        for channel in ("ring", "gloo"):
             times = []
             for _ in range(rounds):
                 dist.barrier()
                 t0 = time.perf_counter()
                 if rank == 0:
-                    sender = StepSender(group)
+                    sender = StepSender(group, ring if channel == "ring" else None)
                     for _ in range(steps):
-                        if fmt == "frame":
-                            sender.send_step(host, route)
-                        else:
-                            _two_broadcasts_send(group, *encode_step(host, route))
-                elif fmt == "frame":
-                    receiver = StepReceiver(group)
+                        sender.send_step(host, route)
+                else:
+                    receiver = StepReceiver(group, ring if channel == "ring" else None)
                     for _ in range(steps):
                         receiver.receive()
-                else:
-                    buf = torch.empty(HEADER_LEN, dtype=torch.int64)
-                    for _ in range(steps):
-                        _two_broadcasts_receive(group, buf)
                 times.append((time.perf_counter() - t0) / steps * 1e6)
-            rows.append({"bs": bs, "format": fmt, "body": body.numel(),
+            rows.append({"bs": bs, "channel": channel, "body": body.numel(),
                          "us": statistics.median(times)})  # fmt: skip
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
@@ -104,21 +79,26 @@ def _rank(rank: int, port: int, sizes: list[int], steps: int, rounds: int, out: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2], help="group sizes (processes)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--port", type=int, default=29561)
     args = ap.parse_args()
-    out = Path(f"/tmp/step_broadcast_{os.getpid()}.json")
-    mp.spawn(_rank, args=(args.port, args.batch_sizes, args.steps, args.rounds, str(out)),
-             nprocs=2)  # fmt: skip
-    rows = json.loads(out.read_text())
-    out.unlink()
-    by = {(r["bs"], r["format"]): r for r in rows}
-    print(f"{'bs':>5} {'body':>6} {'frame us':>9} {'two us':>8} {'frame/two':>9}")
-    for bs in args.batch_sizes:
-        f, t = by[(bs, "frame")], by[(bs, "two")]
-        print(f"{bs:>5} {f['body']:>6} {f['us']:>9.1f} {t['us']:>8.1f} {f['us'] / t['us']:>9.2f}")
+    rows = []
+    for world in args.ranks:
+        out = Path(f"/tmp/step_broadcast_{os.getpid()}.json")
+        mp.spawn(_rank, args=(world, args.port + world, args.batch_sizes, args.steps,
+                              args.rounds, str(out)), nprocs=world)  # fmt: skip
+        rows += [{"ranks": world, **r} for r in json.loads(out.read_text())]
+        out.unlink()
+    by = {(r["ranks"], r["bs"], r["channel"]): r for r in rows}
+    print(f"{'ranks':>5} {'bs':>5} {'body':>6} {'ring us':>8} {'gloo us':>8} {'ring/gloo':>9}")
+    for world in args.ranks:
+        for bs in args.batch_sizes:
+            r, g = by[(world, bs, "ring")], by[(world, bs, "gloo")]
+            print(f"{world:>5} {bs:>5} {r['body']:>6} {r['us']:>8.1f} {g['us']:>8.1f} "
+                  f"{r['us'] / g['us']:>9.2f}")  # fmt: skip
     print(json.dumps({"bench": "step_broadcast", "steps": args.steps, "rows": rows}))
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "pdl",
     "prefix_split",
     "shared_overlap",
+    "step_ring",
     "tp_fp32_reduce",
 ]
 
@@ -141,6 +142,15 @@ SWITCHES: tuple[Switch, ...] = (
         "under tensor parallelism the row-parallel and MoE partial sums are all-reduced in fp32 "
         "and rounded once; 0: each rank rounds its partial to the model dtype first",
         "tensor_parallel.py",
+    ),
+    Switch(
+        "MLASERVE_STEP_RING",
+        "bool",
+        "on (one node)",
+        "rank 0's step messages reach its node's tensor-parallel ranks through a shared-memory "
+        "ring (`engine/host_ring.py`); 0: broadcasts on the gloo control group (read on rank 0 "
+        "when the group starts)",
+        "engine/tp_worker.py",
     ),
     Switch(
         "MLASERVE_MLA_DECODE_ROWS",
@@ -298,6 +308,11 @@ def shared_overlap() -> bool:
 def tp_fp32_reduce() -> bool:
     """`MLASERVE_TP_FP32_REDUCE`: tensor-parallel partial sums all-reduced in fp32."""
     return _bool("MLASERVE_TP_FP32_REDUCE")
+
+
+def step_ring() -> bool:
+    """`MLASERVE_STEP_RING`: one node's step messages through a shared-memory ring."""
+    return _bool("MLASERVE_STEP_RING")
 
 
 def mla_decode_rows(default: int) -> int:

@@ -48,6 +48,7 @@ BOOL_READERS = {
     "MLASERVE_BACKGROUND_WARM_UP": switches.background_warm_up,
     "MLASERVE_COMPILE_PROCESSES": switches.compile_processes,
     "MLASERVE_TP_FP32_REDUCE": switches.tp_fp32_reduce,
+    "MLASERVE_STEP_RING": switches.step_ring,
     "MLASERVE_ALL_REDUCE_NORM": switches.all_reduce_norm,
 }
 

@@ -1,5 +1,7 @@
-"""What rank 0 tells the other tensor-parallel ranks, in order: small int64 messages on the
-control group (gloo, CPU tensors; `engine/tp_workers.py` makes it), never a pickled request.
+"""What rank 0 tells the other tensor-parallel ranks, in order: small int64 messages, never a
+pickled request. On one node a message's frame goes through a shared-memory ring
+(`engine/host_ring.py`, one copy for rank 0); across nodes, or with `MLASERVE_STEP_RING=0`, it
+is a broadcast on the control group (gloo, CPU tensors; `engine/tp_worker.py` makes both).
 
 Rank 0 owns the scheduler, sampling and acceptance; the other ranks run the same device work on
 the same inputs, in the same order, so that their collectives meet. A message is a header and a
@@ -7,11 +9,11 @@ body:
 
     header  int64 [HEADER_LEN]: op, then the op's fields (below), ..., body length (last)
 
-and travels as one broadcast of a fixed frame, int64 [FRAME_LEN] = the header, then the body's
-first INLINE_LEN values (zero-padded); only a longer body sends the rest in a second broadcast.
-A decode step's body is 7 values a sequence plus its pages (16 at 1024 tokens of 64-token
-pages): up to ~90 such sequences fit, and such a step costs the control group one broadcast, not
-two (gloo's cost per broadcast is mostly its latency; `bench/step_broadcast.py` measures it).
+and travels as one fixed frame, int64 [FRAME_LEN] = the header, then the body's first
+INLINE_LEN values (zero-padded), through the ring (or one broadcast); only a longer body sends
+the rest in a broadcast on the control group after it. A decode step's body is 7 values a
+sequence plus its pages (16 at 1024 tokens of 64-token pages): up to ~90 such sequences fit in
+the frame (`bench/step_broadcast.py` measures a message both ways).
 
     STEP          a target forward: mode, T, S, L, P, has_table_rows, logits_hidden_only,
                   route path, route size, route graphed, future_identity (-1: no future ids),
@@ -52,7 +54,7 @@ every step and rewrites those rows): O(batch x pages) int64 per step, small next
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +64,7 @@ import torch.distributed as dist
 
 from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.engine.forward_route import ForwardRoute, RoutePath
+from mlaserve.engine.host_ring import HostRing
 from mlaserve.engine.input_buffers import HostBatch
 
 __all__ = [
@@ -313,16 +316,27 @@ def _decode_step(f: list[int], flat: np.ndarray) -> StepMsg:
 
 class StepSender:
     """Rank 0's end: each message before its device work, `stop` once at shutdown. `group`: the
-    control group (gloo); rank 0 is the source."""
+    control group (gloo); rank 0 is the source. `ring`: this node's frame ring (the writer's
+    end), None: frames broadcast on `group`; `alive`, `timeout_s`: how long the ring's writer
+    waits for a reader a full ring behind (`HostRing.write`)."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, ring: HostRing | None = None,
+                 alive: Callable[[], bool] | None = None, timeout_s: float = 300.0) -> None:  # fmt: skip
         self.group = group
-        self.num_sent = 0  # messages broadcast (the engine tells a desynchronised group by it)
+        self.ring = ring
+        self._alive, self._timeout_s = alive, timeout_s
+        self.num_sent = 0  # messages sent (the engine tells a desynchronised group by it)
+
+    def _frame(self, frame: torch.Tensor) -> None:
+        if self.ring is None:
+            dist.broadcast(frame, 0, group=self.group)
+        else:
+            self.ring.write(frame.numpy(), self._timeout_s, self._alive)
 
     def _send(self, header: torch.Tensor, body: torch.Tensor) -> None:
         self.num_sent += 1
         frame, rest = frame_message(header, body)
-        dist.broadcast(frame, 0, group=self.group)
+        self._frame(frame)
         if rest.numel():  # only a body past the frame (the receiver reads its length first)
             dist.broadcast(rest.contiguous(), 0, group=self.group)
 
@@ -343,19 +357,23 @@ class StepSender:
         self._send(*encode(msg))
 
     def stop(self) -> None:
-        frame, _ = frame_message(_header(OP_STOP, [], 0), torch.zeros(0, dtype=torch.int64))
-        dist.broadcast(frame, 0, group=self.group)
+        self._frame(frame_message(_header(OP_STOP, [], 0), torch.zeros(0, dtype=torch.int64))[0])
 
 
 class StepReceiver:
-    """A worker's end: `receive` blocks until rank 0's next message, or its stop (None)."""
+    """A worker's end: `receive` blocks until rank 0's next message, or its stop (None).
+    `ring`: this worker's reader end of the node's frame ring (None: frames from `group`)."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, ring: HostRing | None = None) -> None:
         self.group = group
+        self.ring = ring
         self._frame = torch.empty(FRAME_LEN, dtype=torch.int64)
 
     def receive(self) -> Message | None:
-        dist.broadcast(self._frame, 0, group=self.group)
+        if self.ring is None:
+            dist.broadcast(self._frame, 0, group=self.group)
+        else:
+            self.ring.read(self._frame.numpy())
         if int(self._frame[0]) == OP_STOP:
             return None
         rest = None

@@ -22,14 +22,15 @@ capture plan (batch sizes, shapes, prefill buckets) comes first, and a worker wh
 differs raises instead of capturing (`Follower.follow`); each replay names its graph, and a
 worker without that graph raises (`CudaGraphRunner.execute`).
 
-Failures: anything raised here is sent to the parent over `conn` (its traceback: rank 0 on node
-0, the launcher elsewhere, which logs it) and the process exits 1; rank 0's next collective then fails (the peer's sockets closed) and it raises the engine
-dead, with that traceback. The control group waits for the next step without a deadline (an idle
-engine is not a failure); if rank 0 dies, its sockets close and the wait raises here, and a
-thread that watches the parent (rank 0, or the node's launcher) exits the process even where it
-sits in a collective (`engine/tp_watchdog.py`), so a worker never outlives its engine. The model group's eager
-collectives have `timeout_s` (collectives replayed from a CUDA graph are not watched by torch's
-NCCL watchdog).
+Failures: anything raised here is sent to the parent over `conn` (its traceback: rank 0 on node 0,
+the launcher elsewhere, which logs it) and the process exits 1; rank 0's next collective then fails
+(the peer's sockets closed) and it raises the engine dead, with that traceback. A worker waits for
+the next step without a deadline (an idle engine is not a failure), on the node's step ring
+(`open_step_ring`) or the control group; if rank 0 dies, a gloo wait raises here as its sockets
+close, and a thread that watches the parent (rank 0, or the node's launcher) exits the process even
+where it sits in a collective (`engine/tp_watchdog.py`), so a worker never outlives its engine. The
+model group's eager collectives have `timeout_s` (collectives replayed from a CUDA graph are not
+watched by torch's NCCL watchdog).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
+from mlaserve.engine.host_ring import HostRing
+
 # NVLink multicast stays off in every process of the group (the lent machines require it).
 MULTICAST_OFF = {
     "NCCL_NVLS_ENABLE": "0",
@@ -51,10 +54,23 @@ MULTICAST_OFF = {
 # A worker waits this long for rank 0's next step (idle engines are fine; a dead rank 0 closes
 # the sockets, which ends the wait at once).
 IDLE_WAIT = timedelta(days=365)
+# The step ring: rank 0 runs at most a step or two ahead of its workers (its host waits for each
+# step's result), so 8 frames never fill; a CUDA worker spins this long for the next frame
+# before it polls (a served step's message comes well within it).
+STEP_RING_SLOTS = 8
+STEP_RING_SPIN_S = 0.05
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["IDLE_WAIT", "MULTICAST_OFF", "Follower", "init_groups", "worker_main"]
+__all__ = [
+    "IDLE_WAIT",
+    "MULTICAST_OFF",
+    "STEP_RING_SLOTS",
+    "Follower",
+    "init_groups",
+    "open_step_ring",
+    "worker_main",
+]
 
 
 def init_groups(
@@ -83,6 +99,37 @@ def init_groups(
         backend="gloo", timeout=IDLE_WAIT if idle else timedelta(seconds=timeout_s)
     )
     return tp, control, joined.store
+
+
+def open_step_ring(
+    rank: int, size: int, control: Any, *, nnodes: int, device_type: str
+) -> HostRing | None:
+    """This node's ring for rank 0's step frames (`engine/host_ring.py`): the writer's end on
+    rank 0, reader rank - 1's on a worker; None where frames go on the control group (several
+    nodes, or `MLASERVE_STEP_RING=0` on rank 0, which decides for every rank). Every rank calls
+    this right after `init_groups`. Rank 0 unlinks the file once every worker has attached."""
+    import torch.distributed as dist
+
+    from mlaserve import switches
+    from mlaserve.engine.step_broadcast import FRAME_LEN
+
+    ring, path = None, [None]
+    if rank == 0 and nnodes == 1 and switches.step_ring():
+        ring = HostRing.create(size - 1, STEP_RING_SLOTS, FRAME_LEN)
+        path = [ring.path]
+    try:
+        dist.broadcast_object_list(path, 0, group=control)
+        if rank and path[0] is not None:
+            spin = STEP_RING_SPIN_S if device_type == "cuda" else 0.0  # CPU: cores are shared
+            ring = HostRing.attach(path[0], rank - 1, size - 1, STEP_RING_SLOTS, FRAME_LEN, spin)
+        dist.barrier(group=control)
+    finally:
+        if rank == 0 and ring is not None:
+            ring.unlink()
+    if rank == 0 and ring is not None:
+        logger.info("tensor parallel: step messages through a shared-memory ring (%d slots)",
+                    STEP_RING_SLOTS)  # fmt: skip
+    return ring
 
 
 def worker_main(
@@ -119,12 +166,14 @@ def worker_main(
             rank, size, device_type=device.type, rendezvous=rendezvous,
             timeout_s=timeout_s, idle=True,
         )  # fmt: skip
+        ring = open_step_ring(rank, size, control, nnodes=rendezvous.nnodes,
+                              device_type=device.type)  # fmt: skip
         model_config = ModelConfig.from_pretrained(config.model_path)
         runner = ModelRunner(config, model_config, tp=tp, control_group=control)
         spec = config.speculative
         drafter = MTPDrafter(runner, spec.k) if spec is not None else None
         follower = Follower(runner, drafter)  # its graph runner: rank 0's GRAPHS message
-        receiver = StepReceiver(control)
+        receiver = StepReceiver(control, ring)
         while (msg := receiver.receive()) is not None:
             follower.follow(msg)
         follower.release()  # before the group is left: captured collectives hang its teardown

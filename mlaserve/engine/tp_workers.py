@@ -55,7 +55,7 @@ from mlaserve.engine.step_broadcast import StepSender
 from mlaserve.engine.tp_heartbeat import watch_heartbeats
 from mlaserve.engine.tp_rendezvous import Rendezvous
 from mlaserve.engine.tp_watchdog import GroupLoss, StepWatch, watch_workers
-from mlaserve.engine.tp_worker import MULTICAST_OFF, init_groups, worker_main
+from mlaserve.engine.tp_worker import MULTICAST_OFF, init_groups, open_step_ring, worker_main
 from mlaserve.startup_times import StartupTimes
 from mlaserve.tensor_parallel import TensorParallel, leave_process_group
 
@@ -144,6 +144,8 @@ class TPWorkers:
                 0, size, device_type=device_type, rendezvous=rendezvous,
                 timeout_s=timeout_s, idle=False,
             )  # fmt: skip
+            ring = open_step_ring(0, size, control, nnodes=rendezvous.nnodes,
+                                  device_type=device_type)  # fmt: skip
             if store is not None:
                 state.store = store  # the other nodes' ranks and launchers hold it open
                 watch_heartbeats(
@@ -152,7 +154,8 @@ class TPWorkers:
         except BaseException:
             _stop(state, graceful=False)
             raise
-        state.sender = StepSender(control)
+        loss = state.loss  # not `state`: the sender must not hold what holds it
+        state.sender = StepSender(control, ring, lambda: not loss.is_set(), timeout_s)
         watch_workers(state.procs, state.watch, state.released.is_set, loss=state.loss)
         return cls(state, tp, control)
 

@@ -143,3 +143,65 @@ def test_a_frame_without_its_rest_is_refused() -> None:
     assert rest.numel() == 1
     with pytest.raises(ValueError, match="header says"):
         decode_message(*unframe_message(frame))
+
+
+STEP_TOKENS = (5, 3 * INLINE_LEN, 1, INLINE_LEN)  # in the frame, with a rest, ...
+
+
+def _group_rank(rank: int, world: int, port: int, ring_on: str, out: str) -> None:
+    """One rank of a gloo group on the CPU: rank 0 sends STEP_TOKENS' steps and a stop through
+    `open_step_ring`'s channel; a worker writes what it received to `out`.rank."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from mlaserve.engine.step_broadcast import StepReceiver, StepSender
+    from mlaserve.engine.tp_worker import open_step_ring
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MLASERVE_STEP_RING=ring_on)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    group = dist.group.WORLD
+    ring = open_step_ring(rank, world, group, nnodes=1, device_type="cpu")
+    if rank == 0:
+        sender = StepSender(group, ring)
+        for tokens in STEP_TOKENS:
+            host = HostBatch(
+                ForwardMode.EXTEND, np.arange(tokens, dtype=np.int64) + rank, list(range(tokens)),
+                list(range(100, 100 + tokens)), [tokens], [tokens], [[3, 4]], [tokens - 1],
+            )  # fmt: skip
+            sender.send_step(host, EAGER)
+        sender.stop()
+        got = {"ring": ring is not None, "sent": sender.num_sent}
+    else:
+        receiver = StepReceiver(group, ring)
+        steps = []
+        while (msg := receiver.receive()) is not None:
+            steps.append([msg.host.input_ids.tolist(), msg.host.slot_mapping.tolist()])
+        got = {"ring": ring is not None, "steps": steps}
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(got, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ring_on", ["1", "0"])
+def test_every_worker_receives_every_step_in_order_through_the_ring_or_gloo(
+    tmp_path, ring_on: str
+) -> None:
+    """Three ranks on the CPU: with the ring (the default) and without, each worker receives
+    rank 0's steps whole and in order, bodies past the frame included, then the stop; the ring's
+    file is gone once the group has met."""
+    import glob
+    import json
+
+    import torch.multiprocessing as mp
+
+    before = set(glob.glob("/dev/shm/mlaserve-step-ring-*"))
+    out = str(tmp_path / "got")
+    mp.spawn(_group_rank, args=(3, 29671 + int(ring_on), ring_on, out), nprocs=3)
+    got = [json.loads((tmp_path / f"got.{r}").read_text()) for r in range(3)]
+    assert [g["ring"] for g in got] == [ring_on == "1"] * 3
+    assert got[0]["sent"] == len(STEP_TOKENS)
+    want = [[list(range(t)), list(range(100, 100 + t))] for t in STEP_TOKENS]
+    assert got[1]["steps"] == want and got[2]["steps"] == want
+    assert set(glob.glob("/dev/shm/mlaserve-step-ring-*")) <= before
