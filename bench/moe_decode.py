@@ -135,6 +135,8 @@ GROUPED_TILES = [
     ((64, 128), 4, 4, 64, 64),
     ((128, 64), 4, 4, 64, 64),
 ]
+# the grouped kernels' default tiles with the gate / up GEMM's K split 1..8 ways (`gate_up_split`)
+SPLITS = (1, 2, 4, 7, 8)
 DECODE_TIMED_MAX = 32
 # (decode_max_tokens, grouped_max_tokens) of each variant
 MODES = {"unfused": (0, 0), "decode": (1 << 20, 0), "grouped": (0, 1 << 20)}
@@ -218,10 +220,13 @@ def bench_weights(
         tiles = [("decode", *t) for t in TILES + long_k]
         tiles = tiles if tokens <= DECODE_TIMED_MAX else []
         tiles += [("grouped", *t) for t in GROUPED_TILES]
+        tiles += [("split", k) for k in SPLITS if config.hidden_size % (128 * k) == 0]
         for tile in tiles:
 
             def run(j, tile=tile, xs=xs, routed=routed):
                 w, ids = routed[j]
+                if tile[0] == "split":  # the default tiles, the gate / up GEMM split k ways
+                    return moe_grouped(xs[j], w, ids, layers[j].decode_weights, split=tile[1])
                 if tile[0] == "decode":
                     _, block_n, warps, block_k = tile
                     return moe_decode(

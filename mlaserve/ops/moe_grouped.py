@@ -66,9 +66,11 @@ from mlaserve.ops.moe_weights import (
     scale_args,
 )
 from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
+from mlaserve.ops.triton_support import num_sms
 
 __all__ = [
     "MAX_PAIRS",
+    "gate_up_split",
     "moe_grouped",
     "moe_grouped_block_m",
     "moe_grouped_warm_up_tasks",
@@ -142,11 +144,11 @@ def _block_rows(
 @triton.jit
 def _gate_up_kernel(
     x_ptr, slot_pairs_ptr, padded_end_ptr, counts_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, h_ptr,
-    s_e_stride, s_r_stride, ss_r_stride,
+    ws_ptr, cnt_ptr, s_e_stride, s_r_stride, ss_r_stride, num_slots,
     H: tl.constexpr, INTER: tl.constexpr, SLOTS: tl.constexpr, E: tl.constexpr,
     S: tl.constexpr, E_PAD: tl.constexpr, ROW_DIV: tl.constexpr, SHARED_ROW_DIV: tl.constexpr,
     HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    SPLIT: tl.constexpr, K_PER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(PDL)
     e32, pairs, ok, live = _block_rows(slot_pairs_ptr, padded_end_ptr, counts_ptr, E_PAD, BLOCK_M)
@@ -162,7 +164,10 @@ def _gate_up_kernel(
         )  # fmt: skip
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
+        # this split's whole scale blocks; 0 unsplit (a constant: the loop compiles as before)
+        k_lo = tl.program_id(2) * K_PER if SPLIT > 1 else 0
+        for k in range(0, K_PER, BLOCK_K):  # constant bounds: pipelined as before the split
+            k0 = k_lo + k
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < H
             a = tl.load(
@@ -183,12 +188,37 @@ def _gate_up_kernel(
             else:
                 acc_g += tl.dot(a, wg)
                 acc_u += tl.dot(a, wu)
-        dtype = h_ptr.dtype.element_ty
-        g = acc_g.to(dtype).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-        out = act * acc_u.to(dtype).to(tl.float32)
-        h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * INTER + offs_n[None, :]
-        tl.store(h_ptrs, out.to(dtype), mask=ok[:, None] & mask_n[None, :])
+        m = ok[:, None] & mask_n[None, :]
+        if SPLIT == 1:
+            _silu_mul_store(acc_g, acc_u, h_ptr, pairs, offs_n, m, INTER)
+        else:  # park the partial sums; the tile's last split to arrive adds them up in order
+            slots = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+            rows = (slots[:, None] * 2 * INTER + offs_n[None, :]).to(tl.int64)
+            part = ws_ptr + tl.program_id(2).to(tl.int64) * num_slots * 2 * INTER + rows
+            tl.store(part, acc_g, mask=m)
+            tl.store(part + INTER, acc_u, mask=m)
+            tl.debug_barrier()  # every thread's partial stored before the release below
+            tile = cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+                acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for sp in tl.static_range(SPLIT):
+                    part = ws_ptr + sp * num_slots * 2 * INTER + rows
+                    acc_g += tl.load(part, mask=m, other=0.0, cache_modifier=".cg")
+                    acc_u += tl.load(part + INTER, mask=m, other=0.0, cache_modifier=".cg")
+                _silu_mul_store(acc_g, acc_u, h_ptr, pairs, offs_n, m, INTER)
+                tl.atomic_xchg(tile, 0)  # the counter is zero again for the next call
+
+
+@triton.jit
+def _silu_mul_store(acc_g, acc_u, h_ptr, pairs, offs_n, m, INTER: tl.constexpr):
+    """h[pairs, offs_n] = SiLU(gate) * up, each rounded to h's dtype as the torch MLP rounds."""
+    dtype = h_ptr.dtype.element_ty
+    g = acc_g.to(dtype).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    out = act * acc_u.to(dtype).to(tl.float32)
+    h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * INTER + offs_n[None, :]
+    tl.store(h_ptrs, out.to(dtype), mask=m)
 
 
 @triton.jit
@@ -254,6 +284,43 @@ def moe_grouped_block_m(num_pairs: int, num_experts: int) -> int:
     return 16 if per_expert <= 24 else (32 if per_expert <= 48 else 64)
 
 
+# The gate / up GEMM's K split: a rank's narrow experts (V3's at TP4 / TP8: 512 / 256 wide) give
+# a few-token batch too few (block, column) tiles to fill the SMs, each walking all of H.
+SPLIT_PROGRAMS_PER_SM = 4  # split until the grid holds about this many programs per SM
+MAX_SPLIT = 8
+MIN_SPLIT_K = 1024  # keys per split at least (8 scale blocks): shorter ones add more than they read
+_COUNTERS_LEN = 1 << 13  # int32 arrival counters per device: > SPLIT_PROGRAMS_PER_SM x SMs
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def gate_up_split(tiles: int, hidden: int, num_sms: int) -> int:
+    """K splits of the gate / up GEMM for a grid of `tiles` (blocks x column tiles, the blocks
+    counted at `max_expert_blocks`' bound): 1 once the tiles fill SPLIT_PROGRAMS_PER_SM
+    programs an SM, else as many as bring the grid there, at most MAX_SPLIT and with splits of
+    at least MIN_SPLIT_K keys, lowered until it divides H's 128-wide blocks (so every split
+    walks the same whole blocks; an H off that grid never splits). Host ints only: the grid is
+    fixed per captured graph."""
+    if hidden % 128:
+        return 1
+    split = max(1, min(-(-SPLIT_PROGRAMS_PER_SM * num_sms // max(tiles, 1)), MAX_SPLIT,
+                       hidden // MIN_SPLIT_K))  # fmt: skip
+    while (hidden // 128) % split:  # every split the same whole scale blocks
+        split -= 1
+    return split
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """This device's arrival counters (zero between calls: each tile's last split resets its
+    own). Shared by every call on the device, so split calls must not run concurrently on two
+    streams of one device (the engine runs its forwards on one stream)."""
+    if tiles > _COUNTERS_LEN:  # gate_up_split splits only grids below a few programs an SM
+        raise ValueError(f"moe_grouped: {tiles} split tiles > {_COUNTERS_LEN} counters")
+    cnt = _counters.get(device)
+    if cnt is None:
+        cnt = _counters[device] = torch.zeros(_COUNTERS_LEN, dtype=torch.int32, device=device)
+    return cnt
+
+
 def _num_pairs_bucket(num_pairs: int) -> int:
     return max(16, triton.next_power_of_2(num_pairs))
 
@@ -275,6 +342,7 @@ def moe_grouped(
     block_k: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
+    split: int | None = None,
     combine: bool = True,
 ) -> torch.Tensor | MoePartials:
     """x [T, H], topk_weights [T, K] fp32, topk_ids [T, K] int64 -> y [T, H] (x's dtype).
@@ -282,8 +350,8 @@ def moe_grouped(
     `block_k` the K step (with FP8 it must divide 128), `num_stages` the pipeline depth; by
     default the tiles `bench/moe_decode.py --sweep` measured best (V2-Lite layer, 8-256
     tokens; bench/RESULTS.md): FP8 (64, 128) x 128, 3 stages; bf16 (64, 64) x 128 in 4 stages
-    up to 128 tokens, x 64 in 3 beyond. `combine=False` returns the per-slot partials uncombined
-    (`MoePartials`)."""
+    up to 128 tokens, x 64 in 3 beyond. `split` overrides `gate_up_split` (the gate / up
+    GEMM's K split). `combine=False` returns the per-slot partials uncombined (`MoePartials`)."""
     num_tokens, top_k = topk_ids.shape
     hidden, inter, shared = weights.hidden, weights.inter, weights.num_shared
     if x.shape != (num_tokens, hidden) or not x.is_contiguous():
@@ -327,12 +395,25 @@ def moe_grouped(
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     s13, s13_e, s13_r = scale_args(weights.w13_scale, weights.w13)
     ss13, _, ss13_r = scale_args(weights.shared_w13_scale, s13)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n[0]))](
+    n_tiles = triton.cdiv(inter, block_n[0])
+    if split is None:
+        split = gate_up_split(num_blocks * n_tiles, hidden, num_sms(x.device))
+    if split > 1 and hidden % (128 * split):
+        raise ValueError(
+            f"moe_grouped: split {split} does not divide H {hidden} in 128-wide blocks"
+        )
+    k_per = hidden // split
+    if split > 1:  # fp32 partials of the live rows, and the per-tile arrival counters
+        ws = torch.empty(split, num_blocks * bm, 2 * inter, dtype=torch.float32, device=x.device)
+        cnt = _split_counters(x.device, num_blocks * n_tiles)
+    else:
+        ws = cnt = h  # unused
+    _gate_up_kernel[(num_blocks, n_tiles, split)](
         x, slot_pairs, padded_end, counts, weights.w13, s13, weights.shared_w13, ss13, h,
-        s13_e, s13_r, ss13_r,
+        ws, cnt, s13_e, s13_r, ss13_r, num_blocks * bm,
         H=hidden, INTER=inter, SLOTS=slots, E=num_experts, S=shared, E_PAD=e_pad,
         ROW_DIV=weights.row_div, SHARED_ROW_DIV=weights.shared_row_div, HAS_SCALE=has_scale,
-        BLOCK_M=bm, BLOCK_N=block_n[0], BLOCK_K=block_k,
+        BLOCK_M=bm, BLOCK_N=block_n[0], BLOCK_K=block_k, SPLIT=split, K_PER=k_per,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )  # fmt: skip
     s2, s2_e, s2_r = scale_args(weights.w2_scale, weights.w2)

@@ -11,7 +11,9 @@ import functools
 import importlib.util
 import os
 
-__all__ = ["interpreting", "triton_available"]
+__all__ = ["INTERPRETER_SMS", "interpreting", "num_sms", "triton_available"]
+
+INTERPRETER_SMS = 132  # what a grid rule sees off the GPU: an H100's count, as a GPU would split
 
 
 @functools.cache
@@ -24,3 +26,13 @@ def interpreting() -> bool:
     GPU compiler takes (a `range` over a runtime bound, libdevice calls) need another spelling.
     Read at each call: the tests set it before the first kernel runs."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def num_sms(device: object) -> int:
+    """Streaming multiprocessors of `device` (a torch.device); INTERPRETER_SMS off CUDA."""
+    if getattr(device, "type", None) != "cuda":
+        return INTERPRETER_SMS
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -165,3 +165,70 @@ def test_warm_up_tasks_cover_every_variant_once_grouped_by_the_gemms(monkeypatch
     assert len({key(t) for t in ran}) == len(ran)  # one batch per variant
     assert [len({gemms(t) for t in batch}) for batch in per_task] == [1] * len(tasks)
     assert len({gemms(batch[0]) for batch in per_task}) == len(tasks) > 1
+
+
+SPLIT_CASES = [
+    cpu_case(7, "default", False, 2),
+    cpu_case(9, "default", True, 2),
+    gpu_case(8, "v3_slice", True, 4),
+    gpu_case(8, "v3_slice", True, 7),
+    gpu_case(33, "v3_slice", True, 2),
+    gpu_case(8, "v2lite", False, 2),
+]
+
+
+@pytest.mark.parametrize("num_tokens,shape_name,fp8,split,device", SPLIT_CASES)
+def test_a_k_split_gate_up_matches_the_reference_and_the_unsplit_kernel(
+    num_tokens, shape_name, fp8, split, device
+):
+    """The gate / up GEMM split over K (each tile's last split to arrive sums the partials in
+    split order): within the reference's tolerance, within fp32 summation order of the unsplit
+    kernel, bitwise the same on a second call, and the arrival counters back at zero."""
+    from mlaserve.ops import moe_grouped as mg
+
+    shape = SHAPES[shape_name]
+    num_e, top_k, num_s, hidden, _ = shape
+    dtype = model_dtype(device)
+    gen = torch.Generator(device=device).manual_seed(num_tokens * 7 + split)
+    kernel, ref, scales = make_weights(shape, fp8, dtype, device, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen, device=device).to(dtype)
+    ids = _routing("random", num_tokens, num_e, top_k, gen, device)
+    weights = torch.rand(num_tokens, top_k, generator=gen, device=device) + 0.1
+    poison_unused(kernel, scales, ids, num_e, fp8)
+    layer = layer_weights(kernel, scales)
+    bm = 16 if device == "cpu" else None
+    got = mg.moe_grouped(x, weights, ids, layer, block_m=bm, split=split)
+    assert_close_to_reference(got, reference(x, weights, ids, ref, num_s))
+    assert torch.equal(got, mg.moe_grouped(x, weights, ids, layer, block_m=bm, split=split))
+    unsplit = mg.moe_grouped(x, weights, ids, layer, block_m=bm, split=1)
+    torch.testing.assert_close(got.float(), unsplit.float(), rtol=2e-2, atol=2e-2)
+    assert int(mg._counters[x.device].abs().sum()) == 0, "a tile's counter was left set"
+
+
+def test_gate_up_split_fills_the_sms_with_whole_scale_blocks() -> None:
+    from mlaserve.ops.moe_grouped import MAX_SPLIT, gate_up_split
+
+    assert gate_up_split(10_000, 7168, 132) == 1  # enough tiles already
+    assert gate_up_split(240, 7168, 132) == 2  # V3 at TP8, 8 tokens: 4 programs an SM wanted
+    assert gate_up_split(60, 7168, 132) == 7  # MIN_SPLIT_K: 7168 keys in at most 7 splits
+    assert gate_up_split(60, 8192, 132) == MAX_SPLIT
+    assert gate_up_split(130, 7168, 132) == 4  # 5 does not divide H's 56 blocks
+    assert gate_up_split(10, 2048, 132) == 2  # at least MIN_SPLIT_K keys a split
+    assert gate_up_split(10, 256, 132) == gate_up_split(10, 7000, 132) == 1
+    for tiles in range(1, 600):
+        split = gate_up_split(tiles, 7168, 132)
+        assert 1 <= split <= MAX_SPLIT and (7168 // 128) % split == 0
+
+
+def test_a_split_that_cuts_a_scale_block_is_refused() -> None:
+    from mlaserve.ops.moe_grouped import moe_grouped
+
+    shape = SHAPES["default"]
+    kernel, _, scales = make_weights(
+        shape, True, torch.float32, "cpu", torch.Generator().manual_seed(0)
+    )
+    layer = layer_weights(kernel, scales)
+    x = torch.zeros(2, shape[3], dtype=torch.bfloat16)
+    ids = torch.zeros(2, shape[1], dtype=torch.int64)
+    with pytest.raises(ValueError, match="split 3 does not divide H 256"):
+        moe_grouped(x, torch.ones(2, shape[1]), ids, layer, split=3)
