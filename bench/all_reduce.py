@@ -44,7 +44,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Appended, not prepended: a tree on PYTHONPATH (an A/B's old one) is the mlaserve imported.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 PATHS = ("nccl", "one_shot", "two_shot", "chosen")
 ULPS = 4.0  # up to 8 ranks: a few roundings apart at most

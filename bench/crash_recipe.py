@@ -26,7 +26,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Appended, not prepended: a tree on PYTHONPATH (an A/B's old one) is the mlaserve imported.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from bench.soak import Outcome, Planned, Target, http_client, is_loopback, log_problems, send
 

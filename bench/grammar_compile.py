@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 # This checkout's package, not whatever an editable install elsewhere points at.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Appended, not prepended: a tree on PYTHONPATH (an A/B's old one) is the mlaserve imported.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from mlaserve.config import EngineConfig
 from mlaserve.engine.grammar import GrammarBackend

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Appended, not prepended: a tree on PYTHONPATH (an A/B's old one) is the mlaserve imported.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from tests.service.server_process import start_server
 from tests.service.test_hardening import _ATTACKER, _bodies

@@ -44,7 +44,8 @@ from typing import Any
 import torch
 
 # This checkout's package, not whatever an editable install elsewhere points at.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Appended, not prepended: a tree on PYTHONPATH (an A/B's old one) is the mlaserve imported.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from mlaserve.config import EngineConfig
 from mlaserve.llm_engine import LLMEngine

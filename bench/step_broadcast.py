@@ -26,7 +26,8 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Appended, not prepended: a tree on PYTHONPATH (an A/B's old one) is the mlaserve imported.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from mlaserve.engine.forward_batch import ForwardMode
 from mlaserve.engine.forward_route import ForwardRoute, RoutePath

@@ -72,7 +72,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Appended, not prepended: a tree on PYTHONPATH (an A/B's old one) is the mlaserve imported.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 V3_LAYERS = 61
@@ -421,6 +422,9 @@ def main() -> None:
     mode = "graphed" if deep["graphs"] else "eager (CUDA graphs under TP not in this tree)"
     of = args.rank_shapes_of or args.tp
     shapes = f", each rank a TP {of} rank's shapes" if args.rank_shapes_of else ""
+    import mlaserve
+
+    print(f"package: {Path(mlaserve.__file__).parent}")  # which tree an A/B ran
     print(f"\ndevice: {args.tp} x {torch.cuda.get_device_name()}  {args.arch.upper()} width{shapes}, "
           f"{args.layers} layers "
           f"(1 dense), FP8 block weights (dummy), KV fp8, ctx {args.context}, steps {mode}, "
@@ -437,6 +441,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "tp": args.tp,
         "rank_shapes_of": of,
+        "package": str(Path(mlaserve.__file__).parent),
         "arch": args.arch,
         "steps": "graphed" if deep["graphs"] else "eager",
         "context": args.context,
