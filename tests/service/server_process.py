@@ -136,9 +136,12 @@ def start_server(
     cmd += list(args)
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MLASERVE_")}
     full_env.update(env or {})
+    # The repo after the caller's PYTHONPATH, and not the working directory first (`-m` would
+    # put it there): a tree named on PYTHONPATH (an A/B's old one) is the one that serves.
     full_env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")])
+        filter(None, [full_env.get("PYTHONPATH"), str(REPO_ROOT)])
     )
+    full_env["PYTHONSAFEPATH"] = "1"
     # One intra-op thread: the tiny model gains nothing from more, and spinning OpenMP workers
     # would fight the test's own client threads for the 2 CI cores.
     full_env.setdefault("OMP_NUM_THREADS", "1")
