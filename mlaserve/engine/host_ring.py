@@ -23,8 +23,9 @@ one process. An aligned int64 store is atomic on x86-64 and aarch64; `_fence` (a
 acquire / release, a full barrier) orders the frame's words against the counters on machines
 whose stores can be reordered.
 
-Waiting: a reader spins for `spin_s` (a worker sitting between steps answers in microseconds),
-then polls with sleeps growing to `MAX_SLEEP_S` (an idle engine costs no core). A reader waits
+Waiting: a reader spins for `spin_s` (a worker sitting between steps answers in microseconds;
+each look gives up the GIL, so the process's other threads run), then polls with sleeps growing
+to `MAX_SLEEP_S` (an idle engine costs no core). A reader waits
 without a deadline (an idle engine is not a failure; a worker whose rank 0 died is ended by its
 parent watch, `engine/tp_watchdog.py`). The writer waits for a full ring up to `timeout_s`, and
 gives up at once when `alive()` says a reader has gone: `RingError` names the readers behind.
@@ -176,6 +177,7 @@ class HostRing:
         while int(published[0]) <= n:  # spin: a step's message is usually under a millisecond away
             if time.monotonic() > spin_until:
                 break
+            time.sleep(0)  # lets this process's other threads take the GIL between two looks
         sleep = _FIRST_SLEEP_S
         while int(published[0]) <= n:
             time.sleep(sleep)
