@@ -57,23 +57,29 @@ def _routing(routing, num_tokens, num_e, top_k, gen, device):
     )
 
 
+def _layer_case(num_tokens, shape_name, fp8, routing, device, seed):
+    """(x, routing weights, ids, the kernels' weights, the fp32 reference's output) of a random
+    layer whose unselected experts are NaN-poisoned."""
+    shape = SHAPES[shape_name]
+    num_e, top_k, num_s, hidden, _ = shape
+    gen = torch.Generator(device=device).manual_seed(seed)
+    kernel, ref, scales = make_weights(shape, fp8, model_dtype(device), device, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen, device=device).to(model_dtype(device))
+    ids = _routing(routing, num_tokens, num_e, top_k, gen, device)
+    weights = torch.rand(num_tokens, top_k, generator=gen, device=device) + 0.1
+    poison_unused(kernel, scales, ids, num_e, fp8)
+    return x, weights, ids, layer_weights(kernel, scales), reference(x, weights, ids, ref, num_s)
+
+
 @pytest.mark.parametrize("num_tokens,shape_name,fp8,routing,device", CASES)
 def test_moe_grouped_matches_reference(num_tokens, shape_name, fp8, routing, device):
     from mlaserve.ops.moe_grouped import moe_grouped
 
-    shape = SHAPES[shape_name]
-    num_e, top_k, num_s, hidden, _ = shape
-    dtype = model_dtype(device)
-    gen = torch.Generator(device=device).manual_seed(num_tokens * 5 + num_e)
-    kernel, ref, scales = make_weights(shape, fp8, dtype, device, gen)
-    x = torch.randn(num_tokens, hidden, generator=gen, device=device).to(dtype)
-    ids = _routing(routing, num_tokens, num_e, top_k, gen, device)
-    weights = torch.rand(num_tokens, top_k, generator=gen, device=device) + 0.1
-    poison_unused(kernel, scales, ids, num_e, fp8)
-    layer = layer_weights(kernel, scales)
+    seed = num_tokens * 5 + SHAPES[shape_name][0]
+    x, weights, ids, layer, want = _layer_case(num_tokens, shape_name, fp8, routing, device, seed)
     got = moe_grouped(x, weights, ids, layer, block_m=16 if device == "cpu" else None)
-    assert got.dtype == dtype and got.shape == (num_tokens, hidden)
-    assert_close_to_reference(got, reference(x, weights, ids, ref, num_s))
+    assert got.dtype == model_dtype(device) and got.shape == x.shape
+    assert_close_to_reference(got, want)
     again = moe_grouped(x, weights, ids, layer, block_m=16 if device == "cpu" else None)
     assert torch.equal(got, again), "the order of rows within an expert changed the result"
 
@@ -186,19 +192,11 @@ def test_a_k_split_gate_up_matches_the_reference_and_the_unsplit_kernel(
     kernel, bitwise the same on a second call, and the arrival counters back at zero."""
     from mlaserve.ops import moe_grouped as mg
 
-    shape = SHAPES[shape_name]
-    num_e, top_k, num_s, hidden, _ = shape
-    dtype = model_dtype(device)
-    gen = torch.Generator(device=device).manual_seed(num_tokens * 7 + split)
-    kernel, ref, scales = make_weights(shape, fp8, dtype, device, gen)
-    x = torch.randn(num_tokens, hidden, generator=gen, device=device).to(dtype)
-    ids = _routing("random", num_tokens, num_e, top_k, gen, device)
-    weights = torch.rand(num_tokens, top_k, generator=gen, device=device) + 0.1
-    poison_unused(kernel, scales, ids, num_e, fp8)
-    layer = layer_weights(kernel, scales)
+    seed = num_tokens * 7 + split
+    x, weights, ids, layer, want = _layer_case(num_tokens, shape_name, fp8, "random", device, seed)
     bm = 16 if device == "cpu" else None
     got = mg.moe_grouped(x, weights, ids, layer, block_m=bm, split=split)
-    assert_close_to_reference(got, reference(x, weights, ids, ref, num_s))
+    assert_close_to_reference(got, want)
     assert torch.equal(got, mg.moe_grouped(x, weights, ids, layer, block_m=bm, split=split))
     unsplit = mg.moe_grouped(x, weights, ids, layer, block_m=bm, split=1)
     torch.testing.assert_close(got.float(), unsplit.float(), rtol=2e-2, atol=2e-2)
