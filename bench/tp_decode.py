@@ -45,7 +45,9 @@ Extrapolation to V3's 61 layers at bs 1, from the two depths L (`--layers`) and 
 parts (embedding, LM head, sampling, the step's host work) = step_F - F p; V3 = fixed + 61 p.
 V3's 3 dense layers count as MoE layers: at bs 1 a dense MLP (3 x 7168 x 18432) reads the same
 bytes as the 8 routed + 1 shared experts a token uses (9 x 3 x 7168 x 2048). The floor is
-extrapolated the same way. A time model only: 61 layers at TP N < 8 do not fit in memory.
+extrapolated the same way. A time model only: 61 layers at TP N < 8 do not fit in memory. Where
+the step grows less per layer than its floor (`fit_holds`: the shorter depth waited on the host),
+it prints no TPOT.
 
 Rank shapes of a larger TP (`--rank-shapes-of M`, M a multiple of `--tp`): the dimensions
 tensor parallelism splits (heads, the dense and expert intermediate sizes, the vocabulary) scaled
@@ -363,6 +365,13 @@ def extrapolate(deep: dict, shallow: dict, key: str) -> dict[str, float]:
     return {"per_layer_ms": per_layer, "fixed_ms": fixed, "v3_ms": fixed + V3_LAYERS * per_layer}
 
 
+def fit_holds(step: dict[str, float], floor: dict[str, float]) -> bool:
+    """Whether `extrapolate`'s per-layer step is a layer's cost: a layer cannot take less than
+    its floor, so a smaller slope means the shorter depth's step was bound by something that
+    does not grow with depth (rank 0's host at bs 1 once a rank's layers are small)."""
+    return step["per_layer_ms"] >= floor["per_layer_ms"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, required=True, help="tensor-parallel size (GPUs)")
@@ -455,9 +464,15 @@ def main() -> None:
         print(f"\n{args.arch.upper()}, 61 layers, TP {of}{proxy}, bs 1 (a time model: per layer from {args.layers} - "
               f"{args.fit_layers} layers, fixed = step_{args.fit_layers} - {args.fit_layers} x "
               f"per layer, V3 = fixed + 61 x per layer; dense layers counted as MoE ones):")  # fmt: skip
-        print(f"  TPOT {step['v3_ms']:.2f} ms ({step['per_layer_ms']:.3f} ms/layer, fixed "
-              f"{step['fixed_ms']:.2f} ms); floor {floor['v3_ms']:.2f} ms "
-              f"({floor['per_layer_ms']:.3f} ms/layer); TensorRT-LLM, 8 x H200 with MTP: 6.3 ms")  # fmt: skip
+        if not fit_holds(step, floor):
+            summary["v3_61_layers_bs1"]["fit_holds"] = False
+            print(f"  not extrapolated: the step grows {step['per_layer_ms']:.3f} ms a layer, less "
+                  f"than its floor's {floor['per_layer_ms']:.3f} (the shorter depth's step waits "
+                  f"on the host, not the GPU); time a layer in --sequence instead")  # fmt: skip
+        else:
+            print(f"  TPOT {step['v3_ms']:.2f} ms ({step['per_layer_ms']:.3f} ms/layer, fixed "
+                  f"{step['fixed_ms']:.2f} ms); floor {floor['v3_ms']:.2f} ms "
+                  f"({floor['per_layer_ms']:.3f} ms/layer); TensorRT-LLM, 8 x H200 with MTP: 6.3 ms")  # fmt: skip
     print(json.dumps(summary))
 
 

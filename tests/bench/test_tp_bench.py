@@ -16,6 +16,7 @@ from bench.tp_decode import (
     V3_WIDTH,
     count_all_reduces,
     extrapolate,
+    fit_holds,
     rank_shapes_of,
     write_model,
 )
@@ -65,6 +66,21 @@ def test_extrapolation_recovers_a_linear_model() -> None:
     assert got["per_layer_ms"] == pytest.approx(per_layer)
     assert got["fixed_ms"] == pytest.approx(fixed)
     assert got["v3_ms"] == pytest.approx(fixed + V3_LAYERS * per_layer)
+
+
+def test_a_fit_whose_layer_costs_less_than_its_floor_does_not_hold() -> None:
+    """Call A of the thirty-eighth session: a TP8 rank's 2-layer step (0.82 ms, host-bound) was
+    longer than its 8-layer one (0.78): the slope is not a layer's cost."""
+
+    def depth(layers: int, step: float, floor: float) -> dict:
+        return {"layers": layers, "rows": [{"bs": 1, "step_ms": step, "floor_ms": floor}]}
+
+    deep, shallow = depth(8, 0.780, 0.347), depth(2, 0.82, 0.131)
+    assert not fit_holds(
+        extrapolate(deep, shallow, "step_ms"), extrapolate(deep, shallow, "floor_ms")
+    )
+    deep, shallow = depth(8, 1.41, 0.94), depth(2, 0.72, 0.29)  # TP2-like: 0.115 vs 0.108 a layer
+    assert fit_holds(extrapolate(deep, shallow, "step_ms"), extrapolate(deep, shallow, "floor_ms"))
 
 
 def test_the_v3_width_config_parses_and_splits(tmp_path: Path) -> None:
