@@ -597,11 +597,14 @@ class Target:
 
     @classmethod
     def start(
-        cls, model: str | None, log_path: Path, options: list[str], timeout_s: float
-    ) -> Target:
+        cls, model: str | None, log_path: Path, options: list[str], timeout_s: float,
+        env: dict[str, str] | None = None,
+    ) -> Target:  # fmt: skip
         # start_server defaults to the CPU; auto takes the GPU where there is one. A --device
-        # among the options comes later and wins.
-        proc = start_server(Path(model) if model else None, log_path, "--device", "auto", *options)
+        # among the options comes later and wins. `env`: the server's MLASERVE_* switches
+        # (start_server drops this process's own).
+        model_dir = Path(model) if model else None
+        proc = start_server(model_dir, log_path, "--device", "auto", *options, env=env)
         try:
             proc.wait_ready(timeout=timeout_s)
         except BaseException:
@@ -876,6 +879,17 @@ def print_table(report: dict) -> None:
         print(f"  {name:<20} {'yes' if ok else 'NO'}")
 
 
+def server_env(pairs: list[str]) -> dict[str, str]:
+    """`--server-env NAME=VALUE` pairs -> the started server's extra environment."""
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--server-env {pair!r}: expected NAME=VALUE")
+        env[name] = value
+    return env
+
+
 def soak(args: argparse.Namespace, options: list[str], seed: int) -> dict:
     if args.url:
         target = Target(
@@ -883,7 +897,8 @@ def soak(args: argparse.Namespace, options: list[str], seed: int) -> dict:
         )
     else:
         log_path = Path(args.server_log or f"/tmp/soak-server-{seed}.log")
-        target = Target.start(args.model, log_path, options, args.startup_timeout_s)
+        env = server_env(args.server_env)
+        target = Target.start(args.model, log_path, options, args.startup_timeout_s, env)
     try:
         return _soak(args, options, seed, target)
     finally:
@@ -970,6 +985,7 @@ def _soak(args: argparse.Namespace, options: list[str], seed: int, target: Targe
         "duration_s": args.duration_s,
         "server": "url " + target.url if args.url else "self-started server",
         "server_options": options,
+        "server_env": server_env(args.server_env),
         "limits": {
             "max_model_len": limits.max_model_len,
             "fit": limits.fit,
@@ -1032,6 +1048,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None, help="checkpoint folder (default: the shipped one)")
     ap.add_argument("--spec", type=int, default=0, help="k of the --url server's speculation")
     ap.add_argument("--server-log", default=None, help="where the server logs (read for facts)")
+    ap.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="environment of the started server, e.g. a switch for an A/B "
+                         "(MLASERVE_STEP_RING=0); repeatable")  # fmt: skip
     ap.add_argument("--vocab-size", type=int, default=None, help="default: the model's config")
     ap.add_argument("--max-tokens", type=int, default=256, help="largest max_tokens of the mix")
     ap.add_argument("--concurrency", type=int, default=64, help="most requests in flight")

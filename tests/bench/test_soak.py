@@ -75,6 +75,14 @@ def _outcome(text: str, tokens: list[str] | None, tops: list[list[float]] | None
     return o
 
 
+def test_server_env_takes_name_value_pairs():
+    from bench.soak import server_env
+
+    assert server_env(["MLASERVE_STEP_RING=0", "X=a=b"]) == {"MLASERVE_STEP_RING": "0", "X": "a=b"}
+    with pytest.raises(SystemExit, match="expected NAME=VALUE"):
+        server_env(["MLASERVE_STEP_RING"])
+
+
 def test_compare_finds_the_divergent_token_and_its_gap():
     tops = [[-0.1, -3.0], [-0.5, -0.6], [-0.2, -2.2], [-0.3, -1.0]]
     alone = _outcome("abcd", list("abcd"), tops)
