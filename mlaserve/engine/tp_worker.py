@@ -115,8 +115,11 @@ def open_step_ring(
 
     ring, path = None, [None]
     if rank == 0 and nnodes == 1 and switches.step_ring():
-        ring = HostRing.create(size - 1, STEP_RING_SLOTS, FRAME_LEN)
-        path = [ring.path]
+        try:
+            ring = HostRing.create(size - 1, STEP_RING_SLOTS, FRAME_LEN)
+            path = [ring.path]
+        except OSError as exc:  # no room or no rights in /dev/shm: the control group serves
+            logger.warning("tensor parallel: no step ring (%s); step messages over gloo", exc)
     try:
         dist.broadcast_object_list(path, 0, group=control)
         if rank and path[0] is not None:

@@ -205,3 +205,22 @@ def test_every_worker_receives_every_step_in_order_through_the_ring_or_gloo(
     want = [[list(range(t)), list(range(100, 100 + t))] for t in STEP_TOKENS]
     assert got[1]["steps"] == want and got[2]["steps"] == want
     assert set(glob.glob("/dev/shm/mlaserve-step-ring-*")) <= before
+
+
+def test_without_room_for_the_ring_the_group_falls_back_to_gloo(tmp_path, monkeypatch) -> None:
+    """A ring that cannot be made (/dev/shm full or read-only) leaves rank 0's decision at gloo,
+    which every rank follows: a one-rank group here, the broadcast of the decision included."""
+    import torch.distributed as dist
+
+    from mlaserve.engine import host_ring
+    from mlaserve.engine.tp_worker import open_step_ring
+
+    def no_room(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(host_ring.HostRing, "create", classmethod(lambda cls, *a, **k: no_room()))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
+    try:
+        assert open_step_ring(0, 2, dist.group.WORLD, nnodes=1, device_type="cpu") is None
+    finally:
+        dist.destroy_process_group()
