@@ -31,10 +31,12 @@ for wt, scaled in (("*bf16", False), ("*fp8e4nv", True)):
     ptrs = {**index, "w_ptr": wt, "sw_ptr": wt, "s_ptr": "*fp32", "ss_ptr": "*fp32"}
     tiles = dict(HAS_SCALE=scaled, BLOCK_N=64, BLOCK_K=128 if scaled else 64)
     for bm in (16, 32, 64):
-        gu = dict(**shape, **tiles, ROW_DIV=128, SHARED_ROW_DIV=128, BLOCK_M=bm)
-        sig = signature(M._gate_up_kernel, {**ptrs, "x_ptr": "*bf16", "h_ptr": "*bf16"},
-                        constexprs=gu)
-        cases.append((f"gate_up_{wt[1:]}_{bm}", M._gate_up_kernel, sig, gu))
+        for split in (1, 2):  # unsplit, and the K split's partials, counters and last-arrival sum
+            gu = dict(**shape, **tiles, ROW_DIV=128, SHARED_ROW_DIV=128, BLOCK_M=bm,
+                      SPLIT=split, K_PER=shape["H"] // split)
+            sig = signature(M._gate_up_kernel, {**ptrs, "x_ptr": "*bf16", "h_ptr": "*bf16",
+                            "ws_ptr": "*fp32", "cnt_ptr": "*i32"}, constexprs=gu)
+            cases.append((f"gate_up_{wt[1:]}_{bm}_split{split}", M._gate_up_kernel, sig, gu))
         dn = dict(**shape, **tiles, K=6, BLOCK_M=bm)
         sig = signature(M._down_kernel,
                         {**ptrs, "h_ptr": "*bf16", "wts_ptr": "*fp32", "part_ptr": "*fp32"},
@@ -90,4 +92,4 @@ for shared in (True, False):
 
 
 def test_grouped_moe_kernels_compile_for_sm90_and_sm100() -> None:
-    compile_for_gpus(CASES, expected=2 * 38, num_stages=3)
+    compile_for_gpus(CASES, expected=2 * 44, num_stages=3)
