@@ -98,9 +98,10 @@ class HostRing:
         if readers < 1 or slots < 2 or frame_len < 1:
             raise ValueError(f"host ring: readers {readers}, slots {slots}, frame_len {frame_len}")
         fd, path = tempfile.mkstemp(prefix="mlaserve-step-ring-", dir=_shm_dir())
+        size = cls.nbytes(readers, slots, frame_len)
         try:
-            os.ftruncate(fd, cls.nbytes(readers, slots, frame_len))
-            mm = mmap.mmap(fd, cls.nbytes(readers, slots, frame_len))
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         return cls(path, readers, slots, frame_len, None, mm, spin_s)

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from mlaserve.ops.fp8_quant import dequantize_weight_block
 from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
+from mlaserve.ops.triton_support import num_sms
 
 __all__ = [
     "GEMV_MAX_M",
@@ -132,13 +133,6 @@ def _gemv_kernel(
     out = tl.sum(tl.sum(acc, axis=1), axis=0)  # [BLOCK_N, BLOCK_M]
     y = y_ptr + offs_m[None, :] * N + offs_n[:, None]
     tl.store(y, out.to(y_ptr.dtype.element_ty), mask=(offs_m[None, :] < M) & mask_n[:, None])
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: any plausible count (an H100's)
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def gemv_config(m: int, n: int, k: int, fp8: bool, num_sms: int = 132) -> GemvConfig:
@@ -242,7 +236,7 @@ def gemv(
     if m == 0 or n == 0:
         return y
     if config is None:
-        config = gemv_config(triton.next_power_of_2(m), n, k, w.dtype == _FP8, _num_sms(x.device))
+        config = gemv_config(triton.next_power_of_2(m), n, k, w.dtype == _FP8, num_sms(x.device))
     block_n, block_k, warps = config
     for name, v, lo, hi in (("block_n", block_n, 1, 128), ("block_k", block_k, 16, 1 << 16)):
         if not lo <= v <= hi or v & (v - 1):
