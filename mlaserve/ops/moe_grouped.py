@@ -66,6 +66,7 @@ from mlaserve.ops.moe_weights import (
     scale_args,
 )
 from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
+from mlaserve.ops.split_counters import split_counters
 from mlaserve.ops.triton_support import num_sms
 
 __all__ = [
@@ -289,8 +290,6 @@ def moe_grouped_block_m(num_pairs: int, num_experts: int) -> int:
 SPLIT_PROGRAMS_PER_SM = 4  # split until the grid holds about this many programs per SM
 MAX_SPLIT = 8
 MIN_SPLIT_K = 1024  # keys per split at least (8 scale blocks): shorter ones add more than they read
-_COUNTERS_LEN = 1 << 13  # int32 arrival counters per device: > SPLIT_PROGRAMS_PER_SM x SMs
-_counters: dict[torch.device, torch.Tensor] = {}
 
 
 def gate_up_split(tiles: int, hidden: int, num_sms: int) -> int:
@@ -307,18 +306,6 @@ def gate_up_split(tiles: int, hidden: int, num_sms: int) -> int:
     while (hidden // 128) % split:  # every split the same whole scale blocks
         split -= 1
     return split
-
-
-def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """This device's arrival counters (zero between calls: each tile's last split resets its
-    own). Shared by every call on the device, so split calls must not run concurrently on two
-    streams of one device (the engine runs its forwards on one stream)."""
-    if tiles > _COUNTERS_LEN:  # gate_up_split splits only grids below a few programs an SM
-        raise ValueError(f"moe_grouped: {tiles} split tiles > {_COUNTERS_LEN} counters")
-    cnt = _counters.get(device)
-    if cnt is None:
-        cnt = _counters[device] = torch.zeros(_COUNTERS_LEN, dtype=torch.int32, device=device)
-    return cnt
 
 
 def _num_pairs_bucket(num_pairs: int) -> int:
@@ -405,7 +392,7 @@ def moe_grouped(
     k_per = hidden // split
     if split > 1:  # fp32 partials of the live rows, and the per-tile arrival counters
         ws = torch.empty(split, num_blocks * bm, 2 * inter, dtype=torch.float32, device=x.device)
-        cnt = _split_counters(x.device, num_blocks * n_tiles)
+        cnt = split_counters(x.device, num_blocks * n_tiles)
     else:
         ws = cnt = h  # unused
     _gate_up_kernel[(num_blocks, n_tiles, split)](

@@ -36,11 +36,14 @@ for bm, bn, a_fp8 in ((16, 64, True), (64, 128, True), (16, 64, False)):
     cases.append((f"grouped_{bm}x{bn}_{'w8a8' if a_fp8 else 'w8a16'}",
                   K._grouped_block_fp8_matmul_kernel, sig,
                   {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "A_FP8": a_fp8}))
-for out, sub in (("*bf16", 4), ("*bf16", 2), ("*fp32", 4)):
+wide = ("K", "BLOCK_M", "BLOCK_N", "SUB", "SPLIT", "KB_PER")
+for out, sub, split in (("*bf16", 4, 1), ("*bf16", 2, 1), ("*fp32", 4, 1), ("*bf16", 2, 4),
+                        ("*fp32", 2, 4), ("*bf16", 4, 4)):  # 14 blocks a split, 4 a step
     sig = signature(K._w8a16_wide_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
-                    "y_ptr": out}, constexprs=("K", "BLOCK_M", "BLOCK_N", "SUB"))
-    cases.append((f"w8a16_wide_sub{sub}_{out[1:]}", K._w8a16_wide_kernel, sig,
-                  {"K": 7168, "BLOCK_M": 16, "BLOCK_N": 32, "SUB": sub}))
+                    "y_ptr": out, "ws_ptr": "*fp32", "cnt_ptr": "*i32"}, constexprs=wide)
+    cases.append((f"w8a16_wide_sub{sub}_split{split}_{out[1:]}", K._w8a16_wide_kernel, sig,
+                  {"K": 7168, "BLOCK_M": 16, "BLOCK_N": 32, "SUB": sub, "SPLIT": split,
+                   "KB_PER": 56 // split}))
 sig = signature(K._per_token_group_quant_kernel,
                 {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                 floats=("fp8_max", "eps"), constexprs=("GROUP",))
@@ -49,7 +52,7 @@ cases.append(("quant", K._per_token_group_quant_kernel, sig, {"GROUP": 128}))
 
 
 def test_kernels_compile_for_sm90_and_sm100() -> None:
-    compile_for_gpus(CASES, expected=2 * 12, num_stages=4)
+    compile_for_gpus(CASES, expected=2 * 15, num_stages=4)
 
 
 WIDEN_CASES = r"""
@@ -57,9 +60,10 @@ from mlaserve.ops import fp8_triton as K
 
 for act in ("bf16", "fp16"):
     sig = signature(K._w8a16_wide_kernel, {"x_ptr": f"*{act}", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
-                    "y_ptr": f"*{act}"}, constexprs=("K", "BLOCK_M", "BLOCK_N", "SUB"))
+                    "y_ptr": f"*{act}", "ws_ptr": "*fp32", "cnt_ptr": "*i32"},
+                    constexprs=("K", "BLOCK_M", "BLOCK_N", "SUB", "SPLIT", "KB_PER"))
     cases.append((f"wide_{act}", K._w8a16_wide_kernel, sig,
-                  {"K": 7168, "BLOCK_M": 16, "BLOCK_N": 32, "SUB": 4}))
+                  {"K": 7168, "BLOCK_M": 16, "BLOCK_N": 32, "SUB": 4, "SPLIT": 1, "KB_PER": 56}))
     sig = signature(K._block_fp8_matmul_kernel, {"a_ptr": f"*{act}", "b_ptr": "*fp8e4nv",
                     "as_ptr": f"*{act}", "bs_ptr": "*fp32", "c_ptr": f"*{act}"},
                     constexprs=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "A_FP8"))

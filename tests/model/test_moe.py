@@ -335,3 +335,17 @@ def test_shared_experts_on_the_side_stream_give_the_in_line_bits(num_tokens, mon
         x.copy_(torch.randn(num_tokens, HIDDEN, generator=gen, device="cuda"))
         graph.replay()
         assert torch.equal(out, in_line(x))
+
+
+@pytest.mark.parametrize("num_tokens,side", [(8, False), (64, False), (65, True)])
+def test_the_side_stream_only_past_the_split_kernels_sizes(num_tokens, side, monkeypatch) -> None:
+    """The shared experts go to the side stream only past `W8A16_MAX_M` tokens, so no FP8
+    decode GEMM (whose K split shares the device's arrival counters, `ops/split_counters.py`)
+    runs there beside one on the main stream."""
+    from mlaserve.model.layers import moe as moe_module
+
+    asked = []
+    monkeypatch.setattr(moe_module, "_side_stream", lambda device: asked.append(device))
+    layer = make_moe(make_config("sigmoid_noaux_tc"), torch.float32)
+    layer(torch.randn(num_tokens, HIDDEN))
+    assert bool(asked) is side

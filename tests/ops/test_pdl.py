@@ -4,10 +4,10 @@ the same chain run eagerly without PDL.
 
 A kernel that read its predecessor's output before `griddepcontrol.wait`, or wrote before it,
 would race: the replay would then differ from the eager run on some replays. The chain below is
-one decode layer's kernels back to back (norm, GEMV, latent norm + rope + FP8 KV write, q prep
-or W_UK's GEMV writing the joined query, router logits, routing, the MoE decode or grouped
-kernels, the partials' norm), two layers deep, at V2-Lite's MoE shape, so each consumer starts
-while its producer's last programs run.
+one decode layer's kernels back to back (norm, GEMV or, with FP8 at 8 tokens, the W8A16 wide
+kernel split over K, latent norm + rope + FP8 KV write, q prep or W_UK's GEMV writing the joined
+query, router logits, routing, the MoE decode or grouped kernels, the partials' norm), two layers
+deep, at V2-Lite's MoE shape, so each consumer starts while its producer's last programs run.
 """
 
 from __future__ import annotations
@@ -69,6 +69,11 @@ class _Layer:
         self.latent_norm = (1 + 0.1 * torch.randn(512, generator=gen, device=dev)).to(bf16)
         # q (16 x 64 rope dims) | kv_c (512) | k_pe (64)
         self.w_a = (torch.randn(16 * 64 + 576, 2048, generator=gen, device=dev) / 45).to(bf16)
+        self.w_a_fp8 = None
+        if fp8:  # 3-16 tokens take the W8A16 wide kernel, split over K as V3's q|kv_a
+            from mlaserve.ops.fp8_quant import quantize_weight_block
+
+            self.w_a_fp8 = quantize_weight_block(self.w_a)
         self.gate = torch.randn(64, 2048, generator=gen, device=dev) / 45
         self.w_uk = (torch.randn(16, 128, 512, generator=gen, device=dev) / 11).to(bf16)
         kernel, _, scales = make_weights(SHAPES["v2lite"], fp8, bf16, dev, gen)
@@ -85,6 +90,7 @@ def _layer_chain(x, res, layer, cache, slots, cos, sin, grouped, joined):
     """One layer's PDL kernels back to back; returns (x, residual) for the next layer. `joined`:
     the decode prologue (W_UK's GEMV with the norm's programs) writes the joined query, instead
     of the norm kernel and the q preparation."""
+    from mlaserve.ops.fp8_triton import W8A16_WIDE_MAX_M, w8a16_block_fp8_matmul_triton
     from mlaserve.ops.gemv import gemv
     from mlaserve.ops.mla_decode_prologue import mla_decode_prologue
     from mlaserve.ops.mla_norm_rope import mla_norm_rope
@@ -97,7 +103,12 @@ def _layer_chain(x, res, layer, cache, slots, cos, sin, grouped, joined):
 
     t = x.shape[0]
     h, res = add_rms_norm(x, res, layer.norm1, 1e-6)
-    a = gemv(h, layer.w_a) if t <= 2 else h @ layer.w_a.T
+    if t <= 2:
+        a = gemv(h, layer.w_a)
+    elif layer.w_a_fp8 is not None and t <= W8A16_WIDE_MAX_M:
+        a = w8a16_block_fp8_matmul_triton(h, *layer.w_a_fp8, split=2)
+    else:
+        a = h @ layer.w_a.T
     q_pe = a[:, : 16 * 64].view(t, 16, 64)
     kv_c, k_pe = a[:, 16 * 64 : 16 * 64 + 512], a[:, 16 * 64 + 512 :]
     if joined and t <= 8:  # as the model: the decode prologue writes the joined query

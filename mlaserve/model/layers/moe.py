@@ -61,6 +61,7 @@ from mlaserve.model.layers.mlp import DeepseekMLP, silu_and_mul
 from mlaserve.model.layers.moe_experts import ExpertsImpl, FusedExperts
 from mlaserve.model.layers.moe_router import TopKRouter, select_experts
 from mlaserve.ops import fused_ops_enabled
+from mlaserve.ops.fp8_gemm import W8A16_MAX_M
 from mlaserve.ops.invariant_rowwise import TREE_LEAVES, leaf_width
 from mlaserve.ops.moe_partials import MoePartials, SortedExpertRows
 from mlaserve.tensor_parallel import RankPartials
@@ -350,7 +351,10 @@ class DeepseekMoE(nn.Module):
         if weights is not None and grouped:
             y = self._moe_grouped(x, *self.gate(x), weights, **kw)
             return self._reduce(y, x.dtype, combine)
-        side = _side_stream(x.device) if self.shared_experts is not None else None
+        # The side stream only past the FP8 decode GEMMs' sizes, so no split-K kernel runs on
+        # it beside one on this stream (`ops/split_counters.py`'s invariant).
+        overlap = self.shared_experts is not None and num_tokens > W8A16_MAX_M
+        side = _side_stream(x.device) if overlap else None
         shared, join = None, None
         if side is not None:
             # The shared experts' dense GEMMs run on a side stream while the router, the sort
