@@ -7,7 +7,7 @@ GEMM. Which GEMM (`gemm_backend`: a pure function of the device, the shape and t
 decided on the host; nothing reads device memory, so the whole op is graph-capturable):
 
     triton_w8a16     W8A16_MIN_M <= M <= W8A16_MAX_M, SM90 (and SM100 without flashinfer):
-                     `fp8_triton.w8a16_block_fp8_matmul_triton`, the FP8 weight widened to the
+                     `w8a16_gemm.w8a16_block_fp8_matmul_triton`, the FP8 weight widened to the
                      activations' dtype in registers. One launch where W8A8 takes an activation
                      quantisation, a split-K GEMM and its reduction, whose launches alone made
                      a decode-sized W8A8 step slower than bf16 (bench/RESULTS.md). Exact
@@ -174,7 +174,7 @@ def block_fp8_linear(
         y = gemm_fp8_nt_groupwise(x_q, w_q, x_s, w_s, out_dtype=x.dtype, backend="trtllm")
         y = y.to(out_dtype)
     elif backend == "triton_w8a16":
-        from mlaserve.ops.fp8_triton import w8a16_block_fp8_matmul_triton
+        from mlaserve.ops.w8a16_gemm import w8a16_block_fp8_matmul_triton
 
         y = w8a16_block_fp8_matmul_triton(x2, w_q, w_s, out_dtype=out_dtype)
     else:

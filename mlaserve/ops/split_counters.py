@@ -1,5 +1,5 @@
 """Arrival counters of the split-K kernels that reduce in their last-arriving program
-(`moe_grouped._gate_up_kernel`, `fp8_triton._w8a16_wide_kernel`).
+(`moe_grouped._gate_up_kernel`, `w8a16_gemm._w8a16_wide_kernel`).
 
     split_counters(device, tiles) -> [COUNTERS_LEN] int32 on `device`, zero between calls
 

@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 CASES = r"""
 from mlaserve.ops import fp8_triton as K
+from mlaserve.ops import w8a16_gemm as W
 
 fp8 = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "as_ptr": "*fp32", "bs_ptr": "*fp32"}
 tiles = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
@@ -39,9 +40,9 @@ for bm, bn, a_fp8 in ((16, 64, True), (64, 128, True), (16, 64, False)):
 wide = ("K", "BLOCK_M", "BLOCK_N", "SUB", "SPLIT", "KB_PER")
 for out, sub, split in (("*bf16", 4, 1), ("*bf16", 2, 1), ("*fp32", 4, 1), ("*bf16", 2, 4),
                         ("*fp32", 2, 4), ("*bf16", 4, 4)):  # 14 blocks a split, 4 a step
-    sig = signature(K._w8a16_wide_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+    sig = signature(W._w8a16_wide_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
                     "y_ptr": out, "ws_ptr": "*fp32", "cnt_ptr": "*i32"}, constexprs=wide)
-    cases.append((f"w8a16_wide_sub{sub}_split{split}_{out[1:]}", K._w8a16_wide_kernel, sig,
+    cases.append((f"w8a16_wide_sub{sub}_split{split}_{out[1:]}", W._w8a16_wide_kernel, sig,
                   {"K": 7168, "BLOCK_M": 16, "BLOCK_N": 32, "SUB": sub, "SPLIT": split,
                    "KB_PER": 56 // split}))
 sig = signature(K._per_token_group_quant_kernel,
@@ -57,12 +58,13 @@ def test_kernels_compile_for_sm90_and_sm100() -> None:
 
 WIDEN_CASES = r"""
 from mlaserve.ops import fp8_triton as K
+from mlaserve.ops import w8a16_gemm as W
 
 for act in ("bf16", "fp16"):
-    sig = signature(K._w8a16_wide_kernel, {"x_ptr": f"*{act}", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+    sig = signature(W._w8a16_wide_kernel, {"x_ptr": f"*{act}", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
                     "y_ptr": f"*{act}", "ws_ptr": "*fp32", "cnt_ptr": "*i32"},
                     constexprs=("K", "BLOCK_M", "BLOCK_N", "SUB", "SPLIT", "KB_PER"))
-    cases.append((f"wide_{act}", K._w8a16_wide_kernel, sig,
+    cases.append((f"wide_{act}", W._w8a16_wide_kernel, sig,
                   {"K": 7168, "BLOCK_M": 16, "BLOCK_N": 32, "SUB": 4, "SPLIT": 1, "KB_PER": 56}))
     sig = signature(K._block_fp8_matmul_kernel, {"a_ptr": f"*{act}", "b_ptr": "*fp8e4nv",
                     "as_ptr": f"*{act}", "bs_ptr": "*fp32", "c_ptr": f"*{act}"},

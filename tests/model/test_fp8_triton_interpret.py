@@ -62,8 +62,8 @@ from mlaserve.ops.fp8_triton import (  # noqa: E402
     grouped_block_fp8_matmul_triton,
     per_token_group_quant_fp8_triton,
     w8a8_block_fp8_matmul_triton,
-    w8a16_block_fp8_matmul_triton,
 )
+from mlaserve.ops.w8a16_gemm import w8a16_block_fp8_matmul_triton  # noqa: E402
 
 MAX_REL = 1e-5  # fp32 accumulation and fp32 output vs float64: rounding only
 

@@ -90,7 +90,6 @@ def _layer_chain(x, res, layer, cache, slots, cos, sin, grouped, joined):
     """One layer's PDL kernels back to back; returns (x, residual) for the next layer. `joined`:
     the decode prologue (W_UK's GEMV with the norm's programs) writes the joined query, instead
     of the norm kernel and the q preparation."""
-    from mlaserve.ops.fp8_triton import W8A16_WIDE_MAX_M, w8a16_block_fp8_matmul_triton
     from mlaserve.ops.gemv import gemv
     from mlaserve.ops.mla_decode_prologue import mla_decode_prologue
     from mlaserve.ops.mla_norm_rope import mla_norm_rope
@@ -100,6 +99,7 @@ def _layer_chain(x, res, layer, cache, slots, cos, sin, grouped, joined):
     from mlaserve.ops.rms_norm import add_partials_rms_norm, add_rms_norm
     from mlaserve.ops.router_logits import router_logits
     from mlaserve.ops.routing import fused_select_experts, plan_routing
+    from mlaserve.ops.w8a16_gemm import W8A16_WIDE_MAX_M, w8a16_block_fp8_matmul_triton
 
     t = x.shape[0]
     h, res = add_rms_norm(x, res, layer.norm1, 1e-6)

@@ -1,4 +1,4 @@
-"""The W8A16 block-FP8 GEMM's decode kernel (`fp8_triton._w8a16_wide_kernel`, M <= 16) vs the
+"""The W8A16 block-FP8 GEMM's decode kernel (`w8a16_gemm._w8a16_wide_kernel`, M <= 16) vs the
 float64 product of the same operands: V3's one-rank shapes at TP 1-4 (q|kv_a, q_b, o_proj, the
 dense MLP) at M = 2..16 on the GPU, and small ragged shapes (partial N tiles and K blocks, a K
 step past the last block) with block and per-row scales under the interpreter. Its K split
@@ -53,8 +53,8 @@ CPU_SPLIT_CASES = [
 
 
 def _run(m, n, k, weights, device):
-    from mlaserve.ops.fp8_triton import W8A16_WIDE_MAX_M, w8a16_block_fp8_matmul_triton
     from mlaserve.ops.gemv import gemv_reference
+    from mlaserve.ops.w8a16_gemm import W8A16_WIDE_MAX_M, w8a16_block_fp8_matmul_triton
 
     assert m <= W8A16_WIDE_MAX_M
     x, w, scale = _operands(m, n, k, weights, device, seed=m * 7 + n + k)
@@ -66,7 +66,7 @@ def _run(m, n, k, weights, device):
 
 @pytest.mark.parametrize("m,shape,weights,device", GPU_CASES)
 def test_w8a16_wide_matches_reference(m, shape, weights, device):
-    from mlaserve.ops.fp8_triton import w8a16_block_fp8_matmul_triton
+    from mlaserve.ops.w8a16_gemm import w8a16_block_fp8_matmul_triton
 
     n, k = SHAPES[shape]
     x, w, scale, got = _run(m, n, k, weights, device)
@@ -82,7 +82,7 @@ def test_w8a16_wide_interpreted(m, n, k, weights, device):
 def test_w8a16_rows_do_not_depend_on_the_batch(device):
     """A row's output is the same whatever the other rows (the MMA's rows are independent and
     every M up to 16 runs the same tile): a decode step's tokens do not change each other."""
-    from mlaserve.ops.fp8_triton import w8a16_block_fp8_matmul_triton
+    from mlaserve.ops.w8a16_gemm import w8a16_block_fp8_matmul_triton
 
     x, w, scale = _operands(16, 7168, 8192, "fp8_block", device, seed=5)
     full = w8a16_block_fp8_matmul_triton(x, w, scale)
@@ -98,8 +98,8 @@ def _counters_zero(device) -> None:
 
 @pytest.mark.parametrize("m,n,k,weights,split,device", CPU_SPLIT_CASES)
 def test_w8a16_wide_split_interpreted(m, n, k, weights, split, device):
-    from mlaserve.ops.fp8_triton import w8a16_block_fp8_matmul_triton
     from mlaserve.ops.gemv import gemv_reference
+    from mlaserve.ops.w8a16_gemm import w8a16_block_fp8_matmul_triton
 
     x, w, scale = _operands(m, n, k, weights, device, seed=m + n + k)
     got = w8a16_block_fp8_matmul_triton(x, w, scale, split=split)
@@ -112,8 +112,8 @@ def test_w8a16_wide_split_interpreted(m, n, k, weights, split, device):
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=gpu, id="cuda")])
 def test_w8a16_wide_split_matches_reference(m, split, device):
     """V3's q|kv_a (56 K blocks) split 2-8 ways: 7 and 8 leave a short last step of SUB."""
-    from mlaserve.ops.fp8_triton import w8a16_block_fp8_matmul_triton
     from mlaserve.ops.gemv import gemv_reference
+    from mlaserve.ops.w8a16_gemm import w8a16_block_fp8_matmul_triton
 
     n, k = SHAPES["v3_q_kv_a"]
     x, w, scale = _operands(m, n, k, "fp8_block", device, seed=split * 3 + m)
@@ -128,7 +128,7 @@ def test_w8a16_wide_split_rule():
     """Split where the weight's 32-row tiles leave SMs idle and K is long (V3's q|kv_a and a
     TP8 rank's dense gate_up on an H100 / H200's 132 SMs and a B200's 148), never where the
     tiles fill the GPU or K is short, always a divisor of K's blocks."""
-    from mlaserve.ops.fp8_triton import w8a16_wide_split
+    from mlaserve.ops.w8a16_gemm import w8a16_wide_split
 
     assert w8a16_wide_split(2112, 7168, 132) == 4  # V3 / K2 q|kv_a: 66 tiles
     assert w8a16_wide_split(2112, 7168, 148) == 4
@@ -146,7 +146,7 @@ def test_w8a16_wide_split_rule():
 
 
 def test_w8a16_wide_split_refuses_a_split_off_the_blocks():
-    from mlaserve.ops.fp8_triton import w8a16_block_fp8_matmul_triton
+    from mlaserve.ops.w8a16_gemm import w8a16_block_fp8_matmul_triton
 
     x = torch.zeros(2, 1024)
     w = torch.zeros(64, 1024, dtype=torch.float8_e4m3fn)
