@@ -1,9 +1,9 @@
-"""Tensor parallelism on 2 GPUs (NCCL): CUDA graphs with the collectives inside, overlap
+"""Tensor parallelism on 2 and 4 GPUs (NCCL): CUDA graphs with the collectives inside, overlap
 scheduling, MTP speculation and prefill chunks without logits rows, on the default model in the
 served configuration (bf16, FP8 KV).
 
-Run on a 2-GPU host with `python -m pytest -m gpu tests/engine/test_tp_gpu.py`; skipped with
-fewer than 2 GPUs.
+Run on a 2- or 4-GPU host with `python -m pytest -m gpu tests/engine/test_tp_gpu.py`; the TP4
+cases are skipped with fewer than 4 GPUs, everything with fewer than 2.
 
 Tolerance: TP changes the order of bf16 reductions (o_proj / MLP / experts summed over ranks),
 and a graph replay pads a batch to its captured size (other GEMM shapes), so greedy
@@ -44,6 +44,17 @@ PROMPTS = [
     "if __name__ ==",
 ]
 GREEDY = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+# The tensor-parallel sizes (the default model's 16 heads split 2 or 4 ways).
+TP_SIZES = [
+    pytest.param(2, id="tp2"),
+    pytest.param(
+        4,
+        id="tp4",
+        marks=pytest.mark.skipif(
+            not torch.cuda.is_available() or torch.cuda.device_count() < 4, reason="needs 4 GPUs"
+        ),
+    ),
+]
 SCORED = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=2)
 
 
@@ -97,22 +108,24 @@ def _assert_near_ties(got: dict, ref: dict, what: str) -> None:
     assert rate >= MIN_AGREEMENT
 
 
-def test_tp2_graphs_and_eager_agree_with_tp1(tp1: dict) -> None:
-    graphs = _run(tensor_parallel_size=2)
-    assert graphs["stats"].num_graph_replays > 0  # decode replayed its graphs on both ranks
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_tp_graphs_and_eager_agree_with_tp1(tp1: dict, tp: int) -> None:
+    graphs = _run(tensor_parallel_size=tp)
+    assert graphs["stats"].num_graph_replays > 0  # decode replayed its graphs on every rank
     assert graphs["max_in_flight"] == 2  # overlap scheduling on under TP
-    eager = _run(tensor_parallel_size=2, cuda_graph=False, piecewise_cuda_graph=False)
+    eager = _run(tensor_parallel_size=tp, cuda_graph=False, piecewise_cuda_graph=False)
     assert eager["stats"].num_graph_replays == 0
-    _assert_near_ties(graphs, tp1, "TP2 graphs vs TP1")
-    _assert_near_ties(eager, tp1, "TP2 eager vs TP1")
+    _assert_near_ties(graphs, tp1, f"TP{tp} graphs vs TP1")
+    _assert_near_ties(eager, tp1, f"TP{tp} eager vs TP1")
 
 
-def test_tp2_overlap_changes_no_token() -> None:
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_tp_overlap_changes_no_token(tp: int) -> None:
     """Every request admitted in the first step and ended by max_tokens: the same batches with
     overlap on and off, so the same tokens bit for bit (the workers' future ids are rank 0's
     sampled ids, broadcast on the device)."""
-    on = _run(tensor_parallel_size=2, max_num_seqs=16)
-    off = _run(tensor_parallel_size=2, max_num_seqs=16, overlap_schedule=False)
+    on = _run(tensor_parallel_size=tp, max_num_seqs=16)
+    off = _run(tensor_parallel_size=tp, max_num_seqs=16, overlap_schedule=False)
     assert on["max_in_flight"] == 2 and off["max_in_flight"] == 1
     assert on["ids"] == off["ids"]
     # Graphed greedy decode steps: the workers read their own graph's argmax, nothing is
@@ -140,14 +153,15 @@ def test_tp2_overlap_changes_no_token_when_rank_0_adjusts_the_logits(params) -> 
     assert on["feeds"]["greedy"] == 0 and on["feeds"]["broadcast"] >= 40, on["feeds"]
 
 
-def test_tp2_speculation_is_lossless(tp1: dict) -> None:
-    """MTP k = 2 under TP2, graphs on (verify, draft-extend and draft graphs on both ranks):
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_tp_speculation_is_lossless(tp1: dict, tp: int) -> None:
+    """MTP k = 2 under TP, graphs on (verify, draft-extend and draft graphs on every rank):
     greedy tokens as TP1's without speculation, up to near-ties (a VERIFY forward computes k+1
     rows per request: other GEMM shapes than a DECODE's)."""
-    spec = _run(tensor_parallel_size=2, num_speculative_tokens=2)
+    spec = _run(tensor_parallel_size=tp, num_speculative_tokens=2)
     assert spec["stats"].spec_num_drafts > 0
     assert spec["draft_replays"] > 0
-    _assert_near_ties(spec, tp1, "TP2 MTP k=2 vs TP1")
+    _assert_near_ties(spec, tp1, f"TP{tp} MTP k=2 vs TP1")
     print(f"accept lengths: {spec['stats'].spec_accept_lengths}")
 
 
