@@ -66,7 +66,7 @@ from mlaserve.ops.moe_weights import (
     scale_args,
 )
 from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
-from mlaserve.ops.split_counters import split_counters
+from mlaserve.ops.split_counters import k_splits, split_counters
 from mlaserve.ops.triton_support import num_sms
 
 __all__ = [
@@ -297,15 +297,9 @@ def gate_up_split(tiles: int, hidden: int, num_sms: int) -> int:
     counted at `max_expert_blocks`' bound): 1 once the tiles fill SPLIT_PROGRAMS_PER_SM
     programs an SM, else as many as bring the grid there, at most MAX_SPLIT and with splits of
     at least MIN_SPLIT_K keys, lowered until it divides H's 128-wide blocks (so every split
-    walks the same whole blocks; an H off that grid never splits). Host ints only: the grid is
-    fixed per captured graph."""
-    if hidden % 128:
-        return 1
-    split = max(1, min(-(-SPLIT_PROGRAMS_PER_SM * num_sms // max(tiles, 1)), MAX_SPLIT,
-                       hidden // MIN_SPLIT_K))  # fmt: skip
-    while (hidden // 128) % split:  # every split the same whole scale blocks
-        split -= 1
-    return split
+    walks the same whole blocks; an H off that grid never splits): `split_counters.k_splits`."""
+    return k_splits(tiles, hidden, num_sms, programs_per_sm=SPLIT_PROGRAMS_PER_SM,
+                    max_split=MAX_SPLIT, min_split_k=MIN_SPLIT_K)  # fmt: skip
 
 
 def _num_pairs_bucket(num_pairs: int) -> int:

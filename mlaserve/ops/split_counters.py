@@ -1,7 +1,9 @@
-"""Arrival counters of the split-K kernels that reduce in their last-arriving program
-(`moe_grouped._gate_up_kernel`, `w8a16_gemm._w8a16_wide_kernel`).
+"""What the split-K kernels that reduce in their last-arriving program share
+(`moe_grouped._gate_up_kernel`, `w8a16_gemm._w8a16_wide_kernel`): their arrival counters and
+the split count their rules compute.
 
     split_counters(device, tiles) -> [COUNTERS_LEN] int32 on `device`, zero between calls
+    k_splits(tiles, k, num_sms, ...) -> splits of K for a grid of `tiles` output tiles
 
 A split program stores its fp32 partial, then adds 1 to its output tile's counter (acq_rel, GPU
 scope); the one that reads SPLIT - 1 sums the tile's partials in split order (deterministic,
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["COUNTERS_LEN", "split_counters"]
+__all__ = ["COUNTERS_LEN", "k_splits", "split_counters"]
 
 COUNTERS_LEN = 1 << 13  # int32 counters a device: more tiles than any split grid holds
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -34,3 +36,20 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     if cnt is None:
         cnt = _counters[device] = torch.zeros(COUNTERS_LEN, dtype=torch.int32, device=device)
     return cnt
+
+
+def k_splits(
+    tiles: int, k: int, num_sms: int, *, programs_per_sm: int, max_split: int, min_split_k: int
+) -> int:
+    """K splits for a grid of `tiles` output tiles: as many as bring it to `programs_per_sm`
+    programs an SM (1 once the tiles do), at most `max_split`, each split at least
+    `min_split_k` keys, lowered until it divides K's 128-wide blocks (every split the same
+    whole scale blocks; a K off that grid never splits). Host ints only: the grid is fixed per
+    captured graph."""
+    if k % 128:
+        return 1
+    split = max(1, min(-(-programs_per_sm * num_sms // max(tiles, 1)), max_split,
+                       k // min_split_k))  # fmt: skip
+    while (k // 128) % split:
+        split -= 1
+    return split

@@ -25,7 +25,7 @@ from mlaserve.ops.fp8_triton import (
     w8a16_dense_matmul_triton,
     widen_e4m3,
 )
-from mlaserve.ops.split_counters import split_counters
+from mlaserve.ops.split_counters import k_splits, split_counters
 from mlaserve.ops.triton_support import num_sms
 
 __all__ = ["W8A16_WIDE_MAX_M", "w8a16_block_fp8_matmul_triton", "w8a16_wide_split"]
@@ -108,14 +108,10 @@ def w8a16_wide_split(n: int, k: int, num_sms: int) -> int:
     do not depend on the batch. H200, 2-16 rows (bench/RESULTS.md, thirty-ninth session): V3's
     q|kv_a 15.0 -> 10.2 us, a TP8 rank's dense gate_up 20.2 -> 16.4."""
     tiles = triton.cdiv(n, _WIDE_BLOCK_N)
-    if k % GROUP_K or tiles >= WIDE_SPLIT_BELOW * num_sms:
+    if tiles >= WIDE_SPLIT_BELOW * num_sms:
         return 1
-    split = min(-(-WIDE_SPLIT_PROGRAMS_PER_SM * num_sms // tiles), WIDE_MAX_SPLIT,
-                k // WIDE_MIN_SPLIT_K)  # fmt: skip
-    split = max(split, 1)
-    while (k // GROUP_K) % split:
-        split -= 1
-    return split
+    return k_splits(tiles, k, num_sms, programs_per_sm=WIDE_SPLIT_PROGRAMS_PER_SM,
+                    max_split=WIDE_MAX_SPLIT, min_split_k=WIDE_MIN_SPLIT_K)  # fmt: skip
 
 
 def _w8a16_wide_sub(n: int, split: int = 1) -> int:
