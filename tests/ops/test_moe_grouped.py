@@ -215,6 +215,10 @@ def test_gate_up_split_fills_the_sms_with_whole_scale_blocks() -> None:
     assert gate_up_split(130, 7168, 132) == 4  # 5 does not divide H's 56 blocks
     assert gate_up_split(10, 2048, 132) == 2  # at least MIN_SPLIT_K keys a split
     assert gate_up_split(10, 256, 132) == gate_up_split(10, 7000, 132) == 1
+    # under 2.5 programs an SM only: TP4's 4 tokens split, its 5 (360 tiles) and TP8's 12 not
+    assert gate_up_split(288, 7168, 132) == 2
+    assert gate_up_split(330, 7168, 132) == gate_up_split(360, 7168, 132) == 1
+    assert gate_up_split(432, 7168, 132) == 1
     for tiles in range(1, 600):
         split = gate_up_split(tiles, 7168, 132)
         assert 1 <= split <= MAX_SPLIT and (7168 // 128) % split == 0
