@@ -66,7 +66,7 @@ from mlaserve.ops.moe_weights import (
     scale_args,
 )
 from mlaserve.ops.pdl import pdl_args, wait_for_previous_kernel
-from mlaserve.ops.split_counters import k_splits, split_counters
+from mlaserve.ops.split_counters import arrive_last, k_splits, release, split_counters
 from mlaserve.ops.triton_support import num_sms
 
 __all__ = [
@@ -198,9 +198,8 @@ def _gate_up_kernel(
             part = ws_ptr + tl.program_id(2).to(tl.int64) * num_slots * 2 * INTER + rows
             tl.store(part, acc_g, mask=m)
             tl.store(part + INTER, acc_u, mask=m)
-            tl.debug_barrier()  # every thread's partial stored before the release below
             tile = cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-            if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            if arrive_last(tile, SPLIT):
                 acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for sp in tl.static_range(SPLIT):
@@ -208,7 +207,7 @@ def _gate_up_kernel(
                     acc_g += tl.load(part, mask=m, other=0.0, cache_modifier=".cg")
                     acc_u += tl.load(part + INTER, mask=m, other=0.0, cache_modifier=".cg")
                 _silu_mul_store(acc_g, acc_u, h_ptr, pairs, offs_n, m, INTER)
-                tl.atomic_xchg(tile, 0)  # the counter is zero again for the next call
+                release(tile)
 
 
 @triton.jit

@@ -1,9 +1,10 @@
 """What the split-K kernels that reduce in their last-arriving program share
 (`moe_grouped._gate_up_kernel`, `w8a16_gemm._w8a16_wide_kernel`): their arrival counters and
-the split count their rules compute.
+the split count their rules compute, and the arrival itself.
 
     split_counters(device, tiles) -> [COUNTERS_LEN] int32 on `device`, zero between calls
     k_splits(tiles, k, num_sms, ...) -> splits of K for a grid of `tiles` output tiles
+    arrive_last(counter_ptr, SPLIT) / release(counter_ptr): in the kernels (@triton.jit)
 
 A split program stores its fp32 partial, then adds 1 to its output tile's counter (acq_rel, GPU
 scope); the one that reads SPLIT - 1 sums the tile's partials in split order (deterministic,
@@ -21,8 +22,10 @@ kernels at once would count each other's arrivals.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-__all__ = ["COUNTERS_LEN", "k_splits", "split_counters"]
+__all__ = ["COUNTERS_LEN", "arrive_last", "k_splits", "release", "split_counters"]
 
 COUNTERS_LEN = 1 << 13  # int32 counters a device: more tiles than any split grid holds
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -53,3 +56,19 @@ def k_splits(
     while (k // 128) % split:
         split -= 1
     return split
+
+
+@triton.jit
+def arrive_last(counter_ptr, SPLIT: tl.constexpr):
+    """Called by a split program once its partial is stored: counts it in at its tile's counter
+    (acq_rel, GPU scope, after a CTA barrier so every thread's stores come first) and returns
+    whether it was the tile's last, which then reads every split's partial."""
+    tl.debug_barrier()
+    return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+
+
+@triton.jit
+def release(counter_ptr):
+    """The last program's, once it has summed the partials: the counter is zero again for the
+    next call."""
+    tl.atomic_xchg(counter_ptr, 0)

@@ -25,7 +25,7 @@ from mlaserve.ops.fp8_triton import (
     w8a16_dense_matmul_triton,
     widen_e4m3,
 )
-from mlaserve.ops.split_counters import k_splits, split_counters
+from mlaserve.ops.split_counters import arrive_last, k_splits, release, split_counters
 from mlaserve.ops.triton_support import num_sms
 
 __all__ = ["W8A16_WIDE_MAX_M", "w8a16_block_fp8_matmul_triton", "w8a16_wide_split"]
@@ -88,15 +88,14 @@ def _w8a16_wide_kernel(
     else:
         rows = offs_m[:, None] * N + offs_n[None, :]
         tl.store(ws_ptr + tl.program_id(1) * M * N + rows, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial stored before the release below
         tile = cnt_ptr + tl.program_id(0)
-        if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+        if arrive_last(tile, SPLIT):
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for sp in tl.static_range(SPLIT):
                 acc += tl.load(ws_ptr + sp * M * N + rows, mask=mask, other=0.0,
                                cache_modifier=".cg")  # fmt: skip
             tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(tile, 0)  # the counter is zero again for the next call
+            release(tile)
 
 
 def w8a16_wide_split(n: int, k: int, num_sms: int) -> int:
