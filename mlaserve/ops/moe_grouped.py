@@ -287,7 +287,7 @@ def moe_grouped_block_m(num_pairs: int, num_experts: int) -> int:
 # The gate / up GEMM's K split: a rank's narrow experts (V3's at TP4 / TP8: 512 / 256 wide) give
 # a few-token batch too few (block, column) tiles to fill the SMs, each walking all of H. Only
 # grids under SPLIT_BELOW programs an SM split: between it and a full wave a split lost 7-11 %
-# (TP4 at 5-7 tokens, TP8 at 12, TP2 at 3; below it the split won 4-12 %, H200, bench/RESULTS.md,
+# (TP4 at 5-7 tokens, TP8 at 12, TP2 at 3; below it the split won 4-24 %, H200, bench/RESULTS.md,
 # fortieth session).
 SPLIT_BELOW = 2.5
 SPLIT_PROGRAMS_PER_SM = 4  # split until the grid holds about this many programs per SM
@@ -302,10 +302,9 @@ def gate_up_split(tiles: int, hidden: int, num_sms: int) -> int:
     with splits of at least MIN_SPLIT_K keys, lowered until it divides H's 128-wide blocks (so
     every split walks the same whole blocks; an H off that grid never splits):
     `split_counters.k_splits`."""
-    if tiles >= SPLIT_BELOW * num_sms:
-        return 1
-    return k_splits(tiles, hidden, num_sms, programs_per_sm=SPLIT_PROGRAMS_PER_SM,
-                    max_split=MAX_SPLIT, min_split_k=MIN_SPLIT_K)  # fmt: skip
+    return k_splits(tiles, hidden, num_sms, split_below=SPLIT_BELOW,
+                    programs_per_sm=SPLIT_PROGRAMS_PER_SM, max_split=MAX_SPLIT,
+                    min_split_k=MIN_SPLIT_K)  # fmt: skip
 
 
 def _num_pairs_bucket(num_pairs: int) -> int:

@@ -42,14 +42,15 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def k_splits(
-    tiles: int, k: int, num_sms: int, *, programs_per_sm: int, max_split: int, min_split_k: int
-) -> int:
-    """K splits for a grid of `tiles` output tiles: as many as bring it to `programs_per_sm`
-    programs an SM (1 once the tiles do), at most `max_split`, each split at least
-    `min_split_k` keys, lowered until it divides K's 128-wide blocks (every split the same
-    whole scale blocks; a K off that grid never splits). Host ints only: the grid is fixed per
-    captured graph."""
-    if k % 128:
+    tiles: int, k: int, num_sms: int, *, split_below: float, programs_per_sm: int,
+    max_split: int, min_split_k: int,
+) -> int:  # fmt: skip
+    """K splits for a grid of `tiles` output tiles: 1 where the tiles make `split_below`
+    programs an SM or more, else as many as bring the grid toward `programs_per_sm` programs an
+    SM, at most `max_split`, each split at least `min_split_k` keys, lowered until it divides
+    K's 128-wide blocks (every split the same whole scale blocks; a K off that grid never
+    splits). Host ints only: the grid is fixed per captured graph."""
+    if k % 128 or tiles >= split_below * num_sms:
         return 1
     split = max(1, min(-(-programs_per_sm * num_sms // max(tiles, 1)), max_split,
                        k // min_split_k))  # fmt: skip

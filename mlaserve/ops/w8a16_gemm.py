@@ -106,11 +106,9 @@ def w8a16_wide_split(n: int, k: int, num_sms: int) -> int:
     off that grid never splits). A function of the weight and the GPU, not of M: a row's bits
     do not depend on the batch. H200, 2-16 rows (bench/RESULTS.md, thirty-ninth session): V3's
     q|kv_a 15.0 -> 10.2 us, a TP8 rank's dense gate_up 20.2 -> 16.4."""
-    tiles = triton.cdiv(n, _WIDE_BLOCK_N)
-    if tiles >= WIDE_SPLIT_BELOW * num_sms:
-        return 1
-    return k_splits(tiles, k, num_sms, programs_per_sm=WIDE_SPLIT_PROGRAMS_PER_SM,
-                    max_split=WIDE_MAX_SPLIT, min_split_k=WIDE_MIN_SPLIT_K)  # fmt: skip
+    return k_splits(triton.cdiv(n, _WIDE_BLOCK_N), k, num_sms, split_below=WIDE_SPLIT_BELOW,
+                    programs_per_sm=WIDE_SPLIT_PROGRAMS_PER_SM, max_split=WIDE_MAX_SPLIT,
+                    min_split_k=WIDE_MIN_SPLIT_K)  # fmt: skip
 
 
 def _w8a16_wide_sub(n: int, split: int = 1) -> int:
